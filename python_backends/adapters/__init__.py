@@ -1,0 +1,1 @@
+"""Triton-facing adapters: imported only inside the Python backend stub (they need pb_utils)."""

@@ -1,0 +1,99 @@
+"""Triton adapter for `embed`: tensors in, BLS calls to the bucket models, tensors out.
+
+All decisions (validation, tokenization, bucket choice, padding, reassembly) live in
+`python_backends.embed` and `python_backends.buckets`.
+"""
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.buckets import reassemble
+from python_backends.embed import EmbedRouter, parse_router_config
+from python_backends.errors import InvalidInput
+from python_backends.tokenization import TextTokenizer
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        config = parse_router_config(args["model_name"], params)
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.router = EmbedRouter(config, TextTokenizer.from_file(version_dir / "tokenizer.json"))
+        rows = pb_utils.MetricFamily(
+            name="embed_bucket_rows_total",
+            description="Rows the embed router sent to each length bucket",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        real = pb_utils.MetricFamily(
+            name="embed_bucket_real_tokens_total",
+            description="Tokens carrying text sent to each bucket (padding excluded)",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        padded = pb_utils.MetricFamily(
+            name="embed_bucket_padded_tokens_total",
+            description="Token slots sent to each bucket, padding included (rows x bucket length)",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        truncated = pb_utils.MetricFamily(
+            name="embed_truncated_rows_total",
+            description="Rows cut to the model's token limit",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        # A MetricFamily must outlive its Metrics: keep the families on the instance.
+        self.metric_families = (rows, real, padded, truncated)
+        self.truncated = truncated.Metric(labels={"model": args["model_name"]})
+        self.bucket_metrics = {
+            length: tuple(
+                family.Metric(labels={"model": args["model_name"], "bucket": str(length)})
+                for family in (rows, real, padded)
+            )
+            for length in config.bucket_lens
+        }
+
+    async def execute(self, requests):
+        return list(await asyncio.gather(*(self._serve(request) for request in requests)))
+
+    async def _serve(self, request):
+        try:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
+            prepared = self.router.prepare(text.reshape(-1).tolist(), request.parameters())
+        except InvalidInput as err:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
+        calls = [
+            pb_utils.InferenceRequest(
+                model_name=chunk.model_name,
+                inputs=[
+                    pb_utils.Tensor("INPUT_IDS", chunk.input_ids),
+                    pb_utils.Tensor("ATTENTION_MASK", chunk.attention_mask),
+                ],
+                requested_output_names=["EMBEDDING"],
+            ).async_exec()
+            for chunk in prepared.chunks
+        ]
+        outputs = []
+        for chunk, response in zip(prepared.chunks, await asyncio.gather(*calls)):
+            if response.has_error():
+                error = response.error()
+                return pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"{chunk.model_name}: {error.message()}", error.code())
+                )
+            outputs.append(pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy())
+        for chunk in prepared.chunks:
+            rows, real, padded = self.bucket_metrics[chunk.chunk.bucket_len]
+            rows.increment(len(chunk.chunk.row_indices))
+            real.increment(chunk.num_real_tokens)
+            padded.increment(chunk.input_ids.size)
+        if prepared.num_truncated:
+            self.truncated.increment(prepared.num_truncated)
+        embedding = reassemble(len(prepared.token_counts), prepared.chunk_plan, outputs)
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("EMBEDDING", embedding),
+                pb_utils.Tensor("TOKENS", prepared.token_counts.reshape(-1, 1)),
+            ]
+        )

@@ -1,0 +1,199 @@
+"""The `embed` router: validate a request, tokenize it, and plan which bucket models serve it.
+
+The Triton adapter (`model_repository/embed/1/model.py`) unpacks tensors, calls
+`EmbedRouter.prepare`, sends each `PreparedChunk` to its bucket model over BLS, and
+passes the outputs to `buckets.reassemble`. Everything here is free of Triton imports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
+from python_backends.errors import InvalidInput
+from python_backends.tokenization import TextTokenizer
+
+EMBEDDING_DIM = 384
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of the `embed` router, read from its config.pbtxt `parameters`."""
+
+    bucket_lens: tuple[int, ...]  # sequence lengths of the bucket models, ascending
+    encoder_prefix: str = "encoder_"  # bucket model name = prefix + length, e.g. encoder_16
+    max_rows_per_chunk: int = 32  # largest request sent to a bucket model (its max_batch_size)
+    max_text_bytes: int = 65536  # a row longer than this (UTF-8 bytes) is rejected before tokenizing
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest row the model takes; longer rows are truncated or rejected."""
+        return self.bucket_lens[-1]
+
+    def model_for(self, bucket_len: int) -> str:
+        return f"{self.encoder_prefix}{bucket_len}"
+
+
+def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> RouterConfig:
+    """Build the router config from config.pbtxt string parameters; errors name the model."""
+
+    def integer(key: str, default: int, minimum: int) -> int:
+        raw = parameters.get(key)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"model '{model_name}': parameter {key}={raw!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"model '{model_name}': parameter {key}={value} must be >= {minimum}")
+        return value
+
+    raw_buckets = parameters.get("bucket_lens")
+    if not raw_buckets:
+        raise ValueError(f"model '{model_name}': parameter bucket_lens is required (e.g. '16,32,64')")
+    try:
+        bucket_lens = validate_buckets([int(part) for part in raw_buckets.split(",")])
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter bucket_lens={raw_buckets!r}: {err}") from None
+    return RouterConfig(
+        bucket_lens=bucket_lens,
+        encoder_prefix=parameters.get("encoder_prefix", "encoder_"),
+        max_rows_per_chunk=integer("max_rows_per_chunk", 32, 1),
+        max_text_bytes=integer("max_text_bytes", 65536, 1),
+    )
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request options carried as inference request parameters."""
+
+    tenant: str = "default"  # who sent it; quotas and priorities key on this
+    priority: int = 0  # 0 = the model's default level; 1 is the highest
+    truncate: bool = True  # False: a row over the token limit is an error instead of cut
+
+
+MAX_TENANT_LEN = 64
+
+
+def parse_request_options(parameters_json: str | None) -> RequestOptions:
+    """Parse the request's parameters (Triton hands them over as a JSON object)."""
+    if not parameters_json:
+        return RequestOptions()
+    try:
+        params = json.loads(parameters_json)
+    except json.JSONDecodeError as err:
+        raise InvalidInput(f"request parameters are not valid JSON: {err}") from None
+    if not isinstance(params, dict):
+        raise InvalidInput("request parameters must be a JSON object")
+
+    tenant = params.get("tenant", "default")
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
+        raise InvalidInput(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
+    if not tenant.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise InvalidInput("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
+
+    priority = params.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise InvalidInput(f"parameter 'priority' must be an integer >= 0, got {priority!r}")
+
+    truncate = params.get("truncate", True)
+    if isinstance(truncate, str) and truncate.lower() in ("true", "false"):
+        truncate = truncate.lower() == "true"
+    if not isinstance(truncate, bool):
+        raise InvalidInput(f"parameter 'truncate' must be true or false, got {truncate!r}")
+    return RequestOptions(tenant=tenant, priority=priority, truncate=truncate)
+
+
+def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[str]:
+    """Check and decode the TEXT rows; the error names the first offending row."""
+    if len(raw_rows) == 0:
+        raise InvalidInput("input 'TEXT' has no rows; send at least one string")
+    texts: list[str] = []
+    for index, raw in enumerate(raw_rows):
+        data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+        if len(data) > max_text_bytes:
+            raise InvalidInput(
+                f"TEXT row {index} is {len(data)} bytes; the limit is {max_text_bytes} bytes per row"
+            )
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidInput(f"TEXT row {index} is not valid UTF-8 (byte {err.start})") from None
+        if not text.strip():
+            raise InvalidInput(f"TEXT row {index} is empty; send at least one non-blank character")
+        texts.append(text)
+    return texts
+
+
+@dataclass(frozen=True)
+class PreparedChunk:
+    """A chunk ready to send: the bucket model and its padded tensors."""
+
+    chunk: Chunk  # which rows, which bucket
+    model_name: str  # bucket model to call
+    input_ids: np.ndarray  # int64 [rows, bucket_len]
+    attention_mask: np.ndarray  # int64 [rows, bucket_len]
+    num_real_tokens: int  # tokens that carry text; the rest of rows * bucket_len is padding
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated client request, split into bucket chunks."""
+
+    options: RequestOptions
+    token_counts: np.ndarray  # int32 [rows]: tokens used per row, special tokens included
+    num_truncated: int  # rows cut to the token limit
+    chunks: list[PreparedChunk] = field(default_factory=list)
+
+    @property
+    def chunk_plan(self) -> list[Chunk]:
+        return [prepared.chunk for prepared in self.chunks]
+
+
+class EmbedRouter:
+    """Turns a client request into per-bucket chunks; holds no Triton state."""
+
+    def __init__(self, config: RouterConfig, tokenizer: TextTokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def prepare(self, raw_rows: Sequence[bytes | str], parameters_json: str | None) -> PreparedRequest:
+        options = parse_request_options(parameters_json)
+        texts = decode_rows(raw_rows, self.config.max_text_bytes)
+        encoded = self.tokenizer.encode(texts)
+        max_tokens = self.config.max_tokens
+        num_truncated = 0
+        for index, ids in enumerate(encoded):
+            if len(ids) <= max_tokens:
+                continue
+            if not options.truncate:
+                raise InvalidInput(
+                    f"TEXT row {index} has {len(ids)} tokens; the limit is {max_tokens} and truncate=false"
+                )
+            encoded[index] = truncate_tokens(ids, max_tokens)
+            num_truncated += 1
+        lengths = [len(ids) for ids in encoded]
+        prepared: list[PreparedChunk] = []
+        for chunk in plan_chunks(lengths, self.config.bucket_lens, self.config.max_rows_per_chunk):
+            rows = [encoded[i] for i in chunk.row_indices]
+            input_ids, attention_mask = pad_rows(rows, chunk.bucket_len, self.tokenizer.pad_id)
+            prepared.append(
+                PreparedChunk(
+                    chunk=chunk,
+                    model_name=self.config.model_for(chunk.bucket_len),
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    num_real_tokens=sum(lengths[i] for i in chunk.row_indices),
+                )
+            )
+        return PreparedRequest(
+            options=options,
+            token_counts=np.asarray(lengths, dtype=np.int32),
+            num_truncated=num_truncated,
+            chunks=prepared,
+        )

@@ -1,0 +1,1 @@
+"""The project's command line: `python -m tools --help`."""

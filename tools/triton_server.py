@@ -1,0 +1,315 @@
+"""Launch and stop the tritonserver 2.51 that ships inside the `nvidia-pytriton` wheel.
+
+No Docker: the wheel carries the server binary, its shared libraries
+(`nvidia_pytriton.libs`), the Python backend, and one backend stub per Python version.
+`prepare_backends` copies the backend with the stub for the running interpreter into a
+build folder; `build_command` / `build_env` are pure; `TritonServer` owns the process.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
+
+
+class ServerError(RuntimeError):
+    """tritonserver could not be found, started, or made ready; the message says why."""
+
+
+class ModelControlMode(str, Enum):
+    NONE = "none"  # load everything at start, never change
+    POLL = "poll"  # reload when the repository changes on disk
+    EXPLICIT = "explicit"  # load / unload only through the repository API
+
+
+@dataclass(frozen=True)
+class TritonDistribution:
+    """Where the wheel's server parts are."""
+
+    binary: Path  # tritonserver executable
+    libs_dir: Path  # bundled shared libraries (LD_LIBRARY_PATH)
+    backends_dir: Path  # backends/ with python/libtriton_python.so
+    stub: Path  # triton_python_backend_stub for this Python version
+
+
+def find_distribution(python_version: str | None = None) -> TritonDistribution:
+    """Locate tritonserver inside the installed `nvidia-pytriton` wheel."""
+    version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    try:
+        import pytriton
+    except ImportError:
+        raise ServerError(
+            "nvidia-pytriton is not installed in this environment, so there is no tritonserver binary; "
+            "run `make setup` (or `pip install nvidia-pytriton==0.7.0`)"
+        ) from None
+    package_dir = Path(pytriton.__file__).resolve().parent
+    dist_dir = package_dir / "tritonserver"
+    dist = TritonDistribution(
+        binary=dist_dir / "bin" / "tritonserver",
+        libs_dir=package_dir.parent / "nvidia_pytriton.libs",
+        backends_dir=dist_dir / "backends",
+        stub=dist_dir / "python_backend_stubs" / version / "triton_python_backend_stub",
+    )
+    for what, path in (("tritonserver binary", dist.binary), ("Python backend", dist.backends_dir / "python"),
+                       ("bundled libraries", dist.libs_dir)):
+        if not path.exists():
+            raise ServerError(f"{what} not found at {path}; reinstall nvidia-pytriton==0.7.0")
+    if not dist.stub.is_file():
+        available = sorted(p.name for p in (dist_dir / "python_backend_stubs").iterdir())
+        raise ServerError(f"no Python backend stub for Python {version} in the wheel (it has {available})")
+    return dist
+
+
+def prepare_backends(dist: TritonDistribution, build_dir: Path = DEFAULT_BUILD_DIR) -> Path:
+    """A backend directory whose Python backend carries the stub for this interpreter.
+
+    Copied into place and renamed atomically, so concurrent servers never see a half copy.
+    """
+    target = build_dir / "backends"
+    stub_target = target / "python" / "triton_python_backend_stub"
+    if stub_target.is_file() and stub_target.stat().st_size == dist.stub.stat().st_size:
+        return target
+    build_dir.mkdir(parents=True, exist_ok=True)
+    staging = build_dir / f"backends.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(dist.backends_dir, staging, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(dist.stub, staging / "python" / "triton_python_backend_stub")
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        staging.rename(target)
+    except OSError:  # another process won the race; its copy is as good as ours
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to run tritonserver."""
+
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "0.0.0.0"  # address the endpoints bind to
+    model_control_mode: ModelControlMode = ModelControlMode.NONE
+    load_models: tuple[str, ...] = ()  # with explicit mode: models to load at start
+    log_verbose: int = 0  # tritonserver --log-verbose level
+    exit_timeout_s: int = 30  # how long tritonserver lets in-flight requests finish on stop
+    python_shm_default_bytes: int = 16 * 1024 * 1024  # Python backend shared-memory region per model
+    extra_args: tuple[str, ...] = field(default=())  # passed through verbatim
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"HTTP": self.http_port, "gRPC": self.grpc_port, "metrics": self.metrics_port}
+
+
+def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: Path) -> list[str]:
+    """The tritonserver command line for `config`."""
+    command = [
+        str(dist.binary),
+        f"--model-repository={config.model_repository}",
+        f"--backend-directory={backends_dir}",
+        f"--http-address={config.host}",
+        f"--http-port={config.http_port}",
+        f"--grpc-address={config.host}",
+        f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.host}",
+        f"--metrics-port={config.metrics_port}",
+        "--allow-metrics=true",
+        "--allow-cpu-metrics=true",
+        f"--model-control-mode={config.model_control_mode.value}",
+        f"--log-verbose={config.log_verbose}",
+        f"--exit-timeout-secs={config.exit_timeout_s}",
+        f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
+        # No GPU on the host: skip the pinned-memory pool instead of warning about it.
+        "--pinned-memory-pool-byte-size=0",
+    ]
+    if config.model_control_mode is ModelControlMode.POLL:
+        command.append("--repository-poll-secs=5")
+    command += [f"--load-model={name}" for name in config.load_models]
+    command += list(config.extra_args)
+    return command
+
+
+def build_env(dist: TritonDistribution, base_env: Mapping[str, str], repo_root: Path = REPO_ROOT) -> dict[str, str]:
+    """Environment for tritonserver and its Python backend stubs.
+
+    - LD_LIBRARY_PATH: the wheel's bundled libraries, and the running interpreter's
+      libpython (the stub embeds it; without this the system's libpython may be taken).
+    - PATH: this interpreter's bin first, so the embedded Python finds this environment's
+      site-packages (the stub resolves its prefix from `python3` on PATH).
+    - PYTHONPATH: the repository root, so `model.py` files import `python_backends`.
+    """
+    env = dict(base_env)
+    lib_dirs = [str(dist.libs_dir)]
+    libpython_dir = sysconfig.get_config_var("LIBDIR")
+    if libpython_dir:
+        lib_dirs.append(libpython_dir)
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    python_path = [str(repo_root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(python_path)
+    # Keep ONNX Runtime / tokenizers thread pools from each spawning one thread per core
+    # in every stub process; models set their own thread counts.
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def busy_ports(ports: Mapping[str, int], host: str = "0.0.0.0") -> dict[str, int]:
+    """The ports of `ports` that something already listens on."""
+    taken = {}
+    for name, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as err:
+                if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                    taken[name] = port
+                else:
+                    raise
+    return taken
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for tests and side-by-side servers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TritonServer:
+    """One tritonserver process: `start()`, `wait_ready()`, `stop()`; also a context manager."""
+
+    def __init__(self, config: ServerConfig, log_path: Path | None = None, dist: TritonDistribution | None = None):
+        self.config = config
+        self.dist = dist or find_distribution()
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.config.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.config.metrics_port}/metrics"
+
+    def start(self) -> None:
+        if not self.config.model_repository.is_dir():
+            raise ServerError(f"model repository {self.config.model_repository} does not exist")
+        taken = busy_ports(self.config.ports, self.config.host)
+        if taken:
+            listing = ", ".join(f"{name} port {port}" for name, port in taken.items())
+            raise ServerError(
+                f"{listing} already in use (another tritonserver?); stop it or choose other ports "
+                "with --http-port / --grpc-port / --metrics-port"
+            )
+        backends_dir = prepare_backends(self.dist)
+        command = build_command(self.config, self.dist, backends_dir)
+        env = build_env(self.dist, os.environ)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # Own process group: stop() can reach the Python backend stubs too.
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=self._log_file if self._log_file else None,
+            stderr=subprocess.STDOUT if self._log_file else None,
+            start_new_session=True,
+        )
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0, on_wait=None) -> None:
+        """Block until the server and all its models are ready; raise with the log tail on failure."""
+        assert self.process is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(
+                    f"tritonserver exited with code {self.process.returncode} before it was ready"
+                    f"{self._log_tail()}"
+                )
+            if self.is_ready():
+                return
+            if on_wait is not None:
+                on_wait(deadline - time.monotonic())
+            time.sleep(0.5)
+        raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM, let in-flight requests finish, then SIGKILL the group if still running."""
+        if self.process is None:
+            return None
+        grace = timeout_s if timeout_s is not None else self.config.exit_timeout_s + 5
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # The stubs exit with their server; kill any straggler in the group.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        code = self.process.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return code
+
+    def _log_tail(self, num_lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        interesting = [line for line in lines if line.strip() and not line.startswith(("+", "|"))]
+        return "\n--- tritonserver log (last lines) ---\n" + "\n".join(interesting[-num_lines:])
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def model_names(repository: Path) -> Sequence[str]:
+    """Models in a repository: folders holding a config.pbtxt."""
+    return sorted(p.parent.name for p in repository.glob("*/config.pbtxt"))
