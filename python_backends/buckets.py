@@ -110,7 +110,7 @@ def reassemble(num_rows: int, chunks: Sequence[Chunk], outputs: Sequence[np.ndar
     first = np.asarray(outputs[0])
     result = np.empty((num_rows, *first.shape[1:]), dtype=first.dtype)
     filled = np.zeros(num_rows, dtype=bool)
-    for chunk, output in zip(chunks, outputs):
+    for chunk, output in zip(chunks, outputs, strict=False):
         output = np.asarray(output)
         if output.shape[0] != len(chunk.row_indices):
             raise ValueError(

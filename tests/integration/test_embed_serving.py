@@ -1,0 +1,187 @@
+"""The `embed` model on a real tritonserver: correctness, bucketing, batching."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from tests.integration.helpers import (
+    BUCKETS,
+    all_counts,
+    cosines,
+    grpc_embed,
+    http_embed,
+    model_counts,
+    reference_embeddings,
+    text_with_tokens,
+    token_count,
+)
+from tools.serve import example_request
+
+# Lengths that land in every bucket, on both sides of each edge, plus one beyond the limit.
+LENGTHS = (5, 16, 17, 32, 33, 60, 100, 128, 129, 250, 256)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return [text_with_tokens(n) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(texts):
+    return reference_embeddings(texts)
+
+
+def test_http_embeddings_match_transformers_reference(http_client, texts, reference):
+    embedding, tokens = http_embed(http_client, texts)
+    assert embedding.shape == (len(texts), 384) and embedding.dtype == np.float32
+    assert tokens.ravel().tolist() == [token_count(t) for t in texts]
+    assert {b for b in BUCKETS if any(b // 2 < n <= b for n in tokens.ravel())} == set(BUCKETS)
+    assert cosines(embedding, reference).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(embedding, axis=1), 1.0, atol=1e-5)
+
+
+def test_grpc_embeddings_match_transformers_reference(grpc_client, texts, reference):
+    embedding, tokens = grpc_embed(grpc_client, texts)
+    assert tokens.ravel().tolist() == [token_count(t) for t in texts]
+    assert cosines(embedding, reference).min() >= 0.9999
+
+
+def test_plain_json_over_http_matches_reference(triton, texts, reference):
+    body = {"inputs": [{"name": "TEXT", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}]}
+    request = urllib.request.Request(f"http://{triton.http_url}/v2/models/embed/infer",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        outputs = {o["name"]: o for o in json.load(response)["outputs"]}
+    embedding = np.array(outputs["EMBEDDING"]["data"], dtype=np.float32).reshape(outputs["EMBEDDING"]["shape"])
+    assert outputs["TOKENS"]["datatype"] == "INT32"
+    assert cosines(embedding, reference).min() >= 0.9999
+
+
+def test_the_example_curl_request_printed_by_serve_works(triton):
+    command = example_request(triton.config.http_port)
+    result = subprocess.run(shlex.split(command.replace("\\\n", " ")), capture_output=True, text=True, timeout=60)
+    outputs = {o["name"]: o for o in json.loads(result.stdout)["outputs"]}
+    assert outputs["EMBEDDING"]["shape"] == [1, 384]
+    assert outputs["TOKENS"]["data"][0] > 2
+
+
+def test_long_input_is_truncated_to_256_tokens_by_default(http_client):
+    text = text_with_tokens(600)
+    assert token_count(text) > 256
+    embedding, tokens = http_embed(http_client, [text])
+    assert tokens.ravel().tolist() == [256]
+    assert cosines(embedding, reference_embeddings([text]))[0] >= 0.9999
+
+
+def test_truncate_false_rejects_long_input(http_client):
+    with pytest.raises(httpclient.InferenceServerException) as info:
+        http_embed(http_client, ["short one", text_with_tokens(600)], parameters={"truncate": False})
+    assert "400" in str(info.value.status())
+    assert "TEXT row 1 has" in info.value.message() and "truncate=false" in info.value.message()
+
+
+def test_rows_of_one_request_in_different_buckets_come_back_in_order(http_client):
+    # Interleave lengths so that the router must split and reassemble.
+    texts = [text_with_tokens(n) for n in (200, 6, 40, 7, 120, 20, 250, 9)]
+    together, tokens = http_embed(http_client, texts)
+    alone = np.concatenate([http_embed(http_client, [t])[0] for t in texts])
+    assert cosines(together, alone).min() >= 0.9999
+    assert tokens.ravel().tolist() == [token_count(t) for t in texts]
+
+
+@pytest.mark.parametrize("num_tokens", [8, 20, 50, 100, 200])
+def test_each_length_lands_in_its_bucket(http_client, num_tokens):
+    text = text_with_tokens(num_tokens)
+    expected = next(b for b in BUCKETS if token_count(text) <= b)
+    before = all_counts(http_client)
+    http_embed(http_client, [text])
+    wanted = {f"encoder_{b}": int(b == expected) for b in BUCKETS}
+    # Triton records a model's statistics just after it responds; give it a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        after = all_counts(http_client)
+        delta = {model: after[model][0] - before[model][0] for model in after}
+        if delta == wanted or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert delta == wanted
+
+
+def test_router_metric_counts_rows_per_bucket(triton, http_client):
+    def rows_metric() -> dict[str, float]:
+        with urllib.request.urlopen(triton.metrics_url, timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        values = {}
+        for line in lines:
+            if line.startswith("embed_bucket_rows_total{"):
+                labels, value = line.rsplit(" ", 1)
+                bucket = labels.split('bucket="')[1].split('"')[0]
+                values[bucket] = float(value)
+        return values
+
+    before = rows_metric()
+    http_embed(http_client, [text_with_tokens(10), text_with_tokens(10), text_with_tokens(90)])
+    after = rows_metric()
+    assert after["16"] - before["16"] == 2
+    assert after["128"] - before["128"] == 1
+    assert after["32"] == before["32"]
+
+
+def test_concurrent_requests_are_batched_by_the_bucket_model(triton, http_client):
+    text = text_with_tokens(12)
+    local = threading.local()
+
+    def one_request(_):
+        # tritonclient's HTTP client is not thread-safe: one per worker thread.
+        if not hasattr(local, "client"):
+            local.client = httpclient.InferenceServerClient(triton.http_url)
+        return http_embed(local.client, [text])[0]
+
+    inference_before, exec_before = model_counts(http_client, "encoder_16")
+    num_requests = 96
+    with ThreadPoolExecutor(max_workers=24) as pool:
+        results = list(pool.map(one_request, range(num_requests)))
+    deadline = time.monotonic() + 5
+    while True:  # statistics land just after the responses
+        inference_after, exec_after = model_counts(http_client, "encoder_16")
+        if inference_after - inference_before >= num_requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    inferences = inference_after - inference_before
+    executions = exec_after - exec_before
+    assert inferences == num_requests
+    # Batched: far fewer model executions than requests (mean batch size > 2).
+    assert executions * 2 < inferences, f"{inferences} requests ran in {executions} executions"
+    # And batching does not change the answer.
+    stacked = np.concatenate(results)
+    assert cosines(stacked, np.repeat(stacked[:1], num_requests, axis=0)).min() >= 0.9999
+
+
+def test_tenant_and_priority_are_accepted_over_all_protocols(triton, http_client, grpc_client):
+    embedding, _ = http_embed(http_client, ["hello"], parameters={"tenant": "team-a"}, priority=1)
+    assert embedding.shape == (1, 384)
+    embedding, _ = grpc_embed(grpc_client, ["hello"], parameters={"tenant": "team-b"}, priority=2)
+    assert embedding.shape == (1, 384)
+    body = {"parameters": {"tenant": "team-c", "priority": 1},
+            "inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]}]}
+    request = urllib.request.Request(f"http://{triton.http_url}/v2/models/embed/infer",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+
+
+def test_bad_tenant_is_rejected(http_client):
+    with pytest.raises(httpclient.InferenceServerException) as info:
+        http_embed(http_client, ["hello"], parameters={"tenant": "no spaces allowed"})
+    assert info.value.status() == "400"
+    assert "parameter 'tenant'" in info.value.message()

