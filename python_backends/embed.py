@@ -19,6 +19,16 @@ from python_backends.tokenization import TextTokenizer
 
 EMBEDDING_DIM = 384
 
+# Custom metrics of the router (Prometheus counters, port 8002): name -> help text.
+ROUTER_COUNTERS = {
+    "embed_bucket_rows_total": "Rows the embed router sent to each length bucket",
+    "embed_bucket_real_tokens_total": "Tokens carrying text sent to each bucket (padding excluded)",
+    "embed_bucket_padded_tokens_total": "Token slots sent to each bucket, padding included (rows x bucket length)",
+    "embed_truncated_rows_total": "Rows cut to the model's token limit",
+}
+# The per-bucket counters, in the order the adapter increments them: rows, real, padded.
+BUCKET_COUNTERS = ("embed_bucket_rows_total", "embed_bucket_real_tokens_total", "embed_bucket_padded_tokens_total")
+
 
 @dataclass(frozen=True)
 class RouterConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from python_backends.buckets import reassemble
-from python_backends.embed import EmbedRouter, parse_router_config
+from python_backends.embed import BUCKET_COUNTERS, ROUTER_COUNTERS, EmbedRouter, parse_router_config
 from python_backends.errors import InvalidInput
 from python_backends.tokenization import TextTokenizer
 
@@ -23,33 +23,17 @@ class TritonPythonModel:
         config = parse_router_config(args["model_name"], params)
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.router = EmbedRouter(config, TextTokenizer.from_file(version_dir / "tokenizer.json"))
-        rows = pb_utils.MetricFamily(
-            name="embed_bucket_rows_total",
-            description="Rows the embed router sent to each length bucket",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        real = pb_utils.MetricFamily(
-            name="embed_bucket_real_tokens_total",
-            description="Tokens carrying text sent to each bucket (padding excluded)",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        padded = pb_utils.MetricFamily(
-            name="embed_bucket_padded_tokens_total",
-            description="Token slots sent to each bucket, padding included (rows x bucket length)",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        truncated = pb_utils.MetricFamily(
-            name="embed_truncated_rows_total",
-            description="Rows cut to the model's token limit",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
         # A MetricFamily must outlive its Metrics: keep the families on the instance.
-        self.metric_families = (rows, real, padded, truncated)
-        self.truncated = truncated.Metric(labels={"model": args["model_name"]})
+        self.metric_families = {
+            name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+            for name, text in ROUTER_COUNTERS.items()
+        }
+        model = args["model_name"]
+        self.truncated = self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": model})
         self.bucket_metrics = {
             length: tuple(
-                family.Metric(labels={"model": args["model_name"], "bucket": str(length)})
-                for family in (rows, real, padded)
+                self.metric_families[name].Metric(labels={"model": model, "bucket": str(length)})
+                for name in BUCKET_COUNTERS
             )
             for length in config.bucket_lens
         }

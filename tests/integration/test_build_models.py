@@ -1,0 +1,65 @@
+"""`python -m tools build-models`: exports a verified ONNX graph, then skips when up to date."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build(repository: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools", "build-models", f"--model-repository={repository}",
+                           *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
+    repository = tmp_path / "repo"
+    for model in ("embed", "encoder_16", "encoder_32"):
+        (repository / model / "1").mkdir(parents=True)
+        shutil.copy2(REPO / "model_repository" / model / "1" / "model.py", repository / model / "1" / "model.py")
+
+    first = build(repository)
+    assert first.returncode == 0, first.stderr
+    assert "exporting for 2 bucket model(s)" in first.stdout
+    assert "cosine vs PyTorch 1.0000" in first.stdout or "cosine vs PyTorch 0.9999" in first.stdout
+    onnx_16 = repository / "encoder_16" / "1" / "model.onnx"
+    onnx_32 = repository / "encoder_32" / "1" / "model.onnx"
+    assert onnx_16.stat().st_ino == onnx_32.stat().st_ino  # one copy on disk
+    assert (repository / "embed" / "1" / "tokenizer.json").is_file()
+    built_at = onnx_16.stat().st_mtime_ns
+
+    second = build(repository)
+    assert second.returncode == 0
+    assert "all 2 bucket models up to date, nothing to do" in second.stdout
+    assert "1 up to date" in second.stdout
+    assert onnx_16.stat().st_mtime_ns == built_at
+
+    # A stale fingerprint (e.g. new weights) rebuilds just that folder.
+    info_path = repository / "encoder_32" / "1" / "BUILD_INFO.json"
+    info = json.loads(info_path.read_text())
+    info["source"]["weights_sha256"] = "0" * 64
+    info_path.write_text(json.dumps(info))
+    third = build(repository)
+    assert "exporting for 1 bucket model(s)" in third.stdout
+    assert onnx_16.stat().st_mtime_ns == built_at
+
+    # The exported graph has dynamic batch and sequence axes.
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(onnx_16), providers=["CPUExecutionProvider"])
+    for batch, seq in ((1, 5), (7, 40)):
+        ids = np.full((batch, seq), 2000, dtype=np.int64)
+        (embedding,) = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        assert embedding.shape == (batch, 384)
+
+
+def test_build_fails_clearly_without_encoder_folders(tmp_path):
+    result = build(tmp_path)
+    assert result.returncode != 0
+    assert "no encoder_*/1/model.py folders" in result.stderr
