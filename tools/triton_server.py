@@ -113,7 +113,9 @@ class ServerConfig:
     load_models: tuple[str, ...] = ()  # with explicit mode: models to load at start
     log_verbose: int = 0  # tritonserver --log-verbose level
     exit_timeout_s: int = 30  # how long tritonserver lets in-flight requests finish on stop
-    python_shm_default_bytes: int = 16 * 1024 * 1024  # Python backend shared-memory region per model
+    # Python backend shared memory per stub process (it grows on demand). Small, because
+    # containers often give /dev/shm only 64 MB and every model instance takes a region.
+    python_shm_default_bytes: int = 4 * 1024 * 1024
     extra_args: tuple[str, ...] = field(default=())  # passed through verbatim
 
     @property

@@ -62,8 +62,13 @@ class TritonPythonModel:
         for chunk, response in zip(prepared.chunks, await asyncio.gather(*calls), strict=False):
             if response.has_error():
                 error = response.error()
+                code = error.code()
+                if not pb_utils.is_model_ready(chunk.model_name):
+                    # A bucket model that is not loaded is the server's problem, not the
+                    # client's: report it as retryable, not as an internal error.
+                    code = pb_utils.TritonError.UNAVAILABLE
                 return pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"{chunk.model_name}: {error.message()}", error.code())
+                    error=pb_utils.TritonError(f"bucket model {chunk.model_name}: {error.message()}", code)
                 )
             outputs.append(pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy())
         for chunk in prepared.chunks:
