@@ -1,0 +1,1 @@
+"""Load tests and workloads: Locust files, workload mixes, load shapes."""
