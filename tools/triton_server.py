@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ class ServerError(RuntimeError):
     """tritonserver could not be found, started, or made ready; the message says why."""
 
 
-class ModelControlMode(str, Enum):
+class ModelControlMode(StrEnum):
     NONE = "none"  # load everything at start, never change
     POLL = "poll"  # reload when the repository changes on disk
     EXPLICIT = "explicit"  # load / unload only through the repository API

