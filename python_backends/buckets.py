@@ -9,7 +9,7 @@ All functions here are pure and work on plain Python / numpy data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,23 +66,25 @@ def truncate_tokens(token_ids: Sequence[int], max_tokens: int) -> list[int]:
 def plan_chunks(
     row_lengths: Sequence[int],
     bucket_lens: Sequence[int],
-    max_rows_per_chunk: int,
+    max_rows_per_chunk: int | Mapping[int, int],
 ) -> list[Chunk]:
-    """Group a request's rows by bucket, in chunks no larger than a bucket model's batch limit.
+    """Group a request's rows by bucket, in chunks no larger than each bucket model's batch limit.
 
-    Chunks come out ordered by bucket length, then by row position, so the plan is
-    deterministic. Every row index appears in exactly one chunk.
+    `max_rows_per_chunk` is one limit for all buckets or a limit per bucket length. Chunks
+    come out ordered by bucket length, then by row position, so the plan is deterministic.
+    Every row index appears in exactly one chunk.
     """
-    if max_rows_per_chunk < 1:
-        raise ValueError(f"max_rows_per_chunk must be >= 1, got {max_rows_per_chunk}")
     rows_by_bucket: dict[int, list[int]] = {}
     for index, num_tokens in enumerate(row_lengths):
         rows_by_bucket.setdefault(choose_bucket(num_tokens, bucket_lens), []).append(index)
     chunks: list[Chunk] = []
     for bucket_len in sorted(rows_by_bucket):
+        limit = max_rows_per_chunk if isinstance(max_rows_per_chunk, int) else max_rows_per_chunk[bucket_len]
+        if limit < 1:
+            raise ValueError(f"max_rows_per_chunk must be >= 1, got {limit} for bucket {bucket_len}")
         rows = rows_by_bucket[bucket_len]
-        for start in range(0, len(rows), max_rows_per_chunk):
-            chunks.append(Chunk(bucket_len, tuple(rows[start : start + max_rows_per_chunk])))
+        for start in range(0, len(rows), limit):
+            chunks.append(Chunk(bucket_len, tuple(rows[start : start + limit])))
     return chunks
 
 

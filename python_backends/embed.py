@@ -35,8 +35,8 @@ class RouterConfig:
     """Settings of the `embed` router, read from its config.pbtxt `parameters`."""
 
     bucket_lens: tuple[int, ...]  # sequence lengths of the bucket models, ascending
+    bucket_max_batch: Mapping[int, int]  # bucket length -> its model's max_batch_size (chunk limit)
     encoder_prefix: str = "encoder_"  # bucket model name = prefix + length, e.g. encoder_16
-    max_rows_per_chunk: int = 32  # largest request sent to a bucket model (its max_batch_size)
     max_text_bytes: int = 65536  # a row longer than this (UTF-8 bytes) is rejected before tokenizing
 
     @property
@@ -72,10 +72,29 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
         raise ValueError(f"model '{model_name}': parameter bucket_lens={raw_buckets!r}: {err}") from None
     return RouterConfig(
         bucket_lens=bucket_lens,
+        bucket_max_batch=parse_bucket_max_batch(model_name, parameters.get("bucket_max_batch", ""), bucket_lens),
         encoder_prefix=parameters.get("encoder_prefix", "encoder_"),
-        max_rows_per_chunk=integer("max_rows_per_chunk", 32, 1),
         max_text_bytes=integer("max_text_bytes", 65536, 1),
     )
+
+
+def parse_bucket_max_batch(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> dict[int, int]:
+    """Parse `16:32,32:24,...` (bucket length: max batch); every bucket needs a limit >= 1."""
+    limits: dict[int, int] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        try:
+            bucket, limit = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(
+                f"model '{model_name}': bucket_max_batch entry {part!r} is not 'length:max_batch'"
+            ) from None
+        if limit < 1:
+            raise ValueError(f"model '{model_name}': bucket_max_batch for bucket {bucket} must be >= 1")
+        limits[bucket] = limit
+    missing = [b for b in bucket_lens if b not in limits]
+    if missing:
+        raise ValueError(f"model '{model_name}': parameter bucket_max_batch has no limit for buckets {missing}")
+    return limits
 
 
 @dataclass(frozen=True)
@@ -139,6 +158,17 @@ def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[st
     return texts
 
 
+# Triton's own texts for requests its scheduler turned away: the queue policy's timeout
+# and a full queue. Over BLS they arrive as INTERNAL; the router restores UNAVAILABLE
+# (HTTP 503), the retryable status a client gets when it calls a model directly.
+SCHEDULER_REJECTIONS = ("Request timeout expired", "Exceeds maximum queue size")
+
+
+def is_scheduler_rejection(message: str) -> bool:
+    """Whether a bucket model's error is a queue-policy rejection (retryable), not a failure."""
+    return any(text in message for text in SCHEDULER_REJECTIONS)
+
+
 @dataclass(frozen=True)
 class PreparedChunk:
     """A chunk ready to send: the bucket model and its padded tensors."""
@@ -162,6 +192,18 @@ class PreparedRequest:
     @property
     def chunk_plan(self) -> list[Chunk]:
         return [prepared.chunk for prepared in self.chunks]
+
+    def lanes(self) -> list[list[int]]:
+        """Indices into `chunks`, one lane per bucket.
+
+        Lanes run concurrently; the chunks inside a lane go one after another. Sent together,
+        a request's own chunks would queue behind each other at the bucket model and could
+        time out there waiting for their siblings rather than for other traffic.
+        """
+        lanes: dict[int, list[int]] = {}
+        for index, prepared in enumerate(self.chunks):
+            lanes.setdefault(prepared.chunk.bucket_len, []).append(index)
+        return list(lanes.values())
 
 
 class EmbedRouter:
@@ -188,7 +230,7 @@ class EmbedRouter:
             num_truncated += 1
         lengths = [len(ids) for ids in encoded]
         prepared: list[PreparedChunk] = []
-        for chunk in plan_chunks(lengths, self.config.bucket_lens, self.config.max_rows_per_chunk):
+        for chunk in plan_chunks(lengths, self.config.bucket_lens, self.config.bucket_max_batch):
             rows = [encoded[i] for i in chunk.row_indices]
             input_ids, attention_mask = pad_rows(rows, chunk.bucket_len, self.tokenizer.pad_id)
             prepared.append(

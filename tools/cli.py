@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tools import build_models, serve
+from tools import bench, build_models, gen_config, profiler, serve, sweep
 
 COMMANDS = {
     "serve": serve,
     "build-models": build_models,
+    "profile": profiler,
+    "gen-config": gen_config,
+    "sweep": sweep,
+    "bench": bench,
 }
 
 

@@ -11,7 +11,13 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from python_backends.buckets import reassemble
-from python_backends.embed import BUCKET_COUNTERS, ROUTER_COUNTERS, EmbedRouter, parse_router_config
+from python_backends.embed import (
+    BUCKET_COUNTERS,
+    ROUTER_COUNTERS,
+    EmbedRouter,
+    is_scheduler_rejection,
+    parse_router_config,
+)
 from python_backends.errors import InvalidInput
 from python_backends.tokenization import TextTokenizer
 
@@ -38,6 +44,16 @@ class TritonPythonModel:
             for length in config.bucket_lens
         }
 
+    def _bucket_error(self, model_name, error):
+        code = error.code()
+        if is_scheduler_rejection(error.message()) or not pb_utils.is_model_ready(model_name):
+            # Rejected by the bucket's queue policy, or the bucket is not loaded: the server
+            # is busy or changing, not broken; tell the client to retry.
+            code = pb_utils.TritonError.UNAVAILABLE
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError(f"bucket model {model_name}: {error.message()}", code)
+        )
+
     async def execute(self, requests):
         return list(await asyncio.gather(*(self._serve(request) for request in requests)))
 
@@ -47,30 +63,28 @@ class TritonPythonModel:
             prepared = self.router.prepare(text.reshape(-1).tolist(), request.parameters())
         except InvalidInput as err:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
-        calls = [
-            pb_utils.InferenceRequest(
-                model_name=chunk.model_name,
-                inputs=[
-                    pb_utils.Tensor("INPUT_IDS", chunk.input_ids),
-                    pb_utils.Tensor("ATTENTION_MASK", chunk.attention_mask),
-                ],
-                requested_output_names=["EMBEDDING"],
-            ).async_exec()
-            for chunk in prepared.chunks
-        ]
-        outputs = []
-        for chunk, response in zip(prepared.chunks, await asyncio.gather(*calls), strict=False):
-            if response.has_error():
-                error = response.error()
-                code = error.code()
-                if not pb_utils.is_model_ready(chunk.model_name):
-                    # A bucket model that is not loaded is the server's problem, not the
-                    # client's: report it as retryable, not as an internal error.
-                    code = pb_utils.TritonError.UNAVAILABLE
-                return pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"bucket model {chunk.model_name}: {error.message()}", code)
-                )
-            outputs.append(pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy())
+        responses = [None] * len(prepared.chunks)
+
+        async def run_lane(lane):
+            for index in lane:
+                chunk = prepared.chunks[index]
+                responses[index] = await pb_utils.InferenceRequest(
+                    model_name=chunk.model_name,
+                    inputs=[
+                        pb_utils.Tensor("INPUT_IDS", chunk.input_ids),
+                        pb_utils.Tensor("ATTENTION_MASK", chunk.attention_mask),
+                    ],
+                    requested_output_names=["EMBEDDING"],
+                ).async_exec()
+                if responses[index].has_error():
+                    return
+
+        await asyncio.gather(*(run_lane(lane) for lane in prepared.lanes()))
+        # A lane stops at its first failed chunk (later ones stay None); report that failure.
+        for chunk, response in zip(prepared.chunks, responses, strict=True):
+            if response is not None and response.has_error():
+                return self._bucket_error(chunk.model_name, response.error())
+        outputs = [pb_utils.get_output_tensor_by_name(r, "EMBEDDING").as_numpy() for r in responses]
         for chunk in prepared.chunks:
             rows, real, padded = self.bucket_metrics[chunk.chunk.bucket_len]
             rows.increment(len(chunk.chunk.row_indices))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import subprocess
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -137,34 +137,52 @@ def test_router_metric_counts_rows_per_bucket(triton, http_client):
     assert after["32"] == before["32"]
 
 
-def test_concurrent_requests_are_batched_by_the_bucket_model(triton, http_client):
+def test_concurrent_requests_are_batched_by_the_bucket_model(triton, grpc_client):
+    """A burst of single-row requests reaches encoder_16 as a few large batches."""
+    import tritonclient.grpc as grpcclient
+
     text = text_with_tokens(12)
-    local = threading.local()
+    data = np.array([[text.encode()]], dtype=object)
+    num_requests = 32  # one burst, below encoder_16's max_batch_size
+    inference_before, exec_before = model_counts(triton_http(triton), "encoder_16")
+    done = threading.Semaphore(0)
+    results: list = [None] * num_requests
 
-    def one_request(_):
-        # tritonclient's HTTP client is not thread-safe: one per worker thread.
-        if not hasattr(local, "client"):
-            local.client = httpclient.InferenceServerClient(triton.http_url)
-        return http_embed(local.client, [text])[0]
+    def callback(index, result, error):
+        results[index] = error if error is not None else result.as_numpy("EMBEDDING")
+        done.release()
 
-    inference_before, exec_before = model_counts(http_client, "encoder_16")
-    num_requests = 96
-    with ThreadPoolExecutor(max_workers=24) as pool:
-        results = list(pool.map(one_request, range(num_requests)))
+    for index in range(num_requests):
+        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(data)
+        grpc_client.async_infer("embed", [tensor], callback=functools.partial(callback, index))
+    for _ in range(num_requests):
+        assert done.acquire(timeout=120)
+    embeddings = [r for r in results if isinstance(r, np.ndarray)]
+    failures = [r for r in results if not isinstance(r, np.ndarray)]
+    # Only retryable rejections are acceptable, and they must be the exception.
+    assert all(f.status() == "StatusCode.UNAVAILABLE" for f in failures), failures
+    assert len(embeddings) >= num_requests * 3 // 4
+
     deadline = time.monotonic() + 5
     while True:  # statistics land just after the responses
-        inference_after, exec_after = model_counts(http_client, "encoder_16")
-        if inference_after - inference_before >= num_requests or time.monotonic() > deadline:
+        inference_after, exec_after = model_counts(triton_http(triton), "encoder_16")
+        if inference_after - inference_before >= len(embeddings) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     inferences = inference_after - inference_before
     executions = exec_after - exec_before
-    assert inferences == num_requests
-    # Batched: far fewer model executions than requests (mean batch size > 2).
+    assert inferences == len(embeddings)
+    # Batched: a mean batch size above 2, with no linger configured (the batches form while
+    # the previous execution runs).
     assert executions * 2 < inferences, f"{inferences} requests ran in {executions} executions"
     # And batching does not change the answer.
-    stacked = np.concatenate(results)
-    assert cosines(stacked, np.repeat(stacked[:1], num_requests, axis=0)).min() >= 0.9999
+    stacked = np.concatenate(embeddings)
+    assert cosines(stacked, np.repeat(stacked[:1], len(embeddings), axis=0)).min() >= 0.9999
+
+
+def triton_http(triton) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(triton.http_url)
 
 
 def test_tenant_and_priority_are_accepted_over_all_protocols(triton, http_client, grpc_client):

@@ -82,6 +82,12 @@ def test_plan_splits_a_bucket_into_chunks_of_the_batch_limit():
     assert {c.bucket_len for c in chunks} == {16}
 
 
+def test_plan_takes_a_limit_per_bucket():
+    chunks = plan_chunks([10, 10, 10, 200, 200, 200], BUCKETS, max_rows_per_chunk={16: 2, 256: 1})
+    assert [(c.bucket_len, c.row_indices) for c in chunks] == [
+        (16, (0, 1)), (16, (2,)), (256, (3,)), (256, (4,)), (256, (5,))]
+
+
 def test_plan_rejects_bad_chunk_limit():
     with pytest.raises(ValueError, match="max_rows_per_chunk"):
         plan_chunks([3], BUCKETS, max_rows_per_chunk=0)

@@ -11,13 +11,15 @@ from python_backends.embed import (
     RequestOptions,
     RouterConfig,
     decode_rows,
+    is_scheduler_rejection,
     parse_request_options,
     parse_router_config,
 )
 from python_backends.errors import InvalidInput
 from python_backends.tokenization import TextTokenizer
 
-CONFIG = RouterConfig(bucket_lens=(16, 32, 64, 128, 256), max_rows_per_chunk=4, max_text_bytes=4096)
+CONFIG = RouterConfig(bucket_lens=(16, 32, 64, 128, 256), bucket_max_batch={16: 4, 32: 4, 64: 4, 128: 2, 256: 1},
+                      max_text_bytes=4096)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,9 @@ def test_decode_rows_errors(rows, message):
 
 
 def test_router_config_from_parameters():
-    config = parse_router_config("embed", {"bucket_lens": "64,16,32", "max_rows_per_chunk": "8"})
+    config = parse_router_config("embed", {"bucket_lens": "64,16,32", "bucket_max_batch": "16:8, 32:4,64:2"})
     assert config.bucket_lens == (16, 32, 64)
+    assert config.bucket_max_batch == {16: 8, 32: 4, 64: 2}
     assert config.max_tokens == 64
     assert config.model_for(32) == "encoder_32"
 
@@ -89,8 +92,11 @@ def test_router_config_from_parameters():
         ({}, "bucket_lens is required"),
         ({"bucket_lens": "16,x"}, "bucket_lens='16,x'"),
         ({"bucket_lens": "16,16"}, "distinct"),
-        ({"bucket_lens": "16", "max_rows_per_chunk": "0"}, "max_rows_per_chunk=0 must be >= 1"),
-        ({"bucket_lens": "16", "max_text_bytes": "lots"}, "max_text_bytes='lots' is not an integer"),
+        ({"bucket_lens": "16,32", "bucket_max_batch": "16:4"}, r"no limit for buckets \[32\]"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:0"}, "must be >= 1"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16=4"}, "is not 'length:max_batch'"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "max_text_bytes": "lots"},
+         "max_text_bytes='lots' is not an integer"),
     ],
 )
 def test_router_config_errors_name_the_model(params, message):
@@ -113,8 +119,8 @@ def test_prepare_routes_each_row_to_its_bucket(router):
 
 
 def test_prepare_chunks_large_requests_to_bucket_batch_limit(router):
-    prepared = router.prepare([words(5)] * 10, None)
-    assert [len(c.chunk.row_indices) for c in prepared.chunks] == [4, 4, 2]
+    prepared = router.prepare([words(5)] * 10 + [words(200)] * 2, None)
+    assert [len(c.chunk.row_indices) for c in prepared.chunks] == [4, 4, 2, 1, 1]
 
 
 def test_prepare_truncates_long_rows_by_default(router):
@@ -127,3 +133,23 @@ def test_prepare_truncates_long_rows_by_default(router):
 def test_prepare_rejects_long_rows_when_truncate_is_false(router):
     with pytest.raises(InvalidInput, match="row 1 has 300 tokens; the limit is 256 and truncate=false"):
         router.prepare([words(8), words(300)], json.dumps({"truncate": False}))
+
+
+def test_lanes_run_buckets_side_by_side_and_a_buckets_chunks_in_order(router):
+    prepared = router.prepare([words(5)] * 9 + [words(200)] * 2 + [words(40)], None)
+    buckets = [[prepared.chunks[i].chunk.bucket_len for i in lane] for lane in prepared.lanes()]
+    assert buckets == [[16, 16, 16], [64], [256, 256]]
+    assert sorted(i for lane in prepared.lanes() for i in lane) == list(range(len(prepared.chunks)))
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("Request timeout expired", True),
+        ("[request id: 7] Exceeds maximum queue size", True),
+        ("Model 'encoder_16' is not ready", False),
+        ("onnxruntime failed", False),
+    ],
+)
+def test_scheduler_rejections_are_recognised(message, expected):
+    assert is_scheduler_rejection(message) is expected

@@ -1,0 +1,110 @@
+"""`python -m tools sweep` against the real server: open and closed loop, results file, plot,
+the generator's outstanding-request cap, and the errors a user sees first."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.loadgen import LoadTarget, run_open_loop
+from tools.triton_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sweep_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tools", "sweep", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_open_loop_sweep_writes_per_step_results_with_server_times_and_a_plot(triton, tmp_path):
+    out = tmp_path / "sweep.json"
+    done = sweep_cli("--url", triton.grpc_url, "--mode", "open", "--rates", "5,10", "--duration", "3",
+                     "--warmup", "1", "--slo-ms", "500", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "5 rps: p50" in done.stdout and "10 rps: p50" in done.stdout
+    assert "server queue/compute ms" in done.stdout
+
+    document = json.loads(out.read_text())
+    assert document["model"] == "embed" and document["mode"] == "open" and document["slo_ms"] == 500
+    steps = document["steps"]
+    assert [step["offered_rps"] for step in steps] == [5, 10]
+    for step in steps:
+        assert step["num_sent"] > 0 and step["num_errors"] == 0, step["error_samples"]
+        assert step["num_ok"] == step["num_sent"]
+        assert 0 < step["p50_ms"] <= step["p95_ms"] <= step["p99_ms"]
+        assert step["throughput_rps"] > 0 and 0 <= step["goodput_fraction"] <= 1
+        embed = step["server"]["embed"]
+        assert embed["num_requests"] == step["num_ok"]  # the server saw exactly what we sent
+        assert embed["queue_ms"] >= 0 and embed["compute_ms"] > 0
+        busy = {name: t for name, t in step["server"].items() if name.startswith("encoder_") and t["execution_count"]}
+        assert busy, step["server"]
+        for times in busy.values():
+            assert times["compute_ms"] > 0 and times["queue_ms"] > 0 and times["mean_batch_size"] >= 1
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_closed_loop_step_writes_csv(triton, tmp_path):
+    """One request in flight. Back-to-back requests hit a Triton 2.51 dynamic-batcher race:
+    now and then a request enqueued just as the previous batch finishes waits for the
+    batcher's 500 ms idle wake-up, and the buckets' queue timeout (about 98 ms) rejects it as
+    UNAVAILABLE. The sweep must count those as errors, and nothing else may fail."""
+    out = tmp_path / "closed.csv"
+    done = sweep_cli("--url", triton.grpc_url, "--mode", "closed", "--concurrency", "1", "--duration", "2",
+                     "--warmup", "1", "--out", str(out), "--plot", str(tmp_path / "closed.png"),
+                     "--parameters", '{"tenant": "sweep-test", "priority": 1}')
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "concurrency 1: p50" in done.stdout
+    [row] = list(csv.DictReader(out.open()))
+    assert row["mode"] == "closed" and row["concurrency"] == "1"
+    num_sent, num_ok, num_errors = int(row["num_sent"]), int(row["num_ok"]), int(row["num_errors"])
+    assert num_ok > 0 and num_sent == num_ok + num_errors and float(row["p99_ms"]) > 0
+    if num_errors:
+        assert num_errors <= 0.1 * num_sent, row["error_samples"]
+        for sample in row["error_samples"].split(" | "):
+            assert sample.startswith("StatusCode.UNAVAILABLE") and "Request timeout expired" in sample, sample
+        assert float(row["goodput_fraction"]) < 1
+    assert float(row["server.embed.compute_ms"]) > 0
+    assert (tmp_path / "closed.png").is_file()
+
+
+def test_open_loop_counts_requests_over_the_outstanding_cap_as_errors(triton):
+    """An overloaded server cannot make the generator slow down and look good: with room
+    for one request in flight, arrivals at 100 rps mostly cannot be sent, and say so."""
+    target = LoadTarget(grpc_url=triton.grpc_url, model="embed", texts=("a short text",), slo_ms=1000,
+                        max_outstanding=1, stats_models=("embed",))
+    result = asyncio.run(run_open_loop(target, 100, 1.0, seed=3))
+    assert result.num_errors > 0 and result.num_ok > 0
+    assert result.num_sent == result.num_ok + result.num_errors
+    assert any("not sent" in sample for sample in result.error_samples)
+    assert result.goodput_fraction < 1
+    assert set(result.server) == {"embed"}
+
+
+def test_unreachable_server_is_one_line_and_exit_code_2():
+    done = sweep_cli("--url", f"localhost:{free_port()}", "--duration", "1")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: cannot reach tritonserver over gRPC")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_model_not_ready_is_one_line_and_exit_code_2(triton):
+    done = sweep_cli("--url", triton.grpc_url, "--model", "no_such_model", "--duration", "1")
+    assert done.returncode == 2
+    assert "model 'no_such_model' is not ready" in done.stderr and "embed" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_sweep_and_its_options():
+    top = subprocess.run([sys.executable, "-m", "tools", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert top.returncode == 0 and "sweep" in top.stdout
+    done = sweep_cli("--help")
+    assert done.returncode == 0
+    for option in ("--url", "--model", "--mode", "--rates", "--concurrency", "--duration", "--warmup",
+                   "--workload", "--slo-ms", "--out", "--plot", "--parameters", "--search"):
+        assert option in done.stdout

@@ -1,0 +1,136 @@
+"""SLO-to-knob derivation: the formula of DESIGN.md on hand-built latency curves."""
+
+import math
+
+import pytest
+
+from tools.derivation import BucketDemand, InfeasibleSLO, LatencyCurve, derive_knobs, find_knee
+
+# A CPU-like curve: per-execution cost grows almost linearly past b = 8.
+CURVE = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0, 16: 20.0, 32: 39.0, 64: 77.0})
+
+
+def demand(slo, expected=50.0, peak=150.0, overhead=3.0, **kw):
+    return BucketDemand("encoder_16", slo_p95_ms=slo, overhead_ms=overhead, expected_rps=expected,
+                        peak_rps=peak, **kw)
+
+
+def test_curve_interpolates_between_measured_sizes_and_refuses_to_extrapolate():
+    assert CURVE.at(8) == 11.0
+    assert CURVE.at(12) == pytest.approx(15.5)
+    with pytest.raises(ValueError, match="outside the measured range"):
+        CURVE.at(65)
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [({}, "at least one"), ({2: 3.0}, "must include batch size 1"), ({1: 0.0}, "bad latency point")],
+)
+def test_curve_validation(points, message):
+    with pytest.raises(ValueError, match=message):
+        LatencyCurve(points)
+
+
+def test_knee_is_where_doubling_stops_paying():
+    # throughput: 250, 400, 571, 727, 800, 821, 831 rows/s; 16 -> 32 adds 2.6% < 10%
+    assert find_knee(CURVE) == 16
+    assert find_knee(CURVE, knee_gain=0.02) == 32
+    # Linear cost from the start: no gain from batching at all.
+    assert find_knee(LatencyCurve({1: 10.0, 2: 20.0, 4: 40.0})) == 1
+    # Still gaining at the largest size measured: the knee is that size.
+    assert find_knee(LatencyCurve({1: 10.0, 2: 10.0, 4: 10.0})) == 4
+
+
+def test_max_batch_is_largest_b_with_room_for_two_executions():
+    knobs = derive_knobs(demand(slo=50.0), CURVE)
+    # o + 2·c(b) <= 50  ->  c(b) <= 23.5: c(18) = 22.375 fits, c(19) = 23.5625 does not
+    assert knobs.max_batch_size == 18
+    assert 3.0 + 2 * CURVE.at(18) <= 50.0 < 3.0 + 2 * CURVE.at(19)
+
+
+def test_tight_slo_gives_small_batches_and_near_zero_delay():
+    knobs = derive_knobs(demand(slo=16.0, expected=20.0), CURVE)
+    assert knobs.max_batch_size == 3  # 3 + 2·c(3) = 15 <= 16 < 3 + 2·c(4) = 17
+    assert knobs.preferred_batch_size <= knobs.max_batch_size
+    assert knobs.max_queue_delay_us <= 1000  # S - o - 2·c(b_pref) leaves at most 1 ms
+
+
+def test_loose_slo_gives_larger_batches_and_longer_delay():
+    # 600 rows/s needs batches of 10 (0.8 x 755 rows/s); the budget decides how long to wait for them.
+    tight = derive_knobs(demand(slo=30.0, expected=600.0, peak=800.0), CURVE)
+    loose = derive_knobs(demand(slo=200.0, expected=600.0, peak=800.0), CURVE)
+    assert (tight.max_batch_size, loose.max_batch_size) == (10, 64)
+    assert loose.preferred_batch_size > tight.preferred_batch_size
+    assert tight.max_queue_delay_us == 500  # 30 - 3 - 2·c(10) = 0.5 ms
+    assert loose.max_queue_delay_us == 15000  # 9 more rows at 600 rows/s
+    assert loose.default_timeout_us > tight.default_timeout_us
+
+
+def test_linger_is_capped_by_how_fast_traffic_fills_the_batch():
+    # Loose SLO, plenty of budget: the batch of 16 fills in 15 rows / 1000 rows/s = 15 ms.
+    knobs = derive_knobs(demand(slo=500.0, expected=1000.0, peak=1000.0), CURVE)
+    assert knobs.preferred_batch_size == 16
+    assert knobs.max_queue_delay_us == 15000
+
+
+def test_no_linger_when_single_rows_carry_the_traffic():
+    # 100 rows/s against 250 rows/s unbatched at 80%: waiting would only add latency.
+    knobs = derive_knobs(demand(slo=500.0, expected=100.0, peak=150.0), CURVE)
+    assert knobs.max_queue_delay_us == 0
+    assert "waiting buys nothing" in knobs.reasons["max_queue_delay_microseconds"]
+    # 300 rows/s needs pairs (0.8 x 400 rows/s): wait for one more row, 1/300 s.
+    pairs = derive_knobs(demand(slo=500.0, expected=300.0, peak=300.0), CURVE)
+    assert pairs.max_queue_delay_us == 3333
+
+
+def test_queue_policy_rejects_what_can_no_longer_make_it_and_sizes_queue_by_littles_law():
+    knobs = derive_knobs(demand(slo=100.0, expected=100.0, peak=400.0), CURVE)
+    c_max = CURVE.at(knobs.max_batch_size)
+    timeout_s = (100.0 - 3.0 - c_max) / 1000
+    assert knobs.default_timeout_us == int(timeout_s * 1e6)
+    # The queue holds what drains within the timeout at full batches: more would time out.
+    drain_rps = CURVE.throughput_rps(knobs.max_batch_size)
+    assert knobs.max_queue_size == math.ceil(drain_rps * timeout_s)
+    two = derive_knobs(demand(slo=100.0, expected=100.0, peak=2000.0, max_instances=2), CURVE)
+    assert two.max_queue_size == math.ceil(2 * drain_rps * timeout_s)
+
+
+def test_instances_cover_the_peak_and_warn_when_hardware_caps_them():
+    knobs = derive_knobs(demand(slo=100.0, expected=100.0, peak=2000.0, max_instances=2), CURVE)
+    assert knobs.instance_count == 2
+    assert knobs.warnings and "add replicas" in knobs.warnings[0]
+    roomy = derive_knobs(demand(slo=100.0, expected=10.0, peak=50.0, max_instances=4), CURVE)
+    assert roomy.instance_count == 1 and not roomy.warnings
+
+
+def test_every_knob_is_explained_with_numbers():
+    knobs = derive_knobs(demand(slo=100.0), CURVE)
+    assert set(knobs.reasons) == {"max_batch_size", "preferred_batch_size", "max_queue_delay_microseconds",
+                                  "default_timeout_microseconds", "max_queue_size", "instance_count"}
+    assert "o + 2·c(b) <= S" in knobs.reasons["max_batch_size"]
+    assert "Little's law" in knobs.reasons["max_queue_size"]
+
+
+def test_bucket_whose_single_request_exceeds_the_slo_is_an_error_naming_it():
+    slow = LatencyCurve({1: 120.0, 2: 200.0})
+    with pytest.raises(InfeasibleSLO, match=r"encoder_256: a single request alone takes .* over the 100 ms"):
+        derive_knobs(BucketDemand("encoder_256", 100.0, 5.0, 10.0, 20.0), slow)
+
+
+def test_bucket_that_cannot_absorb_one_wait_is_an_error_naming_it():
+    with pytest.raises(InfeasibleSLO, match=r"encoder_128: even unbatched.*2·40.0"):
+        derive_knobs(BucketDemand("encoder_128", 80.0, 5.0, 10.0, 20.0), LatencyCurve({1: 40.0, 2: 60.0}))
+
+
+def test_inconsistent_demand_is_rejected():
+    with pytest.raises(ValueError, match="expected_rps <= peak_rps"):
+        derive_knobs(demand(slo=100.0, expected=10.0, peak=5.0), CURVE)
+
+
+def test_queue_timeout_can_be_left_to_the_queue_bound():
+    with_timeout = derive_knobs(demand(slo=100.0), CURVE)
+    without = derive_knobs(demand(slo=100.0, queue_timeout=False), CURVE)
+    assert without.default_timeout_us == 0
+    assert "not set" in without.reasons["default_timeout_microseconds"]
+    # The queue is still sized to what drains within the SLO's wait budget.
+    assert without.max_queue_size == with_timeout.max_queue_size > 0

@@ -1,0 +1,212 @@
+"""Serving spec parsing, config generation as protobuf messages, and drift checks."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tools.gen_config import check, expected_files, plan_all
+from tools.latency_profile import ProfileError, load_profile, profile_from_dict, profile_to_dict
+from tools.spec import SpecError, load_spec, parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_PROFILE = REPO / "tests" / "data" / "small_profile.json"
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(REPO / "serving.toml")
+
+
+@pytest.fixture(scope="module")
+def plan(spec):
+    return plan_all(spec, load_profile(SMALL_PROFILE))
+
+
+def test_spec_reads_models_tiers_and_hardware(spec):
+    (embed,) = spec.models
+    assert embed.name == "embed" and embed.bucket_lens == (16, 32, 64, 128, 256)
+    assert embed.peak_rps >= embed.expected_rps > 0
+    assert [t.name for t in spec.tiers] == ["premium", "standard"] and spec.default_tier == "standard"
+    assert spec.hardware["cpu"].instance_kind == "KIND_CPU"
+
+
+BASE = {
+    "hardware": {"cpu": {"max_instances": 1, "intra_op_threads": 0}},
+    "models": {"embed": {"slo_p95_ms": 100, "expected_rps": 10, "peak_rps": 20, "buckets": [16, 32],
+                         "workload": "loadtest/workloads/embed_mix.toml", "max_request_rows": 8,
+                         "router_instances": 1, "max_text_bytes": 100}},
+}
+
+
+def variant(**changes):
+    import copy
+
+    data = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        target = data
+        *path, last = dotted.split("__")
+        for key in path:
+            target = target[key]
+        if value is None:
+            del target[last]
+        else:
+            target[last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (variant(models__embed__slo_p95_ms=None), r"\[models.embed\]: missing 'slo_p95_ms'"),
+        (variant(models__embed__slo_p95_ms=-5), "'slo_p95_ms' must be > 0"),
+        (variant(models__embed__peak_rps=5), r"peak_rps \(5.0\) must be >= expected_rps"),
+        (variant(models__embed__buckets=[16, 16]), "distinct"),
+        (variant(models__embed__workload="nope.toml"), "workload file .* not found"),
+        (variant(models__embed__max_request_rows="many"), "'max_request_rows' must be a number"),
+        (variant(hardware={}), r"at least one \[hardware"),
+        (variant(hardware__cpu__instance_kind="KIND_TPU"), "KIND_CPU or KIND_GPU"),
+        (variant(models={}), r"at least one \[models"),
+        (variant(models__embed__queue_timeouts="yes"), "'queue_timeouts' must be true or false"),
+        ({**BASE, "tenants": {"tiers": {"a": {"priority": 1}, "b": {"priority": 3}}}}, "without gaps"),
+        ({**BASE, "tenants": {"default_tier": "gold", "tiers": {"a": {"priority": 1}}}}, "default_tier 'gold'"),
+    ],
+)
+def test_spec_errors_name_the_field(data, message, tmp_path):
+    path = REPO / "serving.toml"  # relative paths resolve against the repo
+    with pytest.raises(SpecError, match=message):
+        parse_spec(data, path)
+
+
+def test_missing_or_broken_spec_file(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "none.toml")
+    broken = tmp_path / "s.toml"
+    broken.write_text("models = [")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_spec(broken)
+
+
+def test_profile_round_trip_and_errors(tmp_path):
+    profile = load_profile(SMALL_PROFILE)
+    again = profile_from_dict(profile_to_dict(profile))
+    assert again.models["encoder_16"].curve.compute_ms == profile.models["encoder_16"].curve.compute_ms
+    assert again.overhead == profile.overhead
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile(tmp_path / "nope.json")
+    with pytest.raises(ProfileError, match="malformed"):
+        profile_from_dict({"hardware": {}})
+    with pytest.raises(ProfileError, match="no curve for model 'encoder_512'"):
+        profile.curve("encoder_512")
+
+
+def test_plan_has_router_and_one_model_per_bucket(plan):
+    assert [m.name for m in plan] == ["embed", "encoder_16", "encoder_32", "encoder_64", "encoder_128", "encoder_256"]
+
+
+def test_encoder_config_carries_the_derived_knobs(plan):
+    model = next(m for m in plan if m.name == "encoder_16")
+    config, knobs = model.config, model.knobs
+    assert config.max_batch_size == knobs.max_batch_size
+    assert list(config.input[0].dims) == [16] and config.input[0].data_type == mc.TYPE_INT64
+    batching = config.dynamic_batching
+    assert batching.max_queue_delay_microseconds == knobs.max_queue_delay_us
+    assert batching.default_queue_policy.default_timeout_microseconds == knobs.default_timeout_us
+    assert batching.default_queue_policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    assert batching.default_queue_policy.max_queue_size == knobs.max_queue_size
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    assert config.instance_group[0].count == knobs.instance_count
+
+
+def test_router_config_carries_buckets_limits_and_tiers(plan):
+    router = plan[0].config
+    assert router.parameters["bucket_lens"].string_value == "16,32,64,128,256"
+    limits = dict(part.split(":") for part in router.parameters["bucket_max_batch"].string_value.split(","))
+    assert {int(k): int(v) for k, v in limits.items()} == {
+        int(m.name.removeprefix("encoder_")): m.knobs.max_batch_size for m in plan[1:]}
+    assert router.dynamic_batching.priority_levels == 2
+    assert router.dynamic_batching.default_priority_level == 2
+
+
+def test_written_text_round_trips_through_protobuf_and_says_where_it_came_from(plan):
+    for model in plan:
+        text = model.config_text()
+        assert text.startswith("# Generated by `python -m tools gen-config`")
+        assert "serving.toml" in text and "small_profile.json" in text
+        parsed = text_format.Parse(text, mc.ModelConfig())
+        assert parsed == model.config
+
+
+def test_bucket_models_explain_every_knob_in_their_header(plan):
+    text = next(m for m in plan if m.name == "encoder_64").config_text()
+    for knob in ("max_batch_size:", "preferred_batch_size:", "max_queue_delay_microseconds:",
+                 "default_timeout_microseconds:", "max_queue_size:", "instance_count:"):
+        assert f"# {knob}" in text
+
+
+def test_check_reports_drift_missing_and_unknown_models(plan, tmp_path):
+    files = expected_files(plan, tmp_path)
+    assert len(check(files, tmp_path)) == len(files)  # all missing
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert check(files, tmp_path) == []
+    config = tmp_path / "encoder_32" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: ", "max_batch_size: 1"))
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / "config.pbtxt").write_text('name: "stray"')
+    problems = check(files, tmp_path)
+    assert any(p.startswith("encoder_32/config.pbtxt: differs") for p in problems)
+    assert any("stray/config.pbtxt: not produced by the spec" in p for p in problems)
+
+
+def gen_config(*args):
+    return subprocess.run([sys.executable, "-m", "tools", "gen-config", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_committed_configs_match_the_spec_and_profile():
+    result = gen_config("--check")
+    assert result.returncode == 0, result.stderr
+
+
+def test_check_fails_on_a_hand_edited_config(tmp_path):
+    repository = tmp_path / "repo"
+    shutil.copytree(REPO / "model_repository", repository, ignore=shutil.ignore_patterns("*.onnx", "*.json"))
+    assert gen_config("--check", f"--model-repository={repository}").returncode == 0
+    config = repository / "encoder_16" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_queue_size: ", "max_queue_size: 9"))
+    result = gen_config("--check", f"--model-repository={repository}")
+    assert result.returncode == 1
+    assert "encoder_16/config.pbtxt: differs" in result.stderr
+
+
+def test_gen_config_writes_then_is_idempotent(tmp_path):
+    repository = tmp_path / "repo"
+    first = gen_config(f"--model-repository={repository}", f"--profile={SMALL_PROFILE}")
+    assert first.returncode == 0, first.stderr
+    assert (repository / "encoder_128" / "config.pbtxt").is_file()
+    assert (repository / "encoder_128" / "1" / "model.py").read_text().count("import TritonPythonModel") == 1
+    second = gen_config(f"--model-repository={repository}", f"--profile={SMALL_PROFILE}")
+    assert "0 file(s) written" in second.stdout
+
+
+def test_explain_prints_every_knob_with_numbers():
+    result = gen_config("--explain")
+    assert result.returncode == 0
+    assert "encoder_256" in result.stdout and "o + 2·c(b) <= S" in result.stdout
+    assert "Little's law" in result.stdout
+
+
+def test_infeasible_slo_is_a_clear_error_naming_the_bucket(tmp_path):
+    spec = tmp_path / "serving.toml"
+    text = (REPO / "serving.toml").read_text().replace("slo_p95_ms = 200", "slo_p95_ms = 50")
+    text = text.replace('workload = "loadtest/', f'workload = "{REPO}/loadtest/')
+    spec.write_text(text)
+    result = gen_config(f"--spec={spec}", f"--profile={SMALL_PROFILE}", "--explain")
+    assert result.returncode == 2
+    assert "encoder_256" in result.stderr and "over the 50 ms p95 SLO" in result.stderr

@@ -1,0 +1,369 @@
+"""The load generator's pure core: arrivals, percentiles, step summaries, server-side
+deltas from Triton's statistics JSON, the goodput search; and the sweep's argument checks."""
+
+import argparse
+import itertools
+import random
+import statistics
+
+import pytest
+
+from tools import sweep
+from tools.loadgen import (
+    LoadTarget,
+    RateSearch,
+    ServerTimes,
+    StepResult,
+    default_stats_models,
+    flatten_step,
+    percentile,
+    plot_sweep,
+    poisson_arrival_times,
+    server_times_delta,
+    step_to_dict,
+    summarize_step,
+)
+
+# --------------------------------------------------------------------------- arrivals
+
+
+def test_arrivals_have_the_requested_mean_rate_over_a_long_window():
+    times = poisson_arrival_times(50.0, 400.0, random.Random(1))
+    assert len(times) / 400.0 == pytest.approx(50.0, rel=0.03)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # Exponential gaps: mean 1/rate and standard deviation equal to the mean.
+    assert statistics.mean(gaps) == pytest.approx(1 / 50, rel=0.03)
+    assert statistics.stdev(gaps) == pytest.approx(1 / 50, rel=0.05)
+
+
+def test_arrivals_are_sorted_inside_the_window_and_deterministic_for_a_seed():
+    first = poisson_arrival_times(20.0, 5.0, random.Random(7))
+    assert first == poisson_arrival_times(20.0, 5.0, random.Random(7))
+    assert first != poisson_arrival_times(20.0, 5.0, random.Random(8))
+    assert first == sorted(first)
+    assert all(0 < t < 5.0 for t in first)
+
+
+@pytest.mark.parametrize(("rate", "duration"), [(0, 1), (-1, 1), (1, 0)])
+def test_arrivals_reject_non_positive_rate_or_duration(rate, duration):
+    with pytest.raises(ValueError, match="must be > 0"):
+        poisson_arrival_times(rate, duration, random.Random(0))
+
+
+# --------------------------------------------------------------------------- percentiles
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [15, 20, 35, 40, 50]
+    assert percentile(values, 0) == 15
+    assert percentile(values, 50) == 35
+    assert percentile(values, 100) == 50
+    assert percentile(values, 40) == pytest.approx(29.0)  # numpy.percentile(values, 40)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([3, 1, 2], 50) == 2  # order of the input does not matter
+
+
+def test_percentile_rejects_empty_input_and_bad_q():
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile([1.0], 101)
+
+
+# --------------------------------------------------------------------------- step summary
+
+
+def test_summarize_step_counts_goodput_against_everything_sent():
+    result = summarize_step(mode="open", load=10, duration_s=2.0, latencies_ms=[10, 20, 30, 150],
+                            errors=["UNAVAILABLE: queue full", "UNAVAILABLE: queue full", "not sent: cap"],
+                            slo_ms=100, send_lags_ms=[0.1, 0.2, 5.0], client_cpu_s=0.05)
+    assert (result.offered_rps, result.concurrency) == (10.0, None)
+    assert (result.num_sent, result.num_ok, result.num_errors, result.num_within_slo) == (7, 4, 3, 3)
+    assert result.goodput_fraction == pytest.approx(3 / 7)
+    assert result.throughput_rps == pytest.approx(2.0)  # ok responses per second
+    assert result.p50_ms == pytest.approx(25.0)
+    assert result.p99_ms == pytest.approx(percentile([10, 20, 30, 150], 99))
+    assert result.send_lag_p99_ms == pytest.approx(percentile([0.1, 0.2, 5.0], 99))
+    assert result.error_samples == ("UNAVAILABLE: queue full (x2)", "not sent: cap (x1)")
+    assert result.load == 10.0
+
+
+def test_summarize_step_with_nothing_ok_has_no_percentiles_and_zero_goodput():
+    result = summarize_step(mode="closed", load=4, duration_s=1.0, latencies_ms=[], errors=["boom"] * 3, slo_ms=50)
+    assert (result.concurrency, result.offered_rps) == (4, None)
+    assert result.p50_ms is result.p95_ms is result.p99_ms is None
+    assert result.goodput_fraction == 0.0 and result.throughput_rps == 0.0
+    empty = summarize_step(mode="open", load=1, duration_s=1.0, latencies_ms=[], errors=[], slo_ms=50)
+    assert empty.num_sent == 0 and empty.goodput_fraction == 0.0
+
+
+def test_summarize_step_keeps_only_a_few_distinct_error_messages():
+    errors = [f"error {i % 9}" for i in range(100)]
+    result = summarize_step(mode="open", load=1, duration_s=1.0, latencies_ms=[], errors=errors, slo_ms=1)
+    assert result.num_errors == 100
+    assert len(result.error_samples) == 5
+
+
+def test_summarize_step_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="mode"):
+        summarize_step(mode="sideways", load=1, duration_s=1, latencies_ms=[1], errors=[], slo_ms=1)
+
+
+def test_step_serialises_to_json_and_flat_csv_rows():
+    times = ServerTimes(inference_count=8, execution_count=2, num_requests=8, num_failed=0,
+                        mean_batch_size=4.0, queue_ms=1.5, compute_ms=9.0)
+    result = summarize_step(mode="open", load=5, duration_s=1, latencies_ms=[5.0], errors=["x"], slo_ms=10,
+                            server={"encoder_16": times})
+    data = step_to_dict(result)
+    assert data["server"]["encoder_16"]["queue_ms"] == 1.5
+    assert data["error_samples"] == ["x (x1)"]
+    row = flatten_step(result)
+    assert row["server.encoder_16.mean_batch_size"] == 4.0
+    assert "server" not in row and row["error_samples"] == "x (x1)"
+
+
+# --------------------------------------------------------------------------- server stats
+
+# Recorded from tritonserver 2.51 (gRPC get_inference_statistics(as_json=True)) before and
+# after 40 concurrent `embed` requests; trimmed. int64 come as strings; zero fields are left out.
+STATS_BEFORE = {"model_stats": [
+    {"name": "encoder_16", "version": "1", "last_inference": "1795318881140", "inference_count": "3",
+     "execution_count": "3",
+     "inference_stats": {"success": {"count": "3", "ns": "63141058"}, "fail": {},
+                         "queue": {"count": "3", "ns": "6292339"},
+                         "compute_input": {"count": "3", "ns": "59892"},
+                         "compute_infer": {"count": "3", "ns": "56606826"},
+                         "compute_output": {"count": "3", "ns": "171542"}, "cache_hit": {}, "cache_miss": {}},
+     "batch_stats": [{"batch_size": "1", "compute_input": {"count": "3", "ns": "59892"},
+                      "compute_infer": {"count": "3", "ns": "56606826"},
+                      "compute_output": {"count": "3", "ns": "171542"}}]},
+    {"name": "encoder_128", "version": "1",
+     "inference_stats": {"success": {}, "fail": {}, "queue": {}, "compute_input": {}, "compute_infer": {},
+                         "compute_output": {}, "cache_hit": {}, "cache_miss": {}}},
+]}
+STATS_AFTER = {"model_stats": [
+    {"name": "encoder_16", "version": "1", "last_inference": "1795318902683", "inference_count": "43",
+     "execution_count": "12",
+     "inference_stats": {"success": {"count": "43", "ns": "963887105"}, "fail": {},
+                         "queue": {"count": "43", "ns": "237610155"},
+                         "compute_input": {"count": "43", "ns": "2561623"},
+                         "compute_infer": {"count": "43", "ns": "684637310"},
+                         "compute_output": {"count": "43", "ns": "32532900"}, "cache_hit": {}, "cache_miss": {}},
+     "batch_stats": [
+         {"batch_size": "1", "compute_input": {"count": "3", "ns": "59892"},
+          "compute_infer": {"count": "3", "ns": "56606826"}, "compute_output": {"count": "3", "ns": "171542"}},
+         {"batch_size": "3", "compute_input": {"count": "3", "ns": "127849"},
+          "compute_infer": {"count": "3", "ns": "39555752"}, "compute_output": {"count": "3", "ns": "336201"}},
+         {"batch_size": "4", "compute_input": {"count": "2", "ns": "152486"},
+          "compute_infer": {"count": "2", "ns": "35340488"}, "compute_output": {"count": "2", "ns": "1517205"}},
+         {"batch_size": "5", "compute_input": {"count": "1", "ns": "81022"},
+          "compute_infer": {"count": "1", "ns": "17786232"}, "compute_output": {"count": "1", "ns": "2480681"}},
+         {"batch_size": "6", "compute_input": {"count": "3", "ns": "183855"},
+          "compute_infer": {"count": "3", "ns": "46511686"}, "compute_output": {"count": "3", "ns": "2146755"}}]},
+    {"name": "encoder_128", "version": "1",
+     "inference_stats": {"success": {}, "fail": {}, "queue": {}, "compute_input": {}, "compute_infer": {},
+                         "compute_output": {}, "cache_hit": {}, "cache_miss": {}}},
+]}
+
+
+def test_server_times_delta_on_recorded_statistics():
+    times = server_times_delta(STATS_BEFORE, STATS_AFTER)
+    encoder = times["encoder_16"]
+    assert (encoder.inference_count, encoder.execution_count, encoder.num_requests) == (40, 9, 40)
+    assert encoder.mean_batch_size == pytest.approx(40 / 9)
+    assert encoder.queue_ms == pytest.approx((237610155 - 6292339) / 40 / 1e6)
+    # Per execution, from batch_stats (inference_stats would charge each row its whole batch).
+    batch_ns = (127849 + 39555752 + 336201 + 152486 + 35340488 + 1517205 + 81022 + 17786232 + 2480681
+                + 183855 + 46511686 + 2146755)
+    assert encoder.compute_ms == pytest.approx(batch_ns / 9 / 1e6)
+    idle = times["encoder_128"]
+    assert (idle.inference_count, idle.execution_count, idle.mean_batch_size, idle.queue_ms, idle.compute_ms) == (
+        0, 0, 0.0, 0.0, 0.0)
+
+
+def test_server_times_delta_counts_new_and_reset_models_from_zero():
+    loaded_later = server_times_delta({"model_stats": []}, STATS_AFTER)["encoder_16"]
+    assert loaded_later.inference_count == 43 and loaded_later.execution_count == 12
+    reset = server_times_delta(STATS_AFTER, STATS_BEFORE)["encoder_16"]  # counters went backwards
+    assert reset.inference_count == 3 and reset.execution_count == 3
+
+
+def test_server_times_delta_sums_versions_of_one_model():
+    v2 = dict(STATS_AFTER["model_stats"][0], version="2")
+    after = {"model_stats": [STATS_AFTER["model_stats"][0], v2]}
+    times = server_times_delta(STATS_BEFORE, after)["encoder_16"]
+    assert times.inference_count == 43 * 2 - 3
+
+
+def test_default_stats_models_add_the_routers_ready_buckets():
+    index = [{"name": "embed", "state": "READY"}, {"name": "encoder_32", "state": "READY"},
+             {"name": "encoder_16", "state": "READY"}, {"name": "encoder_64", "state": "UNAVAILABLE"},
+             {"name": "llm", "state": "READY"}]
+    assert default_stats_models("embed", index) == ["embed", "encoder_16", "encoder_32"]
+    assert default_stats_models("llm", index) == ["llm"]
+
+
+# --------------------------------------------------------------------------- goodput search
+
+
+def step(goodput: float = 1.0, errors: int = 0) -> StepResult:
+    num_sent = 100
+    return StepResult(mode="open", offered_rps=1.0, concurrency=None, duration_s=1.0, num_sent=num_sent,
+                      num_ok=num_sent - errors, num_errors=errors, num_within_slo=round(goodput * num_sent),
+                      p50_ms=1.0, p95_ms=1.0, p99_ms=1.0, throughput_rps=1.0, goodput_fraction=goodput,
+                      slo_ms=100.0, send_lag_p99_ms=0.0)
+
+
+def drive(search: RateSearch, capacity_rps: float) -> list[float]:
+    """Run the search against a server that meets the SLO up to `capacity_rps`."""
+    rates = []
+    while (rate := search.next_rate()) is not None:
+        rates.append(rate)
+        search.record(rate, step(goodput=1.0 if rate <= capacity_rps else 0.5))
+    return rates
+
+
+def test_search_doubles_until_a_failure_then_bisects_to_the_tolerance():
+    search = RateSearch(10, rel_tolerance=0.10, max_steps=20)
+    rates = drive(search, capacity_rps=55)
+    assert rates[:4] == [10, 20, 40, 80]  # doubling until 80 fails
+    # Bisection between the highest pass and the lowest failure: [40, 80] -> 60 fails,
+    # [40, 60] -> 50 passes, [50, 60] -> 55 passes, [55, 60] is within 10% of 60: done.
+    assert rates[4:] == [60, 50, 55]
+    assert search.best_rate == 55
+    assert search.done
+
+
+def test_search_stops_after_max_steps_with_the_best_so_far():
+    search = RateSearch(1, max_steps=3)
+    assert drive(search, capacity_rps=1000) == [1, 2, 4]
+    assert search.best_rate == 4 and search.next_rate() is None
+
+
+def test_search_where_every_rate_fails_halves_down_and_reports_zero():
+    search = RateSearch(8, min_rps=1, max_steps=20)
+    rates = drive(search, capacity_rps=0)
+    assert rates == [8, 4, 2, 1]
+    assert search.best_rate == 0.0
+    assert search.history == [(8, False), (4, False), (2, False), (1, False)]
+
+
+def test_search_finds_capacity_below_a_failing_start():
+    search = RateSearch(100, rel_tolerance=0.2, max_steps=20)
+    drive(search, capacity_rps=30)
+    assert 25 <= search.best_rate <= 30
+
+
+def test_a_single_error_fails_a_rate_even_with_full_goodput():
+    search = RateSearch(10)
+    search.record(10, step(goodput=0.99, errors=1))
+    assert search.best_rate == 0.0
+    assert search.next_rate() == 5  # halves after the failure
+    lenient = RateSearch(10, max_errors=1)
+    lenient.record(10, step(goodput=0.99, errors=1))
+    assert lenient.best_rate == 10
+
+
+def test_goodput_threshold_is_a_parameter():
+    search = RateSearch(10, min_goodput=0.99)
+    search.record(10, step(goodput=0.98))
+    assert search.best_rate == 0.0
+    assert RateSearch(10).passes(step(goodput=0.95))
+
+
+def test_search_stops_at_max_rps_and_when_results_disagree():
+    capped = RateSearch(10, max_rps=30)
+    assert drive(capped, capacity_rps=1000) == [10, 20, 30]
+    assert capped.best_rate == 30
+    noisy = RateSearch(10)
+    noisy.record(10, step(goodput=0.5))
+    noisy.record(20, step(goodput=1.0))  # a pass above a failure: stop, keep the pass
+    assert noisy.next_rate() is None and noisy.best_rate == 20
+
+
+@pytest.mark.parametrize("kwargs", [{"start_rps": 0}, {"start_rps": 1, "min_goodput": 1.5},
+                                    {"start_rps": 1, "rel_tolerance": 0}, {"start_rps": 1, "max_steps": 0},
+                                    {"start_rps": 1, "max_errors": -1}, {"start_rps": 1, "min_rps": 2}])
+def test_search_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        RateSearch(**kwargs)
+
+
+# --------------------------------------------------------------------------- target, plot
+
+
+def test_load_target_validates_its_fields():
+    with pytest.raises(ValueError, match="payload"):
+        LoadTarget(grpc_url="x:1", model="embed", texts=(), slo_ms=10)
+    with pytest.raises(ValueError, match="slo_ms"):
+        LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=0)
+    with pytest.raises(ValueError, match="rows_per_request"):
+        LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1, rows_per_request=0)
+
+
+def test_plot_sweep_writes_a_png(tmp_path):
+    results = [summarize_step(mode="open", load=rate, duration_s=1, latencies_ms=[rate, 2 * rate, 3 * rate],
+                              errors=[], slo_ms=50) for rate in (5, 10, 20)]
+    results.append(summarize_step(mode="open", load=40, duration_s=1, latencies_ms=[], errors=["x"], slo_ms=50))
+    path = plot_sweep(results, 50, tmp_path / "sub" / "sweep.png", "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- sweep CLI checks
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv", [["--rates", "5,0"], ["--rates", "a"], ["--rates", ","],
+                                  ["--concurrency", "1,2.5"], ["--duration", "0"], ["--warmup", "-1"],
+                                  ["--out", "results.txt"], ["--plot", "plot.jpg"], ["--parameters", "[1]"],
+                                  ["--parameters", "{bad"], ["--parameters", '{"tenant": [1]}'],
+                                  ["--parameters", '{"priority": -1}'], ["--min-goodput", "2"],
+                                  ["--mode", "sideways"]])
+def test_sweep_rejects_bad_arguments_where_declared(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_sweep_parses_lists_and_splits_triton_request_fields():
+    args = parse("--rates", "5, 10,20", "--parameters", '{"tenant": "a", "priority": 1, "timeout": 5000}')
+    assert args.rates == (5.0, 10.0, 20.0)
+    assert sweep.split_parameters(args.parameters) == ({"tenant": "a"}, 1, 5000)
+    assert sweep.split_parameters({}) == ({}, 0, None)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--mode", "closed", "--rates", "5"], "--mode open"),
+    (["--mode", "open", "--concurrency", "2"], "--mode closed"),
+    (["--rates", "5", "--search", "5"], "not both"),
+])
+def test_sweep_rejects_options_of_the_other_mode(argv, message, capsys):
+    assert sweep.run(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pick_text_input_from_model_metadata():
+    embed = {"name": "embed", "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": ["-1", "1"]}]}
+    assert sweep.pick_text_input(embed) == "TEXT"
+    encoder = {"name": "encoder_16", "inputs": [{"name": "INPUT_IDS", "datatype": "INT64", "shape": ["-1", "16"]}]}
+    with pytest.raises(sweep.SweepError, match="exactly one BYTES input"):
+        sweep.pick_text_input(encoder)
+
+
+def test_format_step_shows_latency_errors_and_server_queue_vs_compute():
+    times = ServerTimes(inference_count=8, execution_count=2, num_requests=8, num_failed=0,
+                        mean_batch_size=4.0, queue_ms=1.5, compute_ms=9.0)
+    idle = ServerTimes(0, 0, 0, 0, 0.0, 0.0, 0.0)
+    result = summarize_step(mode="open", load=20, duration_s=1, latencies_ms=[5.0, 7.0], errors=["UNAVAILABLE: x"],
+                            slo_ms=10, server={"encoder_16": times, "encoder_256": idle})
+    line = sweep.format_step(result)
+    assert "20 rps" in line and "p95" in line and "errors 1" in line
+    assert "encoder_16 1.5/9.0 (4.0)" in line and "encoder_256" not in line
+    assert "UNAVAILABLE: x (x1)" in line

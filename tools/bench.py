@@ -1,0 +1,263 @@
+"""Benchmarks against a real tritonserver, each with its baselines in the same run.
+
+`goodput`: the highest offered request rate (open loop, Poisson arrivals) at which at
+least 95% of requests finish within the SLO and none fail, for three setups of the same
+embedding model on one length mix:
+  no_batching       one model, every input padded to 256 tokens, no dynamic batching
+  default_batching  one model, inputs padded to 256, Triton's dynamic batching with default knobs
+  slo_bucketed      this project's length buckets with SLO-derived configs
+plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
+bucketed at the best measured batch sizes (what this hardware can do at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
+from tools.gen_config import GeneratedModel, expected_files, plan_all
+from tools.latency_profile import LatencyProfile, ProfileError, load_profile
+from tools.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
+from tools.profiler import detect_hardware
+from tools.spec import DEFAULT_SPEC, REPO_ROOT, ServingSpec, SpecError, load_spec
+from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ServerConfig, ServerError, TritonServer, free_port
+
+SETUPS = ("no_batching", "default_batching", "slo_bucketed")
+DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
+BENCH_DIR = REPO_ROOT / "build" / "bench"
+
+
+@dataclass(frozen=True)
+class GoodputOptions:
+    """How long and how hard the goodput search measures."""
+
+    step_s: float  # seconds of open-loop load per measured rate
+    start_rps: float  # first rate tried by the search
+    max_steps: int  # measured rates per setup at most
+    num_texts: int  # distinct payload texts drawn from the workload
+    ceiling_rows: int  # rows run through ONNX Runtime for the ceiling
+
+
+def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool) -> list[GeneratedModel]:
+    """The baselines: the router with a single 256-token bucket, so every input is padded to 256."""
+    plan = {m.name: m for m in plan_all(spec, profile)}
+    model = spec.models[0]
+    largest = model.bucket_lens[-1]
+    router = mc.ModelConfig()
+    router.CopyFrom(plan[model.name].config)
+    encoder = mc.ModelConfig()
+    encoder.CopyFrom(plan[model.encoder_name(largest)].config)
+    encoder.ClearField("dynamic_batching")
+    if batching:
+        encoder.max_batch_size = DEFAULT_MAX_BATCH
+        encoder.dynamic_batching.SetInParent()  # `dynamic_batching { }`: Triton's defaults
+        encoder.instance_group[0].count = 1
+    else:
+        encoder.max_batch_size = 1
+    router.parameters["bucket_lens"].string_value = str(largest)
+    router.parameters["bucket_max_batch"].string_value = f"{largest}:{encoder.max_batch_size}"
+    header = ("Benchmark baseline written by `python -m tools bench goodput`.",)
+    return [
+        GeneratedModel(model.name, router, header, "embed_model", model.versions),
+        GeneratedModel(model.encoder_name(largest), encoder, header, "encoder_model", model.versions),
+    ]
+
+
+def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
+    """A model repository for one setup: generated configs, model files hard-linked from the real one."""
+    target = BENCH_DIR / setup
+    shutil.rmtree(target, ignore_errors=True)
+    for path, text in expected_files(plan, target).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for model in plan:
+        for version in model.versions:
+            source = DEFAULT_MODEL_REPOSITORY / model.name / str(version)
+            for item in source.iterdir():
+                if item.is_file() and item.suffix in (".onnx", ".json"):
+                    os.link(item, target / model.name / str(version) / item.name)
+    return target
+
+
+def measure_ceiling(texts: list[str], profile: LatencyProfile, bucket_lens: tuple[int, ...], prefix: str) -> dict:
+    """Rows/s of the mix run in-process through ONNX Runtime, ideally bucketed, at the best batch sizes."""
+    from python_backends.buckets import choose_bucket, pad_rows, truncate_tokens
+    from python_backends.encoder import EncoderConfig, OnnxEncoder
+    from python_backends.tokenization import TextTokenizer
+
+    tokenizer = TextTokenizer.from_file(DEFAULT_MODEL_REPOSITORY / "embed" / "1" / "tokenizer.json")
+    rows_by_bucket: dict[int, list[list[int]]] = {}
+    for ids in tokenizer.encode(texts):
+        ids = truncate_tokens(ids, bucket_lens[-1])
+        rows_by_bucket.setdefault(choose_bucket(len(ids), bucket_lens), []).append(ids)
+    onnx_path = DEFAULT_MODEL_REPOSITORY / f"{prefix}{bucket_lens[0]}" / "1" / "model.onnx"
+    per_bucket = {}
+    total_s = 0.0
+    for bucket_len, rows in sorted(rows_by_bucket.items()):
+        curve = profile.curve(f"{prefix}{bucket_len}")
+        best = max(curve.sizes, key=curve.throughput_rps)
+        encoder = OnnxEncoder(onnx_path, EncoderConfig(f"{prefix}{bucket_len}", bucket_len, best))
+        warm_ids, warm_mask = pad_rows(rows[:best], bucket_len, tokenizer.pad_id)
+        encoder.embed(warm_ids, warm_mask)
+        started = time.perf_counter()
+        for start in range(0, len(rows), best):
+            ids, mask = pad_rows(rows[start:start + best], bucket_len, tokenizer.pad_id)
+            encoder.embed(ids, mask)
+        elapsed = time.perf_counter() - started
+        total_s += elapsed
+        per_bucket[str(bucket_len)] = {"rows": len(rows), "batch_size": best, "seconds": round(elapsed, 3)}
+    return {"rows_per_s": len(texts) / total_s, "rows": len(texts), "buckets": per_bucket}
+
+
+async def search_goodput(target: LoadTarget, options: GoodputOptions, log) -> tuple[float, list[StepResult]]:
+    await run_open_loop(target, options.start_rps, min(3.0, options.step_s), seed=0)  # warm up, discarded
+    search = RateSearch(options.start_rps, max_steps=options.max_steps, rel_tolerance=0.10)
+    steps: list[StepResult] = []
+    seed = 1
+    while (rate := search.next_rate()) is not None:
+        result = await run_open_loop(target, rate, options.step_s, seed=seed)
+        seed += 1
+        search.record(rate, result)
+        steps.append(result)
+        verdict = "pass" if search.passes(result) else "FAIL"
+        log(f"    {rate:7.1f} rps offered: {result.goodput_fraction:6.1%} within SLO, {result.num_errors} errors, "
+            f"p95 {result.p95_ms:7.1f} ms, {result.throughput_rps:6.1f} rps done  [{verdict}]")
+        await asyncio.sleep(1.0)  # let queues drain between steps
+    return search.best_rate, steps
+
+
+def run_setup(setup: str, repository: Path, texts: list[str], slo_ms: float, options: GoodputOptions,
+              log) -> dict:
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), host="127.0.0.1")
+    log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
+    with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
+        target = LoadTarget(grpc_url=server.grpc_url, model="embed", texts=tuple(texts), slo_ms=slo_ms)
+        goodput, steps = asyncio.run(search_goodput(target, options, log))
+    log(f"  {setup}: goodput {goodput:.1f} rps")
+    return {"goodput_rps": goodput, "repository": str(repository.relative_to(REPO_ROOT)),
+            "steps": [flatten_step(s) for s in steps]}
+
+
+def plot_goodput(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["setups"])
+    values = [report["setups"][n]["goodput_rps"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, values, color=["#999999", "#6c8ebf", "#2e7d32"][: len(names)])
+    for bar, value in zip(bars, values, strict=True):
+        ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.1f}", ha="center", va="bottom")
+    ax.axhline(report["ceiling_rps"], color="black", linestyle="--",
+               label=f"ceiling (in-process ONNX Runtime) {report['ceiling_rps']:.1f}")
+    ax.set_ylabel("goodput, requests/s (p95 within SLO, no errors)")
+    ax.set_title(f"{report['workload']} mix, SLO p95 {report['slo_ms']:.0f} ms, {report['hardware']['description']}",
+                 fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    goodput = sub.add_parser("goodput", help="goodput of no batching vs default batching vs SLO-bucketed",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    goodput.add_argument("--out", type=Path, default=Path("results/goodput.json"),
+                         help="result JSON; a PNG plot is written beside it (default: %(default)s)")
+    goodput.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    goodput.add_argument("--profile", type=Path, default=None, help="latency profile (default: the spec's)")
+    goodput.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="length mix (default: %(default)s)")
+    goodput.add_argument("--setups", default=",".join(SETUPS),
+                         help=f"comma-separated subset of {', '.join(SETUPS)} (default: all)")
+    goodput.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
+    goodput.add_argument("--start-rps", type=float, default=4.0, help="first rate of each search (default: 4)")
+    goodput.add_argument("--max-steps", type=int, default=9, help="measured rates per setup at most (default: 9)")
+    goodput.add_argument("--quick", action="store_true",
+                         help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run")
+    goodput.set_defaults(benchmark_run=run_goodput)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args.benchmark_run(args)
+
+
+def run_goodput(args: argparse.Namespace) -> int:
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown or not setups:
+        print(f"error: unknown setups {unknown}; choose from {', '.join(SETUPS)}", file=sys.stderr)
+        return 2
+    options = (GoodputOptions(step_s=3.0, start_rps=args.start_rps, max_steps=4, num_texts=300, ceiling_rows=200)
+               if args.quick else
+               GoodputOptions(step_s=args.step_seconds, start_rps=args.start_rps, max_steps=args.max_steps,
+                              num_texts=2000, ceiling_rows=1000))
+    try:
+        spec = load_spec(args.spec)
+        profile = load_profile(args.profile or spec.profile)
+        workload = load_workload(args.workload)
+    except (SpecError, ProfileError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model = spec.models[0]
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    hardware = detect_hardware(None)
+    log(f"goodput benchmark on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms; workload {workload.name}")
+    factory = TextFactory()
+    texts = factory.texts_for(workload, options.num_texts)
+    report: dict = {
+        "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu,
+                     **hardware.details},
+        "slo_ms": model.slo_p95_ms,
+        "workload": workload.name,
+        "criterion": "highest offered open-loop rate with >= 95% of requests within the SLO and no errors",
+        "command": "python -m tools bench goodput " + " ".join(sys.argv[3:]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "setups": {},
+    }
+    try:
+        for setup in setups:
+            if setup == "slo_bucketed":
+                repository = build_repository(setup, plan_all(spec, profile))
+            else:
+                repository = build_repository(setup, padded_only_plan(spec, profile, setup == "default_batching"))
+            report["setups"][setup] = run_setup(setup, repository, texts, model.slo_p95_ms, options, log)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
+    ceiling = measure_ceiling(texts[: options.ceiling_rows], profile, model.bucket_lens, model.encoder_prefix)
+    report["ceiling_rps"] = ceiling["rows_per_s"] / workload.rows_per_request
+    report["ceiling"] = ceiling
+    log(f"  ceiling: {report['ceiling_rps']:.1f} rps")
+    goodputs = {name: data["goodput_rps"] for name, data in report["setups"].items()}
+    if "slo_bucketed" in goodputs:
+        ours = goodputs["slo_bucketed"]
+        report["ratios"] = {"slo_bucketed_vs_ceiling": round(ours / report["ceiling_rps"], 3)}
+        if goodputs.get("default_batching"):
+            report["ratios"]["slo_bucketed_vs_default_batching"] = round(ours / goodputs["default_batching"], 2)
+        if goodputs.get("no_batching"):
+            report["ratios"]["slo_bucketed_vs_no_batching"] = round(ours / goodputs["no_batching"], 2)
+        log(f"ratios: {report['ratios']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot_path = args.out.with_suffix(".png")
+    plot_goodput(report, plot_path)
+    log(f"wrote {args.out} and {plot_path}")
+    return 0

@@ -1,0 +1,232 @@
+"""Batching knobs derived from a latency SLO and a measured latency curve.
+
+For one bucket model with p95 SLO `S`, fixed overhead `o` (network, router, measured) and
+compute time `c(b)` per execution at batch size `b` (measured by `python -m tools profile`):
+
+- `max_batch_size`: the largest `b` with `o + 2·c(b) <= S`. A request that arrives just
+  after a batch started waits for it, then runs in the next one: two executions.
+- `preferred_batch_size`: the knee of the throughput curve `b / c(b)`, the first measured
+  size where doubling buys less than `knee_gain` (10%) more throughput; at most
+  `max_batch_size`. Beyond the knee a batch costs latency and buys little.
+- `max_queue_delay_microseconds` (linger): what the budget leaves, `S - o - 2·c(b_pref)`,
+  and no longer than expected traffic takes to fill the batch it needs: the smallest
+  `b <= b_pref` whose throughput carries the expected rate at the target utilisation.
+  If single rows keep up, the linger is zero: waiting would only add latency.
+- queue policy: `default_timeout_microseconds = S - o - c(max_batch_size)`: a request still
+  queued after that cannot finish inside the SLO even in the next batch, so it is rejected
+  (REJECT, retryable UNAVAILABLE) rather than served late. `max_queue_size` by Little's law:
+  the rate the queue drains at x the longest allowed wait, at least one full batch; more
+  would only be rejected late, fewer would turn away bursts that could still make it.
+- instance count: enough instances to carry the peak rate at `b_pref` throughput under a
+  target utilisation, capped by what the hardware can run in parallel.
+
+Everything here is pure: plain data in, plain data out, every knob with its reasoning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class InfeasibleSLO(ValueError):
+    """No batching configuration can meet the SLO for this model; the message says why."""
+
+
+@dataclass(frozen=True)
+class LatencyCurve:
+    """Measured compute time per execution, by batch size."""
+
+    compute_ms: Mapping[int, float]  # batch size -> mean compute time of one execution, ms
+
+    def __post_init__(self) -> None:
+        if not self.compute_ms:
+            raise ValueError("a latency curve needs at least one measured batch size")
+        for batch, ms in self.compute_ms.items():
+            if batch < 1 or not ms > 0:
+                raise ValueError(f"bad latency point: batch {batch}, {ms} ms")
+        if 1 not in self.compute_ms:
+            raise ValueError("a latency curve must include batch size 1")
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self.compute_ms)
+
+    @property
+    def max_measured(self) -> int:
+        return max(self.compute_ms)
+
+    def at(self, batch: int) -> float:
+        """c(b), linearly interpolated between measured sizes; no extrapolation."""
+        if batch in self.compute_ms:
+            return self.compute_ms[batch]
+        sizes = self.sizes
+        if batch < sizes[0] or batch > sizes[-1]:
+            raise ValueError(f"batch {batch} is outside the measured range {sizes[0]}..{sizes[-1]}")
+        upper = next(s for s in sizes if s > batch)
+        lower = max(s for s in sizes if s < batch)
+        weight = (batch - lower) / (upper - lower)
+        return self.compute_ms[lower] + weight * (self.compute_ms[upper] - self.compute_ms[lower])
+
+    def throughput_rps(self, batch: int) -> float:
+        """Rows per second of one instance running batches of `batch` back to back."""
+        return batch / self.at(batch) * 1000.0
+
+
+@dataclass(frozen=True)
+class BucketDemand:
+    """What one bucket model must deliver: its SLO, overhead and traffic."""
+
+    model_name: str  # the Triton model, named in errors and explanations
+    slo_p95_ms: float  # end-to-end p95 latency target of a request
+    overhead_ms: float  # fixed time outside this model's compute (network, router, BLS)
+    expected_rps: float  # rows per second reaching this bucket in normal traffic
+    peak_rps: float  # rows per second at peak
+    max_instances: int = 1  # instances the hardware can run in parallel usefully
+    knee_gain: float = 0.10  # doubling the batch must buy at least this much more throughput
+    max_utilization: float = 0.8  # plan instances to run at most this busy at peak
+    queue_timeout: bool = True  # write the queue-policy timeout; False leaves the early rejection to the queue bound
+
+
+@dataclass(frozen=True)
+class BatchingKnobs:
+    """The derived settings of one bucket model, each with the numbers that set it."""
+
+    model_name: str  # the Triton model
+    max_batch_size: int  # Triton max_batch_size
+    preferred_batch_size: int  # dynamic_batching.preferred_batch_size
+    max_queue_delay_us: int  # dynamic_batching.max_queue_delay_microseconds
+    default_timeout_us: int  # default_queue_policy.default_timeout_microseconds (REJECT)
+    max_queue_size: int  # default_queue_policy.max_queue_size
+    instance_count: int  # instance_group count
+    reasons: dict[str, str] = field(default_factory=dict)  # knob -> why, with numbers
+    warnings: tuple[str, ...] = ()  # capacity shortfalls and other things to act on
+
+
+def find_knee(curve: LatencyCurve, knee_gain: float = 0.10) -> int:
+    """First measured batch size where the next measured size adds less than `knee_gain` throughput."""
+    sizes = curve.sizes
+    for smaller, larger in itertools.pairwise(sizes):
+        if curve.throughput_rps(larger) < curve.throughput_rps(smaller) * (1.0 + knee_gain):
+            return smaller
+    return sizes[-1]
+
+
+def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
+    """Derive the batching knobs of one bucket model; raise InfeasibleSLO naming it if none work."""
+    name, slo, overhead = demand.model_name, demand.slo_p95_ms, demand.overhead_ms
+    if slo <= 0 or overhead < 0 or demand.expected_rps < 0 or demand.peak_rps < demand.expected_rps:
+        raise ValueError(
+            f"{name}: need slo > 0, overhead >= 0, 0 <= expected_rps <= peak_rps "
+            f"(got slo {slo}, overhead {overhead}, expected {demand.expected_rps}, peak {demand.peak_rps})"
+        )
+    c1 = curve.at(1)
+    if overhead + c1 > slo:
+        raise InfeasibleSLO(
+            f"{name}: a single request alone takes o + c(1) = {overhead:.1f} + {c1:.1f} = {overhead + c1:.1f} ms, "
+            f"over the {slo:.0f} ms p95 SLO; raise the SLO, use faster hardware, or split the bucket"
+        )
+    if overhead + 2 * c1 > slo:
+        raise InfeasibleSLO(
+            f"{name}: even unbatched, a request that waits for the one in flight takes o + 2·c(1) = "
+            f"{overhead:.1f} + 2·{c1:.1f} = {overhead + 2 * c1:.1f} ms, over the {slo:.0f} ms p95 SLO; "
+            "raise the SLO, use faster hardware, or split the bucket"
+        )
+    reasons: dict[str, str] = {}
+    warnings: list[str] = []
+
+    max_batch = max(b for b in range(1, curve.max_measured + 1) if overhead + 2 * curve.at(b) <= slo)
+    reasons["max_batch_size"] = (
+        f"largest b with o + 2·c(b) <= S: {overhead:.1f} + 2·{curve.at(max_batch):.1f} = "
+        f"{overhead + 2 * curve.at(max_batch):.1f} <= {slo:.0f} ms"
+        + (f" (b = {max_batch + 1} gives {overhead + 2 * curve.at(max_batch + 1):.1f} ms)"
+           if max_batch < curve.max_measured else f" (largest measured size is {curve.max_measured})")
+    )
+
+    knee = find_knee(curve, demand.knee_gain)
+    preferred = min(knee, max_batch)
+    reasons["preferred_batch_size"] = (
+        f"throughput knee at b = {knee} ({curve.throughput_rps(knee):.0f} rows/s; doubling adds < "
+        f"{demand.knee_gain:.0%})" + (f", capped by max_batch_size {max_batch}" if preferred < knee else "")
+    )
+
+    # Linger only as long as it pays: wait for the smallest batch whose throughput carries
+    # the expected traffic (never past the knee). When one row at a time keeps up, waiting
+    # buys nothing (the hardware would idle anyway) and the linger is zero; under heavier
+    # load requests queue behind the running batch and batch up without any linger.
+    c_pref = curve.at(preferred)
+    linger_budget_ms = max(0.0, slo - overhead - 2 * c_pref)
+    needed_batch = next(
+        (b for b in range(1, preferred + 1)
+         if curve.throughput_rps(b) * demand.max_utilization >= demand.expected_rps),
+        preferred,
+    )
+    if demand.expected_rps > 0 and needed_batch > 1:
+        fill_ms = (needed_batch - 1) / demand.expected_rps * 1000.0
+        delay_ms = min(linger_budget_ms, fill_ms)
+        fill_text = (f"expected {demand.expected_rps:.1f} rows/s needs batches of {needed_batch} "
+                     f"(at {demand.max_utilization:.0%} utilisation) and fills one in {fill_ms:.1f} ms")
+    else:
+        delay_ms = 0.0
+        fill_text = (f"expected {demand.expected_rps:.1f} rows/s is carried without batching "
+                     f"({curve.throughput_rps(1):.0f} rows/s at b = 1), so waiting buys nothing")
+    delay_us = int(delay_ms * 1000)
+    reasons["max_queue_delay_microseconds"] = (
+        f"min(budget S - o - 2·c(b_pref) = {slo:.0f} - {overhead:.1f} - 2·{c_pref:.1f} = {linger_budget_ms:.1f} ms; "
+        f"{fill_text}) = {delay_ms:.1f} ms"
+    )
+
+    c_max = curve.at(max_batch)
+    timeout_ms = slo - overhead - c_max
+    if demand.queue_timeout:
+        timeout_us = int(timeout_ms * 1000)
+        reasons["default_timeout_microseconds"] = (
+            f"S - o - c(max_batch) = {slo:.0f} - {overhead:.1f} - {c_max:.1f} = {timeout_ms:.1f} ms: "
+            "queued longer than this, a request misses the SLO even in the next batch, so REJECT it"
+        )
+    else:
+        timeout_us = 0
+        reasons["default_timeout_microseconds"] = (
+            f"not set (queue timeouts off in the spec); the queue bound below keeps the wait near "
+            f"S - o - c(max_batch) = {timeout_ms:.1f} ms instead"
+        )
+
+    per_instance = curve.throughput_rps(preferred) * demand.max_utilization
+    needed = max(1, math.ceil(demand.peak_rps / per_instance)) if demand.peak_rps > 0 else 1
+    instances = min(needed, demand.max_instances)
+    reasons["instance_count"] = (
+        f"peak {demand.peak_rps:.1f} rows/s / ({curve.throughput_rps(preferred):.0f} rows/s at b = {preferred} "
+        f"x {demand.max_utilization:.0%} utilisation) = {needed}"
+        + (f", capped at {demand.max_instances} by the hardware" if instances < needed else "")
+    )
+    if instances < needed:
+        warnings.append(
+            f"{name}: peak {demand.peak_rps:.1f} rows/s needs {needed} instances at {demand.max_utilization:.0%} "
+            f"utilisation but this hardware runs {demand.max_instances}; add replicas"
+        )
+
+    # Little's law at the rate the queue drains (full batches on every instance), not at the
+    # peak arrival rate: more queued requests than drain within the timeout would be
+    # rejected late anyway, and fewer would turn away bursts that could still make it.
+    drain_rps = curve.throughput_rps(max_batch) * instances
+    little = math.ceil(drain_rps * timeout_ms / 1000.0)
+    queue_size = max(max_batch, little)
+    reasons["max_queue_size"] = (
+        f"Little's law at the drain rate: {drain_rps:.1f} rows/s x {timeout_ms:.1f} ms = {little}"
+        + (f", raised to one full batch ({max_batch})" if queue_size > little else "")
+        + f"; peak arrivals {demand.peak_rps:.1f} rows/s"
+    )
+
+    return BatchingKnobs(
+        model_name=name,
+        max_batch_size=max_batch,
+        preferred_batch_size=preferred,
+        max_queue_delay_us=delay_us,
+        default_timeout_us=timeout_us,
+        max_queue_size=queue_size,
+        instance_count=instances,
+        reasons=reasons,
+        warnings=tuple(warnings),
+    )

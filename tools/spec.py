@@ -1,0 +1,184 @@
+"""The serving spec (`serving.toml`): the one declarative source of every config.pbtxt.
+
+It says what is served and what it must deliver: models, versions, buckets, the p95 SLO,
+expected and peak request rates, the request length mix, tenant tiers, and what each kind
+of hardware can run in parallel. `python -m tools gen-config` combines it with a measured
+latency profile (`profiles/<hardware>.json`) to write the model configs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from python_backends.buckets import validate_buckets
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = REPO_ROOT / "serving.toml"
+
+
+class SpecError(ValueError):
+    """The serving spec is invalid; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class TenantTier:
+    """A class of tenants served at one Triton priority level."""
+
+    name: str  # tier name used in the spec and metrics
+    priority: int  # Triton priority level; 1 is served first
+
+
+@dataclass(frozen=True)
+class HardwareLimits:
+    """What one kind of hardware runs in parallel, by the profile's `hardware.kind`."""
+
+    kind: str  # "cpu" or "gpu", matched against the profile
+    instance_kind: str  # Triton instance_group kind: KIND_CPU or KIND_GPU
+    max_instances: int  # bucket-model instances that add throughput on this hardware
+    intra_op_threads: int  # ONNX Runtime threads per instance; 0 lets ONNX Runtime choose
+
+
+@dataclass(frozen=True)
+class EmbedModelSpec:
+    """The length-bucketed embedding service: a router model and one encoder per bucket."""
+
+    name: str  # the router model clients call
+    versions: tuple[int, ...]  # versions of the model folders to serve
+    slo_p95_ms: float  # end-to-end p95 latency target of one request
+    expected_rps: float  # requests per second in normal traffic
+    peak_rps: float  # requests per second at peak
+    workload: Path  # length mix of requests (loadtest workload TOML)
+    bucket_lens: tuple[int, ...]  # bucket sequence lengths, ascending
+    encoder_prefix: str  # bucket model name = prefix + length
+    max_request_rows: int  # rows one client request may carry (the router's max_batch_size)
+    router_instances: int  # router instances (tokenization runs in these)
+    max_text_bytes: int  # longest row accepted, in UTF-8 bytes
+    queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
+
+    def encoder_name(self, bucket_len: int) -> str:
+        return f"{self.encoder_prefix}{bucket_len}"
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """The whole serving spec."""
+
+    path: Path  # the file it was read from
+    sha256: str  # digest of that file, recorded in generated configs
+    profile: Path  # default latency profile for gen-config
+    models: tuple[EmbedModelSpec, ...]  # served models
+    tiers: tuple[TenantTier, ...]  # tenant tiers, highest priority first
+    default_tier: str  # tier of requests that name no tenant tier
+    hardware: dict[str, HardwareLimits]  # by hardware kind
+
+    def tier(self, name: str) -> TenantTier:
+        return next(t for t in self.tiers if t.name == name)
+
+
+def _positive(table: dict, key: str, where: str, kind=float, allow_zero: bool = False):
+    if key not in table:
+        raise SpecError(f"{where}: missing '{key}'")
+    try:
+        value = kind(table[key])
+    except (TypeError, ValueError):
+        raise SpecError(f"{where}: '{key}' must be a number, got {table[key]!r}") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise SpecError(f"{where}: '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return value
+
+
+def _boolean(table: dict, key: str, where: str, default: bool) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}: '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def parse_spec(data: dict, path: Path) -> ServingSpec:
+    root = path.parent
+    where = str(path)
+    tiers_raw = data.get("tenants", {}).get("tiers", {"standard": {"priority": 1}})
+    tiers = tuple(sorted(
+        (TenantTier(name, int(_positive(t, "priority", f"{where} [tenants.tiers.{name}]", int)))
+         for name, t in tiers_raw.items()),
+        key=lambda tier: tier.priority,
+    ))
+    if sorted(t.priority for t in tiers) != list(range(1, len(tiers) + 1)):
+        raise SpecError(f"{where}: tenant tier priorities must be 1..{len(tiers)} without gaps, "
+                        f"got {[t.priority for t in tiers]}")
+    default_tier = data.get("tenants", {}).get("default_tier", tiers[-1].name)
+    if default_tier not in {t.name for t in tiers}:
+        raise SpecError(f"{where}: default_tier {default_tier!r} is not one of {[t.name for t in tiers]}")
+
+    hardware = {}
+    for kind, raw in data.get("hardware", {}).items():
+        at = f"{where} [hardware.{kind}]"
+        instance_kind = raw.get("instance_kind", "KIND_GPU" if kind == "gpu" else "KIND_CPU")
+        if instance_kind not in ("KIND_CPU", "KIND_GPU"):
+            raise SpecError(f"{at}: instance_kind must be KIND_CPU or KIND_GPU, got {instance_kind!r}")
+        hardware[kind] = HardwareLimits(
+            kind=kind,
+            instance_kind=instance_kind,
+            max_instances=int(_positive(raw, "max_instances", at, int)),
+            intra_op_threads=int(_positive(raw, "intra_op_threads", at, int, allow_zero=True)),
+        )
+    if not hardware:
+        raise SpecError(f"{where}: needs at least one [hardware.<kind>] table")
+
+    models = []
+    for name, raw in data.get("models", {}).items():
+        at = f"{where} [models.{name}]"
+        try:
+            buckets = validate_buckets([int(b) for b in raw.get("buckets", [])])
+        except (TypeError, ValueError) as err:
+            raise SpecError(f"{at}: buckets: {err}") from None
+        expected = _positive(raw, "expected_rps", at)
+        peak = _positive(raw, "peak_rps", at)
+        if peak < expected:
+            raise SpecError(f"{at}: peak_rps ({peak}) must be >= expected_rps ({expected})")
+        workload = root / raw.get("workload", "")
+        if not workload.is_file():
+            raise SpecError(f"{at}: workload file {workload} not found")
+        versions = tuple(int(v) for v in raw.get("versions", [1]))
+        if not versions or min(versions) < 1:
+            raise SpecError(f"{at}: versions must be a non-empty list of integers >= 1")
+        models.append(EmbedModelSpec(
+            name=name,
+            versions=versions,
+            slo_p95_ms=_positive(raw, "slo_p95_ms", at),
+            expected_rps=expected,
+            peak_rps=peak,
+            workload=workload,
+            bucket_lens=buckets,
+            encoder_prefix=str(raw.get("encoder_prefix", "encoder_")),
+            max_request_rows=int(_positive(raw, "max_request_rows", at, int)),
+            router_instances=int(_positive(raw, "router_instances", at, int)),
+            max_text_bytes=int(_positive(raw, "max_text_bytes", at, int)),
+            queue_timeouts=_boolean(raw, "queue_timeouts", at, default=False),
+        ))
+    if not models:
+        raise SpecError(f"{where}: needs at least one [models.<name>] table")
+    return ServingSpec(
+        path=path,
+        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        profile=root / data.get("profile", "profiles/cpu.json"),
+        models=tuple(models),
+        tiers=tiers,
+        default_tier=default_tier,
+        hardware=hardware,
+    )
+
+
+def load_spec(path: str | Path = DEFAULT_SPEC) -> ServingSpec:
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise SpecError(f"serving spec {path} not found")
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path}: not valid TOML: {err}") from None
+    return parse_spec(data, path)
