@@ -28,6 +28,7 @@ class EncoderConfig:
     max_batch_size: int  # Triton's batch limit for this bucket
     intra_op_threads: int = 0  # ONNX Runtime intra-op threads; 0 lets ONNX Runtime choose
     providers: tuple[str, ...] = DEFAULT_PROVIDERS  # wanted execution providers, in order of preference
+    allow_spinning: bool = True  # idle ONNX Runtime threads spin-wait (fast, but burns shared cores)
 
 
 def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
@@ -53,6 +54,9 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
         raise ValueError(f"model '{name}': parameter intra_op_threads must be an integer") from None
     if threads < 0:
         raise ValueError(f"model '{name}': parameter intra_op_threads must be >= 0, got {threads}")
+    spinning = params.get("allow_spinning", "1")
+    if spinning not in ("0", "1"):
+        raise ValueError(f"model '{name}': parameter allow_spinning must be 0 or 1, got {spinning!r}")
     providers_raw = params.get("execution_providers", "")
     providers = tuple(p.strip() for p in providers_raw.split(",") if p.strip()) or DEFAULT_PROVIDERS
     return EncoderConfig(
@@ -61,6 +65,7 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
         max_batch_size=max_batch_size,
         intra_op_threads=threads,
         providers=providers,
+        allow_spinning=spinning == "1",
     )
 
 
@@ -93,6 +98,8 @@ class OnnxEncoder:
         options = ort.SessionOptions()
         if config.intra_op_threads:
             options.intra_op_num_threads = config.intra_op_threads
+        if not config.allow_spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = pick_providers(config.providers, ort.get_available_providers())
         self.session = ort.InferenceSession(str(onnx_path), options, providers=providers)
         self.providers = self.session.get_providers()

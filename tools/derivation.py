@@ -9,9 +9,10 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
   size where doubling buys less than `knee_gain` (10%) more throughput; at most
   `max_batch_size`. Beyond the knee a batch costs latency and buys little.
 - `max_queue_delay_microseconds` (linger): what the budget leaves, `S - o - 2·c(b_pref)`,
-  and no longer than expected traffic takes to fill the batch it needs: the smallest
-  `b <= b_pref` whose throughput carries the expected rate at the target utilisation.
-  If single rows keep up, the linger is zero: waiting would only add latency.
+  and no longer than peak traffic takes to fill the batch it needs. Buckets on one device
+  share it, so the needed batches are planned together (`plan_shared_batches`): the
+  smallest batches that keep the summed utilisation under target at peak. If single rows
+  keep up, the linger is zero: waiting would only add latency.
 - queue policy: `default_timeout_microseconds = S - o - c(max_batch_size)`: a request still
   queued after that cannot finish inside the SLO even in the next batch, so it is rejected
   (REJECT, retryable UNAVAILABLE) rather than served late. `max_queue_size` by Little's law:
@@ -88,6 +89,7 @@ class BucketDemand:
     knee_gain: float = 0.10  # doubling the batch must buy at least this much more throughput
     max_utilization: float = 0.8  # plan instances to run at most this busy at peak
     queue_timeout: bool = True  # write the queue-policy timeout; False leaves the early rejection to the queue bound
+    shared_batch: int = 0  # batch this bucket needs at peak when it shares the device (plan_shared_batches); 0: alone
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,65 @@ class BatchingKnobs:
     instance_count: int  # instance_group count
     reasons: dict[str, str] = field(default_factory=dict)  # knob -> why, with numbers
     warnings: tuple[str, ...] = ()  # capacity shortfalls and other things to act on
+
+
+def derive_router_instances(peak_rps: float, slo_p95_ms: float, max_instances: int) -> tuple[int, str]:
+    """Router instances: one request in flight each, so Little's law at peak with W = S.
+
+    A Python router instance holds a request until every bucket has answered it; requests
+    that would wait for a free instance pay that wait against their SLO. Requests in
+    flight at peak: L = peak rate x S at most (a request that takes longer has missed).
+    """
+    in_flight = max(1, math.ceil(peak_rps * slo_p95_ms / 1000.0))
+    count = min(in_flight, max_instances)
+    reason = f"Little's law at peak: {peak_rps:.1f} req/s x {slo_p95_ms:.0f} ms = {in_flight} in flight"
+    if count < in_flight:
+        reason += f", capped at {max_instances} by the spec"
+    return count, reason
+
+
+@dataclass(frozen=True)
+class SharedLoad:
+    """One bucket model's peak load on a device it shares with the other buckets."""
+
+    model_name: str  # the bucket model
+    peak_rps: float  # rows per second at peak
+    curve: LatencyCurve  # its measured compute curve (measured alone)
+    max_batch: int  # largest batch worth waiting for (its preferred size)
+
+
+def plan_shared_batches(loads: list[SharedLoad], max_utilization: float) -> tuple[dict[str, int], float]:
+    """Batch sizes that keep a shared device under `max_utilization` at peak, waiting as little as possible.
+
+    Bucket models on one device split its time: a bucket's utilisation is its rate over its
+    throughput at its batch size, and they add up. Starting from no batching, repeatedly
+    grow the batch of the bucket that frees the most device time per millisecond of extra
+    waiting (one more row takes 1/rate to arrive), until the total fits or no bucket can
+    grow. Returns the sizes and the total utilisation they reach.
+    """
+    sizes = {load.model_name: 1 for load in loads}
+
+    def utilization(load: SharedLoad, batch: int) -> float:
+        return load.peak_rps / load.curve.throughput_rps(batch)
+
+    total = sum(utilization(load, 1) for load in loads)
+    while total > max_utilization:
+        best: tuple[float, SharedLoad] | None = None
+        for load in loads:
+            batch = sizes[load.model_name]
+            if load.peak_rps <= 0 or batch >= min(load.max_batch, load.curve.max_measured):
+                continue
+            freed = utilization(load, batch) - utilization(load, batch + 1)
+            score = freed * load.peak_rps  # freed utilisation per second of added wait
+            if best is None or score > best[0]:
+                best = (score, load)
+        if best is None:
+            break  # over capacity even at the largest useful batches: instances or replicas must grow
+        load = best[1]
+        batch = sizes[load.model_name]
+        total -= utilization(load, batch) - utilization(load, batch + 1)
+        sizes[load.model_name] = batch + 1
+    return sizes, total
 
 
 def find_knee(curve: LatencyCurve, knee_gain: float = 0.10) -> int:
@@ -152,26 +213,31 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
         f"{demand.knee_gain:.0%})" + (f", capped by max_batch_size {max_batch}" if preferred < knee else "")
     )
 
-    # Linger only as long as it pays: wait for the smallest batch whose throughput carries
-    # the expected traffic (never past the knee). When one row at a time keeps up, waiting
-    # buys nothing (the hardware would idle anyway) and the linger is zero; under heavier
-    # load requests queue behind the running batch and batch up without any linger.
+    # Linger only as long as it pays: wait for the batch the peak traffic needs (never past
+    # the knee), filled at the peak rate. When one row at a time keeps up, waiting buys
+    # nothing (the hardware would idle anyway) and the linger is zero. Below peak, batches
+    # dispatch part-full when the linger runs out, still inside the budget.
     c_pref = curve.at(preferred)
     linger_budget_ms = max(0.0, slo - overhead - 2 * c_pref)
-    needed_batch = next(
-        (b for b in range(1, preferred + 1)
-         if curve.throughput_rps(b) * demand.max_utilization >= demand.expected_rps),
-        preferred,
-    )
-    if demand.expected_rps > 0 and needed_batch > 1:
-        fill_ms = (needed_batch - 1) / demand.expected_rps * 1000.0
+    if demand.shared_batch:
+        needed_batch = min(demand.shared_batch, preferred)
+        need_text = "with the other buckets on this device"
+    else:
+        needed_batch = next(
+            (b for b in range(1, preferred + 1)
+             if curve.throughput_rps(b) * demand.max_utilization >= demand.peak_rps),
+            preferred,
+        )
+        need_text = "alone on this device"
+    if demand.peak_rps > 0 and needed_batch > 1:
+        fill_ms = (needed_batch - 1) / demand.peak_rps * 1000.0
         delay_ms = min(linger_budget_ms, fill_ms)
-        fill_text = (f"expected {demand.expected_rps:.1f} rows/s needs batches of {needed_batch} "
+        fill_text = (f"peak {demand.peak_rps:.1f} rows/s needs batches of {needed_batch} {need_text} "
                      f"(at {demand.max_utilization:.0%} utilisation) and fills one in {fill_ms:.1f} ms")
     else:
         delay_ms = 0.0
-        fill_text = (f"expected {demand.expected_rps:.1f} rows/s is carried without batching "
-                     f"({curve.throughput_rps(1):.0f} rows/s at b = 1), so waiting buys nothing")
+        fill_text = (f"peak {demand.peak_rps:.1f} rows/s is carried without batching {need_text}, "
+                     "so waiting buys nothing")
     delay_us = int(delay_ms * 1000)
     reasons["max_queue_delay_microseconds"] = (
         f"min(budget S - o - 2·c(b_pref) = {slo:.0f} - {overhead:.1f} - 2·{c_pref:.1f} = {linger_budget_ms:.1f} ms; "

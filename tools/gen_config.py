@@ -11,14 +11,22 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import load_workload
-from tools.derivation import BatchingKnobs, BucketDemand, InfeasibleSLO, derive_knobs
+from tools.derivation import (
+    BatchingKnobs,
+    BucketDemand,
+    InfeasibleSLO,
+    SharedLoad,
+    derive_knobs,
+    derive_router_instances,
+    plan_shared_batches,
+)
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
 from tools.spec import DEFAULT_SPEC, REPO_ROOT, EmbedModelSpec, HardwareLimits, ServingSpec, SpecError, load_spec
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY
@@ -94,20 +102,26 @@ def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: Hard
     group.count = knobs.instance_count
     group.kind = mc.ModelInstanceGroup.Kind.Value(hardware.instance_kind)
     config.parameters["intra_op_threads"].string_value = str(hardware.intra_op_threads)
+    config.parameters["allow_spinning"].string_value = "1" if hardware.ort_spinning else "0"
     return config
 
 
-def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int]) -> mc.ModelConfig:
+def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
+                  instances: int) -> mc.ModelConfig:
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=model.max_request_rows)
     config.version_policy.specific.versions.extend(model.versions)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
     _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [EMBEDDING_DIM])
     _tensor(config.output, "TOKENS", mc.TYPE_INT32, [1])
     batching = config.dynamic_batching
+    # The router's queue orders requests by tenant tier; it must not batch them: one
+    # execution answers all its requests together, so a short request would wait for a
+    # long one's bucket. A preferred size of 1 dispatches each single-row request alone.
+    batching.preferred_batch_size.append(1)
     batching.priority_levels = len(spec.tiers)
     batching.default_priority_level = spec.tier(spec.default_tier).priority
     group = config.instance_group.add()
-    group.count = model.router_instances
+    group.count = instances
     group.kind = mc.ModelInstanceGroup.KIND_CPU  # tokenization is CPU work on every node
     params = config.parameters
     params["bucket_lens"].string_value = ",".join(str(b) for b in model.bucket_lens)
@@ -129,9 +143,10 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
     rows = workload.rows_per_request
     generated: list[GeneratedModel] = []
     bucket_max_batch: dict[int, int] = {}
+    demands = {}
     for bucket_len in model.bucket_lens:
         name = model.encoder_name(bucket_len)
-        demand = BucketDemand(
+        demands[bucket_len] = BucketDemand(
             model_name=name,
             slo_p95_ms=model.slo_p95_ms,
             overhead_ms=overhead.p95_ms,
@@ -140,6 +155,16 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             max_instances=hardware.max_instances,
             queue_timeout=model.queue_timeouts,
         )
+    # The buckets share one device: plan the batches peak traffic needs across all of them.
+    standalone = {b: derive_knobs(d, profile.curve(d.model_name)) for b, d in demands.items()}
+    shared, utilization = plan_shared_batches(
+        [SharedLoad(d.model_name, d.peak_rps, profile.curve(d.model_name), standalone[b].preferred_batch_size)
+         for b, d in demands.items()],
+        max_utilization=demands[model.bucket_lens[0]].max_utilization,
+    )
+    for bucket_len in model.bucket_lens:
+        demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
+        name = demand.model_name
         knobs = derive_knobs(demand, profile.curve(name))
         bucket_max_batch[bucket_len] = knobs.max_batch_size
         header = (
@@ -149,7 +174,8 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             "batch holds rows of one shape. Traffic share from the workload "
             f"{_relative(model.workload)}: {shares[bucket_len]:.1%},",
             f"expected {demand.expected_rps:.2f} rows/s, peak {demand.peak_rps:.2f} rows/s; "
-            f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95).",
+            f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95). The buckets share",
+            f"the device: at peak, with the planned batches, they keep it {utilization:.0%} busy.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",
@@ -163,6 +189,8 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             versions=model.versions,
             knobs=knobs,
         ))
+    instances, instances_reason = derive_router_instances(model.peak_rps, model.slo_p95_ms,
+                                                          model.max_router_instances)
     router_header = (
         *provenance(spec, profile),
         "",
@@ -171,10 +199,13 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         f"Priority levels = tenant tiers: {', '.join(f'{t.name}={t.priority}' for t in spec.tiers)} "
         f"(default {spec.default_tier}).",
         "bucket_max_batch: each bucket's derived max_batch_size; larger requests are sent in chunks.",
+        "preferred_batch_size 1: the router's queue orders by priority but never batches, so a request",
+        "never waits for another request's slower bucket.",
+        f"instance_count: {instances_reason}",
     )
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=router_config(model, spec, bucket_max_batch),
+        config=router_config(model, spec, bucket_max_batch, instances),
         header=router_header,
         adapter="embed_model",
         versions=model.versions,

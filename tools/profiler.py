@@ -161,7 +161,7 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
                 load_with_config(client, config)
                 models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress)
             limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
-            load_with_config(client, router_config(model, spec, limits))
+            load_with_config(client, router_config(model, spec, limits, instances=1))
             first = model.encoder_name(model.bucket_lens[0])
             overheads[model.name] = measure_overhead(client, model, models[first].curve.at(1), overhead_requests)
             log(f"{model.name}: router overhead p50 {overheads[model.name].p50_ms:.2f} ms, "

@@ -39,6 +39,7 @@ class HardwareLimits:
     instance_kind: str  # Triton instance_group kind: KIND_CPU or KIND_GPU
     max_instances: int  # bucket-model instances that add throughput on this hardware
     intra_op_threads: int  # ONNX Runtime threads per instance; 0 lets ONNX Runtime choose
+    ort_spinning: bool  # let idle ONNX Runtime threads spin; off where bucket models share few cores
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class EmbedModelSpec:
     bucket_lens: tuple[int, ...]  # bucket sequence lengths, ascending
     encoder_prefix: str  # bucket model name = prefix + length
     max_request_rows: int  # rows one client request may carry (the router's max_batch_size)
-    router_instances: int  # router instances (tokenization runs in these)
+    max_router_instances: int  # cap on router instances (each holds one request in flight)
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
     queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
 
@@ -124,6 +125,7 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
             instance_kind=instance_kind,
             max_instances=int(_positive(raw, "max_instances", at, int)),
             intra_op_threads=int(_positive(raw, "intra_op_threads", at, int, allow_zero=True)),
+            ort_spinning=_boolean(raw, "ort_spinning", at, default=kind == "gpu"),
         )
     if not hardware:
         raise SpecError(f"{where}: needs at least one [hardware.<kind>] table")
@@ -155,7 +157,7 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
             bucket_lens=buckets,
             encoder_prefix=str(raw.get("encoder_prefix", "encoder_")),
             max_request_rows=int(_positive(raw, "max_request_rows", at, int)),
-            router_instances=int(_positive(raw, "router_instances", at, int)),
+            max_router_instances=int(_positive(raw, "max_router_instances", at, int)),
             max_text_bytes=int(_positive(raw, "max_text_bytes", at, int)),
             queue_timeouts=_boolean(raw, "queue_timeouts", at, default=False),
         ))

@@ -56,13 +56,13 @@ def test_tight_slo_gives_small_batches_and_near_zero_delay():
 
 
 def test_loose_slo_gives_larger_batches_and_longer_delay():
-    # 600 rows/s needs batches of 10 (0.8 x 755 rows/s); the budget decides how long to wait for them.
+    # A peak of 800 rows/s needs the largest useful batch; the budget decides how long to wait for it.
     tight = derive_knobs(demand(slo=30.0, expected=600.0, peak=800.0), CURVE)
     loose = derive_knobs(demand(slo=200.0, expected=600.0, peak=800.0), CURVE)
     assert (tight.max_batch_size, loose.max_batch_size) == (10, 64)
     assert loose.preferred_batch_size > tight.preferred_batch_size
     assert tight.max_queue_delay_us == 500  # 30 - 3 - 2·c(10) = 0.5 ms
-    assert loose.max_queue_delay_us == 15000  # 9 more rows at 600 rows/s
+    assert loose.max_queue_delay_us == 18750  # 15 more rows at 800 rows/s
     assert loose.default_timeout_us > tight.default_timeout_us
 
 
@@ -134,3 +134,36 @@ def test_queue_timeout_can_be_left_to_the_queue_bound():
     assert "not set" in without.reasons["default_timeout_microseconds"]
     # The queue is still sized to what drains within the SLO's wait budget.
     assert without.max_queue_size == with_timeout.max_queue_size > 0
+
+
+def test_router_instances_cover_requests_in_flight_at_peak():
+    from tools.derivation import derive_router_instances
+
+    assert derive_router_instances(60.0, 200.0, 16) == (12, "Little's law at peak: 60.0 req/s x 200 ms = 12 in flight")
+    count, reason = derive_router_instances(500.0, 200.0, 16)
+    assert count == 16 and "capped at 16" in reason
+    assert derive_router_instances(1.0, 50.0, 16)[0] == 1
+
+
+def test_shared_device_batches_grow_where_they_free_the_most_time():
+    from tools.derivation import SharedLoad, plan_shared_batches
+
+    short = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0})  # batches well
+    long = LatencyCurve({1: 40.0, 2: 78.0, 4: 150.0})  # barely batches
+    loads = [SharedLoad("encoder_16", 150.0, short, 8), SharedLoad("encoder_256", 10.0, long, 4)]
+    sizes, total = plan_shared_batches(loads, max_utilization=0.8)
+    # Alone at b = 1 they need 0.6 + 0.4 = 1.0 of the device; batching the short bucket is what pays.
+    assert sizes["encoder_256"] == 1 and sizes["encoder_16"] > 1
+    assert total <= 0.8
+    # Light traffic needs no batching at all.
+    light, light_total = plan_shared_batches([SharedLoad("encoder_16", 10.0, short, 8)], 0.8)
+    assert light == {"encoder_16": 1} and light_total == pytest.approx(0.04)
+    # Over capacity even fully batched: every bucket ends at its largest useful batch.
+    heavy, heavy_total = plan_shared_batches([SharedLoad("encoder_16", 2000.0, short, 8)], 0.8)
+    assert heavy == {"encoder_16": 8} and heavy_total > 0.8
+
+
+def test_shared_batch_sets_the_linger():
+    knobs = derive_knobs(demand(slo=200.0, expected=100.0, peak=200.0, shared_batch=4), CURVE)
+    assert knobs.max_queue_delay_us == 15000  # 3 more rows at 200 rows/s
+    assert "with the other buckets" in knobs.reasons["max_queue_delay_microseconds"]

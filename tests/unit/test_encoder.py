@@ -33,6 +33,7 @@ def test_parse_encoder_config():
         ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
         ({"parameters": {"intra_op_threads": {"string_value": "two"}}}, "intra_op_threads must be an integer"),
         ({"parameters": {"intra_op_threads": {"string_value": "-1"}}}, "intra_op_threads must be >= 0"),
+        ({"parameters": {"allow_spinning": {"string_value": "yes"}}}, "allow_spinning must be 0 or 1"),
     ],
 )
 def test_parse_encoder_config_errors_name_the_model(overrides, message):

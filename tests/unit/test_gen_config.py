@@ -39,7 +39,7 @@ BASE = {
     "hardware": {"cpu": {"max_instances": 1, "intra_op_threads": 0}},
     "models": {"embed": {"slo_p95_ms": 100, "expected_rps": 10, "peak_rps": 20, "buckets": [16, 32],
                          "workload": "loadtest/workloads/embed_mix.toml", "max_request_rows": 8,
-                         "router_instances": 1, "max_text_bytes": 100}},
+                         "max_router_instances": 1, "max_text_bytes": 100}},
 }
 
 
