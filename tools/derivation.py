@@ -16,8 +16,9 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
 - queue policy: `default_timeout_microseconds = S - o - c(max_batch_size)`: a request still
   queued after that cannot finish inside the SLO even in the next batch, so it is rejected
   (REJECT, retryable UNAVAILABLE) rather than served late. `max_queue_size` by Little's law:
-  the rate the queue drains at x the longest allowed wait, at least one full batch; more
-  would only be rejected late, fewer would turn away bursts that could still make it.
+  the rate the queue drains at x the budget after overhead (`S - o`), at least one full
+  batch; more would only delay the rejection, fewer would turn away bursts that could
+  still be served (the SLO is a p95: the tail may be late, which beats being rejected).
 - instance count: enough instances to carry the peak rate at `b_pref` throughput under a
   target utilisation, capped by what the hardware can run in parallel.
 
@@ -274,13 +275,16 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
         )
 
     # Little's law at the rate the queue drains (full batches on every instance), not at the
-    # peak arrival rate: more queued requests than drain within the timeout would be
-    # rejected late anyway, and fewer would turn away bursts that could still make it.
+    # peak arrival rate, over the budget left after the overhead: a queue longer than that
+    # only delays the rejection, a shorter one turns away bursts that could still be served.
+    # The wait is the whole S - o rather than the timeout: the SLO is a p95, so the tail may
+    # run late, and a late answer is worth more than a rejection the client has to retry.
+    wait_ms = slo - overhead
     drain_rps = curve.throughput_rps(max_batch) * instances
-    little = math.ceil(drain_rps * timeout_ms / 1000.0)
+    little = math.ceil(drain_rps * wait_ms / 1000.0)
     queue_size = max(max_batch, little)
     reasons["max_queue_size"] = (
-        f"Little's law at the drain rate: {drain_rps:.1f} rows/s x {timeout_ms:.1f} ms = {little}"
+        f"Little's law at the drain rate: {drain_rps:.1f} rows/s x (S - o = {wait_ms:.1f} ms) = {little}"
         + (f", raised to one full batch ({max_batch})" if queue_size > little else "")
         + f"; peak arrivals {demand.peak_rps:.1f} rows/s"
     )

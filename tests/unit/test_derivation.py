@@ -88,11 +88,11 @@ def test_queue_policy_rejects_what_can_no_longer_make_it_and_sizes_queue_by_litt
     c_max = CURVE.at(knobs.max_batch_size)
     timeout_s = (100.0 - 3.0 - c_max) / 1000
     assert knobs.default_timeout_us == int(timeout_s * 1e6)
-    # The queue holds what drains within the timeout at full batches: more would time out.
+    # The queue holds what drains at full batches within the budget after overhead, S - o.
     drain_rps = CURVE.throughput_rps(knobs.max_batch_size)
-    assert knobs.max_queue_size == math.ceil(drain_rps * timeout_s)
+    assert knobs.max_queue_size == math.ceil(drain_rps * (100.0 - 3.0) / 1000)
     two = derive_knobs(demand(slo=100.0, expected=100.0, peak=2000.0, max_instances=2), CURVE)
-    assert two.max_queue_size == math.ceil(2 * drain_rps * timeout_s)
+    assert two.max_queue_size == math.ceil(2 * drain_rps * (100.0 - 3.0) / 1000)
 
 
 def test_instances_cover_the_peak_and_warn_when_hardware_caps_them():

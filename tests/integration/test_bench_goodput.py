@@ -1,0 +1,37 @@
+"""The goodput benchmark's short form, end to end against real tritonservers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
+    out = tmp_path / "goodput.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tools", "bench", "goodput", "--quick", "--setups", "slo_bucketed",
+         "--start-rps", "8", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["slo_ms"] == 200
+    assert report["hardware"]["cpu_count"] >= 1 and report["hardware"]["description"]
+    setup = report["setups"]["slo_bucketed"]
+    assert setup["goodput_rps"] >= 8  # 8 req/s is far below this machine's capacity
+    for step in setup["steps"]:
+        assert {"offered_rps", "p50_ms", "p95_ms", "p99_ms", "num_errors", "goodput_fraction"} <= set(step)
+    assert report["ceiling_rps"] > setup["goodput_rps"]
+    assert set(report["ceiling"]["buckets"]) == {"16", "32", "64", "128", "256"}
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_unknown_setup_is_refused():
+    result = subprocess.run([sys.executable, "-m", "tools", "bench", "goodput", "--setups", "fastest"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "unknown setups ['fastest']" in result.stderr
