@@ -210,3 +210,16 @@ def test_infeasible_slo_is_a_clear_error_naming_the_bucket(tmp_path):
     result = gen_config(f"--spec={spec}", f"--profile={SMALL_PROFILE}", "--explain")
     assert result.returncode == 2
     assert "encoder_256" in result.stderr and "over the 50 ms p95 SLO" in result.stderr
+
+
+def test_gen_config_names_a_missing_profile(tmp_path):
+    result = gen_config(f"--profile={tmp_path / 'h100.json'}", "--explain")
+    assert result.returncode == 2
+    assert "h100.json not found; measure one with `python -m tools profile`" in result.stderr
+
+
+def test_profile_reports_an_unreachable_server():
+    result = subprocess.run([sys.executable, "-m", "tools", "profile", "--url", "localhost:1",
+                             "--out", "/dev/null"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "no tritonserver answering at localhost:1" in result.stderr
