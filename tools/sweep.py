@@ -53,44 +53,26 @@ class SweepError(RuntimeError):
 # ------------------------------------------------------------------ argument types
 
 
-def positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return number
+def _number(kind: type, check: Callable[[Any], bool], requirement: str) -> Callable[[str], Any]:
+    """An argparse type: parse `kind`, then check the bound; errors say what was expected."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}") from None
+        if not check(number):
+            raise argparse.ArgumentTypeError(f"{value} must be {requirement}")
+        return number
+
+    return parse
 
 
-def fraction(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0 <= number <= 1:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
-    return number
-
-
-def non_negative_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return number
-
-
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return number
+positive_float = _number(float, lambda x: x > 0, "> 0")
+non_negative_float = _number(float, lambda x: x >= 0, ">= 0")
+fraction = _number(float, lambda x: 0 <= x <= 1, "in [0, 1]")
+positive_int = _number(int, lambda x: x >= 1, ">= 1")
 
 
 def _comma_list(parse: Callable[[str], Any], what: str) -> Callable[[str], tuple[Any, ...]]:
