@@ -176,8 +176,8 @@ def find_knee(curve: LatencyCurve, knee_gain: float = 0.10) -> int:
     return sizes[-1]
 
 
-def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
-    """Derive the batching knobs of one bucket model; raise InfeasibleSLO naming it if none work."""
+def max_batch_within_slo(demand: BucketDemand, curve: LatencyCurve) -> int:
+    """The largest b with o + 2·c(b) <= S; raise InfeasibleSLO naming the bucket if not even b = 1 fits."""
     name, slo, overhead = demand.model_name, demand.slo_p95_ms, demand.overhead_ms
     if slo <= 0 or overhead < 0 or demand.expected_rps < 0 or demand.peak_rps < demand.expected_rps:
         raise ValueError(
@@ -196,10 +196,21 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
             f"{overhead:.1f} + 2·{c1:.1f} = {overhead + 2 * c1:.1f} ms, over the {slo:.0f} ms p95 SLO; "
             "raise the SLO, use faster hardware, or split the bucket"
         )
+    return max(b for b in range(1, curve.max_measured + 1) if overhead + 2 * curve.at(b) <= slo)
+
+
+def preferred_batch(demand: BucketDemand, curve: LatencyCurve) -> int:
+    """The knee of the throughput curve, capped by the largest batch the SLO allows."""
+    return min(find_knee(curve, demand.knee_gain), max_batch_within_slo(demand, curve))
+
+
+def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
+    """Derive the batching knobs of one bucket model; raise InfeasibleSLO naming it if none work."""
+    name, slo, overhead = demand.model_name, demand.slo_p95_ms, demand.overhead_ms
+    max_batch = max_batch_within_slo(demand, curve)
     reasons: dict[str, str] = {}
     warnings: list[str] = []
 
-    max_batch = max(b for b in range(1, curve.max_measured + 1) if overhead + 2 * curve.at(b) <= slo)
     reasons["max_batch_size"] = (
         f"largest b with o + 2·c(b) <= S: {overhead:.1f} + 2·{curve.at(max_batch):.1f} = "
         f"{overhead + 2 * curve.at(max_batch):.1f} <= {slo:.0f} ms"

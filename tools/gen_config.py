@@ -18,6 +18,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import load_workload
+from python_backends.embed import EMBEDDING_DIM
 from tools.derivation import (
     BatchingKnobs,
     BucketDemand,
@@ -26,12 +27,12 @@ from tools.derivation import (
     derive_knobs,
     derive_router_instances,
     plan_shared_batches,
+    preferred_batch,
 )
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
 from tools.spec import DEFAULT_SPEC, REPO_ROOT, EmbedModelSpec, HardwareLimits, ServingSpec, SpecError, load_spec
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY
 
-EMBEDDING_DIM = 384
 SHIM = '''"""Triton entry point of `{name}`; the adapter is `python_backends.adapters.{adapter}`."""
 
 from python_backends.adapters.{adapter} import TritonPythonModel
@@ -156,10 +157,9 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             queue_timeout=model.queue_timeouts,
         )
     # The buckets share one device: plan the batches peak traffic needs across all of them.
-    standalone = {b: derive_knobs(d, profile.curve(d.model_name)) for b, d in demands.items()}
     shared, utilization = plan_shared_batches(
-        [SharedLoad(d.model_name, d.peak_rps, profile.curve(d.model_name), standalone[b].preferred_batch_size)
-         for b, d in demands.items()],
+        [SharedLoad(d.model_name, d.peak_rps, curve, preferred_batch(d, curve))
+         for d in demands.values() for curve in [profile.curve(d.model_name)]],
         max_utilization=demands[model.bucket_lens[0]].max_utilization,
     )
     for bucket_len in model.bucket_lens:

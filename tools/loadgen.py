@@ -185,18 +185,28 @@ def _ns_count(stats: Mapping[str, Any], name: str) -> tuple[int, int]:
     return int(entry.get("ns", 0)), int(entry.get("count", 0))
 
 
+def batch_compute_ns(model_stats: Mapping[str, Any], batch_size: int | None = None) -> tuple[int, int]:
+    """(compute ns, executions) from a model's batch_stats, at one batch size or all of them.
+
+    Compute is input + infer + output; batch_stats counts executions, where inference_stats
+    would charge each request the full time of the batch it ran in.
+    """
+    total_ns = executions = 0
+    for batch in model_stats.get("batch_stats") or ():
+        if batch_size is not None and int(batch["batch_size"]) != batch_size:
+            continue
+        for part in ("compute_input", "compute_infer", "compute_output"):
+            total_ns += _ns_count(batch, part)[0]
+        executions += _ns_count(batch, "compute_infer")[1]
+    return total_ns, executions
+
+
 def _model_counters(model_stats: Mapping[str, Any]) -> Counter[str]:
     inference = model_stats.get("inference_stats") or {}
     queue_ns, queue_count = _ns_count(inference, "queue")
     _, success_count = _ns_count(inference, "success")
     _, fail_count = _ns_count(inference, "fail")
-    # inference_stats charge each request the full time of the batch it ran in; the
-    # per-execution compute time comes from batch_stats, whose counts are executions.
-    exec_ns = exec_count = 0
-    for batch in model_stats.get("batch_stats") or ():
-        for part in ("compute_input", "compute_infer", "compute_output"):
-            exec_ns += _ns_count(batch, part)[0]
-        exec_count += _ns_count(batch, "compute_infer")[1]
+    exec_ns, exec_count = batch_compute_ns(model_stats)
     return Counter({
         "inference_count": int(model_stats.get("inference_count", 0)),
         "execution_count": int(model_stats.get("execution_count", 0)),

@@ -29,6 +29,7 @@ from google.protobuf import json_format
 from tools.derivation import BatchingKnobs, LatencyCurve
 from tools.gen_config import encoder_config, router_config
 from tools.latency_profile import PROFILE_DIR, Hardware, LatencyProfile, ModelProfile, Overhead, save_profile
+from tools.loadgen import batch_compute_ns
 from tools.spec import DEFAULT_SPEC, EmbedModelSpec, ServingSpec, SpecError, load_spec
 from tools.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 
@@ -77,15 +78,6 @@ def load_with_config(client, config) -> None:
     client.load_model(config.name, config=json_format.MessageToJson(config, preserving_proto_field_name=True))
 
 
-def batch_compute_ns(stats: dict, batch: int) -> tuple[int, int]:
-    """(total compute ns, executions) at one batch size from the statistics API (HTTP JSON)."""
-    for entry in stats["model_stats"][0].get("batch_stats", []):
-        if int(entry["batch_size"]) == batch:
-            parts = [entry[k] for k in ("compute_input", "compute_infer", "compute_output")]
-            return sum(int(p["ns"]) for p in parts), int(entry["compute_infer"]["count"])
-    return 0, 0
-
-
 def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: float, time_budget_s: float,
                    progress) -> ModelProfile:
     import tritonclient.http as httpclient
@@ -102,16 +94,20 @@ def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: f
         inputs[1].set_data_from_numpy(np.ones_like(ids))
         for _ in range(WARMUP_EXECUTIONS):
             client.infer(name, inputs)
-        ns_before, count_before = batch_compute_ns(client.get_inference_statistics(name), batch)
+
+        def compute_so_far(batch: int = batch) -> tuple[int, int]:
+            return batch_compute_ns(client.get_inference_statistics(name)["model_stats"][0], batch)
+
+        ns_before, count_before = compute_so_far()
         started = time.monotonic()
         reps = 0
         while reps < 3 or (reps < 30 and time.monotonic() - started < time_budget_s):
             client.infer(name, inputs)
             reps += 1
-        ns_after, count_after = batch_compute_ns(client.get_inference_statistics(name), batch)
+        ns_after, count_after = compute_so_far()
         if count_after - count_before < reps:  # statistics land just after each response
             time.sleep(0.2)
-            ns_after, count_after = batch_compute_ns(client.get_inference_statistics(name), batch)
+            ns_after, count_after = compute_so_far()
         compute_ms[batch] = (ns_after - ns_before) / max(count_after - count_before, 1) / 1e6
         executions[batch] = count_after - count_before
         progress.set_postfix_str(f"{name} b={batch}: {compute_ms[batch]:.1f} ms")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from python_backends.buckets import validate_buckets
+from tools.triton_server import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SPEC = REPO_ROOT / "serving.toml"
 
 
