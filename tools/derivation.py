@@ -20,7 +20,9 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
   batch; more would only delay the rejection, fewer would turn away bursts that could
   still be served (the SLO is a p95: the tail may be late, which beats being rejected).
 - instance count: enough instances to carry the peak rate at `b_pref` throughput under a
-  target utilisation, capped by what the hardware can run in parallel.
+  target utilisation, and at least one per lane of the device (a CPU core per
+  single-threaded instance), so a burst on one bucket runs on every lane the other buckets
+  leave free instead of queueing behind its own batch; capped by the spec.
 
 Everything here is pure: plain data in, plain data out, every knob with its reasoning.
 """
@@ -86,7 +88,8 @@ class BucketDemand:
     overhead_ms: float  # fixed time outside this model's compute (network, router, BLS)
     expected_rps: float  # rows per second reaching this bucket in normal traffic
     peak_rps: float  # rows per second at peak
-    max_instances: int = 1  # instances the hardware can run in parallel usefully
+    max_instances: int = 1  # most instances the spec allows for one bucket model
+    lanes: int = 1  # executions the device runs side by side at full speed (HardwareLimits.lanes)
     knee_gain: float = 0.10  # doubling the batch must buy at least this much more throughput
     max_utilization: float = 0.8  # plan instances to run at most this busy at peak
     queue_timeout: bool = True  # write the queue-policy timeout; False leaves the early rejection to the queue bound
@@ -133,21 +136,30 @@ class SharedLoad:
     max_batch: int  # largest batch worth waiting for (its preferred size)
 
 
-def plan_shared_batches(loads: list[SharedLoad], max_utilization: float) -> tuple[dict[str, int], float]:
+def plan_shared_batches(loads: list[SharedLoad], max_utilization: float, lanes: int = 1,
+                        base_utilization: float = 0.0) -> tuple[dict[str, int], float]:
     """Batch sizes that keep a shared device under `max_utilization` at peak, waiting as little as possible.
 
     Bucket models on one device split its time: a bucket's utilisation is its rate over its
-    throughput at its batch size, and they add up. Starting from no batching, repeatedly
+    throughput at its batch size (in lanes: one execution at a time at its measured speed),
+    and they add up; the device holds `lanes` of them. `base_utilization` is the share of the
+    device that other work takes at peak (on a CPU: the router path and the server itself).
+    The utilisation of the whole device (0..1) must stay under `max_utilization`. Starting
+    from no batching, repeatedly
     grow the batch of the bucket that frees the most device time per millisecond of extra
     waiting (one more row takes 1/rate to arrive), until the total fits or no bucket can
     grow. Returns the sizes and the total utilisation they reach.
     """
+    if lanes < 1:
+        raise ValueError(f"a device has at least one lane, got {lanes}")
+    if base_utilization < 0:
+        raise ValueError(f"base utilisation must be >= 0, got {base_utilization}")
     sizes = {load.model_name: 1 for load in loads}
 
     def utilization(load: SharedLoad, batch: int) -> float:
-        return load.peak_rps / load.curve.throughput_rps(batch)
+        return load.peak_rps / load.curve.throughput_rps(batch) / lanes
 
-    total = sum(utilization(load, 1) for load in loads)
+    total = base_utilization + sum(utilization(load, 1) for load in loads)
     while total > max_utilization:
         best: tuple[float, SharedLoad] | None = None
         for load in loads:
@@ -273,16 +285,18 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
 
     per_instance = curve.throughput_rps(preferred) * demand.max_utilization
     needed = max(1, math.ceil(demand.peak_rps / per_instance)) if demand.peak_rps > 0 else 1
-    instances = min(needed, demand.max_instances)
+    wanted = max(needed, demand.lanes)
+    instances = min(wanted, demand.max_instances)
     reasons["instance_count"] = (
-        f"peak {demand.peak_rps:.1f} rows/s / ({curve.throughput_rps(preferred):.0f} rows/s at b = {preferred} "
-        f"x {demand.max_utilization:.0%} utilisation) = {needed}"
-        + (f", capped at {demand.max_instances} by the hardware" if instances < needed else "")
+        f"max(peak {demand.peak_rps:.1f} rows/s / ({curve.throughput_rps(preferred):.0f} rows/s at b = {preferred} "
+        f"x {demand.max_utilization:.0%} utilisation) = {needed}, one per lane of the device = {demand.lanes}) "
+        f"= {wanted}"
+        + (f", capped at {demand.max_instances} by the spec" if instances < wanted else "")
     )
     if instances < needed:
         warnings.append(
             f"{name}: peak {demand.peak_rps:.1f} rows/s needs {needed} instances at {demand.max_utilization:.0%} "
-            f"utilisation but this hardware runs {demand.max_instances}; add replicas"
+            f"utilisation but the spec allows {demand.max_instances}; add replicas"
         )
 
     # Little's law at the rate the queue drains (full batches on every instance), not at the

@@ -132,16 +132,31 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     return config
 
 
+def _lanes_text(hardware: HardwareLimits, profile: LatencyProfile) -> str:
+    lanes = hardware.lanes(profile.hardware.cpu_count)
+    if hardware.kind == "cpu" and hardware.intra_op_threads:
+        return (f"{lanes} lanes: {profile.hardware.cpu_count} cores, {hardware.intra_op_threads} "
+                f"ONNX Runtime thread{'s' if hardware.intra_op_threads > 1 else ''} per instance")
+    return "one lane: every batch uses the whole device"
+
+
 def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
     """Derive and build the router and bucket configs of one embedding model."""
     hardware = spec.hardware.get(profile.hardware.kind)
     if hardware is None:
         raise SpecError(f"{spec.path}: no [hardware.{profile.hardware.kind}] limits for profile "
                         f"'{profile.hardware.name}'")
+    measured_threads = profile.hardware.details.get("intra_op_threads")
+    if measured_threads is not None and int(measured_threads) != hardware.intra_op_threads:
+        where = _relative(profile.path) if profile.path else "in use"
+        raise SpecError(f"{spec.path}: [hardware.{hardware.kind}] intra_op_threads = {hardware.intra_op_threads}, "
+                        f"but profile {where} was measured with {measured_threads} thread(s) per instance, so "
+                        "its c(b) does not hold; re-run `python -m tools profile`")
     workload = load_workload(model.workload)
     shares = workload.bucket_shares(model.bucket_lens)
     overhead = profile.overhead_for(model.name)
     rows = workload.rows_per_request
+    lanes = hardware.lanes(profile.hardware.cpu_count)
     generated: list[GeneratedModel] = []
     bucket_max_batch: dict[int, int] = {}
     demands = {}
@@ -154,14 +169,23 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             expected_rps=model.expected_rps * rows * shares[bucket_len],
             peak_rps=model.peak_rps * rows * shares[bucket_len],
             max_instances=hardware.max_instances,
+            lanes=lanes,
             queue_timeout=model.queue_timeouts,
         )
     # The buckets share one device: plan the batches peak traffic needs across all of them.
+    # On a CPU the router path runs on the same cores, so its measured CPU per request is
+    # part of the load at peak.
+    router_cpu_ms = overhead.cpu_ms if hardware.kind == "cpu" and overhead.cpu_ms is not None else 0.0
+    base_utilization = model.peak_rps * router_cpu_ms / 1000.0 / lanes
     shared, utilization = plan_shared_batches(
         [SharedLoad(d.model_name, d.peak_rps, curve, preferred_batch(d, curve))
          for d in demands.values() for curve in [profile.curve(d.model_name)]],
         max_utilization=demands[model.bucket_lens[0]].max_utilization,
+        lanes=lanes,
+        base_utilization=base_utilization,
     )
+    router_share = (f"; the router path takes {base_utilization:.0%} of it ({router_cpu_ms:.2f} CPU ms per request)"
+                    if base_utilization else "")
     for bucket_len in model.bucket_lens:
         demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
         name = demand.model_name
@@ -175,7 +199,8 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             f"{_relative(model.workload)}: {shares[bucket_len]:.1%},",
             f"expected {demand.expected_rps:.2f} rows/s, peak {demand.peak_rps:.2f} rows/s; "
             f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95). The buckets share",
-            f"the device: at peak, with the planned batches, they keep it {utilization:.0%} busy.",
+            f"the device ({_lanes_text(hardware, profile)}): at peak, with the planned batches, it is "
+            f"{utilization:.0%} busy{router_share}.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",

@@ -44,6 +44,7 @@ class Overhead:
 
     p50_ms: float  # median
     p95_ms: float  # 95th percentile: what the derivation uses, since the SLO is a p95
+    cpu_ms: float | None = None  # server CPU per request outside the bucket model (router, core); None: not measured
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ def profile_to_dict(profile: LatencyProfile) -> dict:
         "hardware": {"name": hw.name, "kind": hw.kind, "description": hw.description, "cpu_count": hw.cpu_count,
                      "gpu": hw.gpu, **hw.details},
         "measured_at": profile.measured_at,
-        "overhead_ms": {name: {"p50": round(o.p50_ms, 3), "p95": round(o.p95_ms, 3)}
+        "overhead_ms": {name: {"p50": round(o.p50_ms, 3), "p95": round(o.p95_ms, 3),
+                               **({"cpu": round(o.cpu_ms, 3)} if o.cpu_ms is not None else {})}
                         for name, o in sorted(profile.overhead.items())},
         "models": {
             name: {
@@ -103,7 +105,8 @@ def profile_from_dict(data: dict, path: Path | None = None, sha256: str = "") ->
             )
             for name, m in data["models"].items()
         }
-        overhead = {name: Overhead(float(o["p50"]), float(o["p95"])) for name, o in data["overhead_ms"].items()}
+        overhead = {name: Overhead(float(o["p50"]), float(o["p95"]), float(o["cpu"]) if "cpu" in o else None)
+                    for name, o in data["overhead_ms"].items()}
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"profile {path}: malformed ({type(err).__name__}: {err})") from None
     return LatencyProfile(path=path, sha256=sha256, hardware=hardware, measured_at=data.get("measured_at", ""),

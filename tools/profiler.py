@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -118,30 +119,49 @@ def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: f
     return ModelProfile(seq_len=seq_len, curve=LatencyCurve(compute_ms), reps=executions)
 
 
-def measure_overhead(client, model: EmbedModelSpec, c1_ms: float, num_requests: int) -> Overhead:
+def measure_overhead(client, model: EmbedModelSpec, bucket: str, c1_ms: float, num_requests: int,
+                     cpu_seconds=None) -> Overhead:
+    """Router-path latency outside the bucket's compute, from single-row requests; with
+    `cpu_seconds` (the server's CPU so far) also the CPU each request costs outside the
+    bucket model: the router stub, tokenization, BLS and Triton's own request handling."""
     import tritonclient.http as httpclient
 
     text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
     text.set_data_from_numpy(np.array([[b"a short query to time the router path"]], dtype=object))
     for _ in range(5):
         client.infer(model.name, [text])
+
+    def bucket_compute_ns() -> int:
+        return batch_compute_ns(client.get_inference_statistics(bucket)["model_stats"][0])[0]
+
+    compute_before = bucket_compute_ns()
+    cpu_before = cpu_seconds() if cpu_seconds else 0.0
     latencies = []
     for _ in range(num_requests):
         started = time.perf_counter()
         client.infer(model.name, [text])
         latencies.append((time.perf_counter() - started) * 1000.0)
+    cpu_ms = None
+    if cpu_seconds:
+        time.sleep(0.2)  # statistics land just after each response
+        # One ONNX Runtime thread per instance: the bucket's compute time is its CPU time.
+        bucket_cpu_s = (bucket_compute_ns() - compute_before) / 1e9
+        cpu_ms = max(cpu_seconds() - cpu_before - bucket_cpu_s, 0.0) / num_requests * 1000.0
     overheads = np.maximum(np.asarray(latencies) - c1_ms, 0.0)
-    return Overhead(p50_ms=float(np.percentile(overheads, 50)), p95_ms=float(np.percentile(overheads, 95)))
+    return Overhead(p50_ms=float(np.percentile(overheads, 50)), p95_ms=float(np.percentile(overheads, 95)),
+                    cpu_ms=cpu_ms)
 
 
 def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s: float, overhead_requests: int,
-                   log) -> tuple[dict[str, ModelProfile], dict[str, Overhead]]:
+                   log, cpu_seconds=None) -> tuple[dict[str, ModelProfile], dict[str, Overhead]]:
     from tqdm import tqdm
 
     hardware = spec.hardware.get(hardware_kind)
     if hardware is None:
         raise SpecError(f"{spec.path}: no [hardware.{hardware_kind}] table")
     sizes = [2**i for i in range(MAX_PROBE_BATCH.bit_length()) if 2**i <= MAX_PROBE_BATCH]
+    if hardware.kind != "cpu" or hardware.intra_op_threads != 1:
+        cpu_seconds = None  # the bucket's compute time is its CPU time only for one thread on a CPU
     models: dict[str, ModelProfile] = {}
     overheads: dict[str, Overhead] = {}
     total = sum(len(sizes) * len(m.bucket_lens) for m in spec.models)
@@ -159,9 +179,12 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
             limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
             load_with_config(client, router_config(model, spec, limits, instances=1))
             first = model.encoder_name(model.bucket_lens[0])
-            overheads[model.name] = measure_overhead(client, model, models[first].curve.at(1), overhead_requests)
-            log(f"{model.name}: router overhead p50 {overheads[model.name].p50_ms:.2f} ms, "
-                f"p95 {overheads[model.name].p95_ms:.2f} ms")
+            overhead = measure_overhead(client, model, first, models[first].curve.at(1), overhead_requests,
+                                        cpu_seconds)
+            overheads[model.name] = overhead
+            log(f"{model.name}: router overhead p50 {overhead.p50_ms:.2f} ms, p95 {overhead.p95_ms:.2f} ms"
+                + (f", {overhead.cpu_ms:.2f} CPU ms per request" if overhead.cpu_ms is not None else
+                   " (CPU per request not measured: the server is not ours)"))
     return models, overheads
 
 
@@ -188,10 +211,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     hardware = detect_hardware(args.name)
+    if hardware.kind in spec.hardware:  # c(b) depends on the threads each instance runs: record them
+        threads = spec.hardware[hardware.kind].intra_op_threads
+        hardware = replace(hardware, details={**hardware.details, "intra_op_threads": threads})
     out = args.out or PROFILE_DIR / f"{hardware.name}.json"
     print(f"profiling on {hardware.description} -> {out}", flush=True)
     with ExitStack() as stack:
         url = args.url
+        cpu_seconds = None
         if url is None:
             config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                   host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT)
@@ -202,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
             url = server.http_url
+            cpu_seconds = server.cpu_seconds
         client = httpclient.InferenceServerClient(url, network_timeout=300)
         try:
             if not client.is_server_live():
@@ -212,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         originally_loaded = {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
         try:
             models, overheads = profile_models(client, spec, hardware.kind, args.time_per_point,
-                                               args.overhead_requests, log=lambda m: print(m, flush=True))
+                                               args.overhead_requests, log=lambda m: print(m, flush=True),
+                                               cpu_seconds=cpu_seconds)
         except Exception as err:
             print(f"error: profiling failed: {err}", file=sys.stderr)
             return 1

@@ -41,6 +41,18 @@ class HardwareLimits:
     intra_op_threads: int  # ONNX Runtime threads per instance; 0 lets ONNX Runtime choose
     ort_spinning: bool  # let idle ONNX Runtime threads spin; off where bucket models share few cores
 
+    def lanes(self, cpu_count: int) -> int:
+        """Executions this hardware runs side by side at full speed.
+
+        A GPU runs one batch's kernels at a time: one lane. On a CPU an instance with
+        `intra_op_threads` threads occupies that many cores, so the cores hold
+        `cpu_count // intra_op_threads` lanes; with 0 ONNX Runtime spreads every batch over
+        all cores, which makes the whole CPU one lane.
+        """
+        if self.kind != "cpu" or self.intra_op_threads == 0:
+            return 1
+        return max(1, cpu_count // self.intra_op_threads)
+
 
 @dataclass(frozen=True)
 class EmbedModelSpec:

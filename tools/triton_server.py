@@ -203,6 +203,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def process_group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float:
+    """User + system CPU seconds used so far by the live processes of one process group
+    (tritonserver and its Python backend stubs); 0.0 where there is no /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in proc.glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def _detach_and_die_with_parent() -> None:
     """Runs in the child before exec: own process group (so stop() reaches the Python
     backend stubs too), and SIGTERM when the launching process dies, so a killed CLI or
@@ -236,6 +251,11 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://localhost:{self.config.metrics_port}/metrics"
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server and its backend stubs have used so far (they share a process group)."""
+        assert self.process is not None, "start() first"
+        return process_group_cpu_seconds(self.process.pid)
 
     def start(self) -> None:
         if not self.config.model_repository.is_dir():

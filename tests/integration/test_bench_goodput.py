@@ -27,6 +27,10 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
         assert {"offered_rps", "p50_ms", "p95_ms", "p99_ms", "num_errors", "goodput_fraction"} <= set(step)
     assert report["ceiling_rps"] > setup["goodput_rps"]
     assert set(report["ceiling"]["buckets"]) == {"16", "32", "64", "128", "256"}
+    for bucket in report["ceiling"]["buckets"].values():  # the better of the two ways to use every core
+        ways = bucket["seconds_by_way"]
+        assert set(ways) == {"one_session_all_cores", "one_thread_per_core"}
+        assert bucket["seconds"] == min(ways.values()) and ways[bucket["way"]] == bucket["seconds"]
     assert out.with_suffix(".png").stat().st_size > 1000
 
 

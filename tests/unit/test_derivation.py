@@ -167,3 +167,37 @@ def test_shared_batch_sets_the_linger():
     knobs = derive_knobs(demand(slo=200.0, expected=100.0, peak=200.0, shared_batch=4), CURVE)
     assert knobs.max_queue_delay_us == 15000  # 3 more rows at 200 rows/s
     assert "with the other buckets" in knobs.reasons["max_queue_delay_microseconds"]
+
+
+def test_a_device_with_more_lanes_carries_more_before_batching():
+    from tools.derivation import SharedLoad, plan_shared_batches
+
+    short = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0})
+    loads = [SharedLoad("encoder_16", 300.0, short, 8)]  # 1.2 lanes busy at b = 1
+    one_lane, one_total = plan_shared_batches(loads, max_utilization=0.8)
+    two_lanes, two_total = plan_shared_batches(loads, max_utilization=0.8, lanes=2)
+    assert one_lane["encoder_16"] > 1 and one_total <= 0.8
+    assert two_lanes == {"encoder_16": 1} and two_total == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="at least one lane"):
+        plan_shared_batches(loads, 0.8, lanes=0)
+
+
+def test_work_outside_the_buckets_counts_against_the_device():
+    from tools.derivation import SharedLoad, plan_shared_batches
+
+    short = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0})
+    loads = [SharedLoad("encoder_16", 150.0, short, 8)]  # 0.6 of the device at b = 1
+    alone, _ = plan_shared_batches(loads, max_utilization=0.8)
+    with_router, total = plan_shared_batches(loads, max_utilization=0.8, base_utilization=0.3)
+    assert alone == {"encoder_16": 1}
+    assert with_router["encoder_16"] > 1 and 0.3 < total <= 0.8
+    with pytest.raises(ValueError, match="base utilisation"):
+        plan_shared_batches(loads, 0.8, base_utilization=-0.1)
+
+
+def test_every_lane_gets_an_instance_within_the_spec_cap():
+    lanes = derive_knobs(demand(slo=100.0, expected=10.0, peak=50.0, max_instances=8, lanes=2), CURVE)
+    assert lanes.instance_count == 2 and "one per lane of the device = 2" in lanes.reasons["instance_count"]
+    capped = derive_knobs(demand(slo=100.0, expected=10.0, peak=50.0, max_instances=1, lanes=2), CURVE)
+    assert capped.instance_count == 1 and "capped at 1 by the spec" in capped.reasons["instance_count"]
+    assert not capped.warnings  # the peak itself fits one instance: nothing to act on

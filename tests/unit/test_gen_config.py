@@ -223,3 +223,36 @@ def test_profile_reports_an_unreachable_server():
                              "--out", "/dev/null"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "no tritonserver answering at localhost:1" in result.stderr
+
+
+@pytest.mark.parametrize(("kind", "threads", "cores", "lanes"),
+                         [("cpu", 1, 2, 2), ("cpu", 2, 8, 4), ("cpu", 0, 16, 1), ("cpu", 4, 2, 1), ("gpu", 1, 16, 1)])
+def test_lanes_are_cores_over_threads_on_a_cpu_and_one_on_a_gpu(kind, threads, cores, lanes):
+    from tools.spec import HardwareLimits
+
+    limits = HardwareLimits(kind=kind, instance_kind="KIND_CPU", max_instances=8, intra_op_threads=threads,
+                            ort_spinning=False)
+    assert limits.lanes(cores) == lanes
+
+
+def test_committed_profile_matches_the_spec_threads_and_plans_the_router_cpu(spec):
+    profile = load_profile(REPO / spec.profile)
+    assert profile.hardware.details["intra_op_threads"] == spec.hardware[profile.hardware.kind].intra_op_threads
+    assert profile.overhead_for("embed").cpu_ms > 0
+    header = "\n".join(next(m for m in plan_all(spec, profile) if m.name == "encoder_16").header)
+    assert "the router path takes" in header and "CPU ms per request" in header
+
+
+def test_profile_measured_with_other_threads_is_refused(spec):
+    import dataclasses
+
+    profile = load_profile(REPO / spec.profile)
+    hardware = dataclasses.replace(profile.hardware, details={**profile.hardware.details, "intra_op_threads": 0})
+    with pytest.raises(SpecError, match=r"measured with 0 thread.*re-run `python -m tools profile`"):
+        plan_all(spec, dataclasses.replace(profile, hardware=hardware))
+
+
+def test_profile_round_trip_keeps_the_router_cpu():
+    profile = load_profile(REPO / "profiles" / "cpu.json")
+    again = profile_from_dict(profile_to_dict(profile))
+    assert again.overhead["embed"].cpu_ms == profile.overhead["embed"].cpu_ms

@@ -129,3 +129,23 @@ def test_find_distribution_names_a_missing_binary(tmp_path, monkeypatch):
     monkeypatch.setattr(pytriton, "__file__", str(fake_package / "__init__.py"))
     with pytest.raises(ServerError, match=r"tritonserver binary not found at .*tritonserver/bin/tritonserver"):
         find_distribution()
+
+
+def test_process_group_cpu_seconds_sums_the_group_only(tmp_path):
+    import os
+
+    from tools.triton_server import process_group_cpu_seconds
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(pid, name, pgrp, utime, stime):
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", "1", str(pgrp)] + ["0"] * 8 + [str(utime), str(stime)] + ["0"] * 10
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) " + " ".join(fields))
+
+    stat(100, "tritonserver", 100, 3 * tick, tick)
+    stat(101, "triton python backend stub (embed)", 100, tick, 0)  # names may hold spaces and parens
+    stat(200, "other", 200, 50 * tick, 0)
+    (tmp_path / "self").mkdir()
+    assert process_group_cpu_seconds(100, proc=tmp_path) == pytest.approx(5.0)
+    assert process_group_cpu_seconds(999, proc=tmp_path) == 0.0
