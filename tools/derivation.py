@@ -145,10 +145,9 @@ def plan_shared_batches(loads: list[SharedLoad], max_utilization: float, lanes: 
     and they add up; the device holds `lanes` of them. `base_utilization` is the share of the
     device that other work takes at peak (on a CPU: the router path and the server itself).
     The utilisation of the whole device (0..1) must stay under `max_utilization`. Starting
-    from no batching, repeatedly
-    grow the batch of the bucket that frees the most device time per millisecond of extra
-    waiting (one more row takes 1/rate to arrive), until the total fits or no bucket can
-    grow. Returns the sizes and the total utilisation they reach.
+    from no batching, repeatedly grow the batch of the bucket that frees the most device
+    time per millisecond of extra waiting (one more row takes 1/rate to arrive), until the
+    total fits or no bucket can grow. Returns the sizes and the total utilisation they reach.
     """
     if lanes < 1:
         raise ValueError(f"a device has at least one lane, got {lanes}")
