@@ -188,6 +188,11 @@ class Scheduler:
 
     def abort(self, seq_id: str) -> SequenceState | None:
         """Cancel a sequence wherever it is and free its blocks; None if it is not in the engine."""
+        return self.finish(seq_id, FinishReason.CANCELLED)
+
+    def finish(self, seq_id: str, reason: FinishReason) -> SequenceState | None:
+        """End a sequence now (a stop string in its text, a cancel) and free its blocks;
+        None if it is not in the engine."""
         seq = self.sequences.get(seq_id)
         if seq is None:
             return None
@@ -195,19 +200,8 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self._finish(seq, FinishReason.CANCELLED)
-        return seq
-
-    def finish(self, seq_id: str, reason: FinishReason) -> None:
-        """End a running sequence the engine judged done (a stop string in its text)."""
-        seq = self.sequences.get(seq_id)
-        if seq is None:
-            return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
         self._finish(seq, reason)
+        return seq
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; see the module docstring for the order."""

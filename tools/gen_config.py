@@ -132,10 +132,9 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     return config
 
 
-def _lanes_text(hardware: HardwareLimits, profile: LatencyProfile) -> str:
-    lanes = hardware.lanes(profile.hardware.cpu_count)
+def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
     if hardware.kind == "cpu" and hardware.intra_op_threads:
-        return (f"{lanes} lanes: {profile.hardware.cpu_count} cores, {hardware.intra_op_threads} "
+        return (f"{lanes} lanes: {cpu_count} cores, {hardware.intra_op_threads} "
                 f"ONNX Runtime thread{'s' if hardware.intra_op_threads > 1 else ''} per instance")
     return "one lane: every batch uses the whole device"
 
@@ -186,6 +185,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
     )
     router_share = (f"; the router path takes {base_utilization:.0%} of it ({router_cpu_ms:.2f} CPU ms per request)"
                     if base_utilization else "")
+    device_text = _lanes_text(hardware, lanes, profile.hardware.cpu_count)
     for bucket_len in model.bucket_lens:
         demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
         name = demand.model_name
@@ -199,7 +199,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             f"{_relative(model.workload)}: {shares[bucket_len]:.1%},",
             f"expected {demand.expected_rps:.2f} rows/s, peak {demand.peak_rps:.2f} rows/s; "
             f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95). The buckets share",
-            f"the device ({_lanes_text(hardware, profile)}): at peak, with the planned batches, it is "
+            f"the device ({device_text}): at peak, with the planned batches, it is "
             f"{utilization:.0%} busy{router_share}.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),

@@ -184,7 +184,7 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
             overheads[model.name] = overhead
             log(f"{model.name}: router overhead p50 {overhead.p50_ms:.2f} ms, p95 {overhead.p95_ms:.2f} ms"
                 + (f", {overhead.cpu_ms:.2f} CPU ms per request" if overhead.cpu_ms is not None else
-                   " (CPU per request not measured: the server is not ours)"))
+                   " (CPU per request not measured: needs a private server and one thread per CPU instance)"))
     return models, overheads
 
 
