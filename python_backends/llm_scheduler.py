@@ -15,6 +15,11 @@ One step:
    prefilled in chunks over several steps, so running sequences keep decoding meanwhile.
    No new sequence is admitted in a step that had to preempt: the cache is full.
 
+The `static` policy is the baseline continuous batching is measured against: a batch forms
+only when the previous one has fully finished, takes up to `max_num_seqs` waiting requests
+with their whole prompts (no token budget) and blocks reserved for prompt + max_tokens up
+front (so it never preempts), and runs until its last sequence finishes.
+
 A sequence finishes on a stop token, at `max_tokens`, at the context limit, or when it is
 aborted (the client cancelled or went away); its blocks return to the pool at once.
 """
@@ -33,6 +38,18 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # a stop token or stop string
     LENGTH = "length"  # max_tokens or the context limit reached
     CANCELLED = "cancelled"  # aborted: the client cancelled or disconnected
+
+
+class BatchingPolicy(enum.StrEnum):
+    CONTINUOUS = "continuous"  # sequences join and leave the running batch at every step
+    STATIC = "static"  # a batch forms when the last one finished and runs to completion
+
+    @classmethod
+    def parse(cls, name: str) -> BatchingPolicy:
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown batching policy {name!r}; choose one of {[p.value for p in cls]}") from None
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +79,7 @@ class SchedulerConfig:
     max_num_seqs: int = 8  # sequences in the running batch at most
     max_num_batched_tokens: int = 128  # tokens computed per step: prefill chunks plus one per decoding sequence
     max_model_len: int = 2048  # context limit: prompt plus output tokens
+    policy: BatchingPolicy = BatchingPolicy.CONTINUOUS  # how sequences join the running batch
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -114,7 +132,7 @@ class SchedulerOutput:
 
     chunks: tuple[ScheduledChunk, ...]  # one per scheduled sequence
     preempted: tuple[str, ...]  # seq ids evicted this step: blocks freed, back to waiting
-    num_batched_tokens: int  # sum of the chunks' tokens, <= max_num_batched_tokens
+    num_batched_tokens: int  # sum of the chunks' tokens; <= max_num_batched_tokens under the continuous policy
 
     @property
     def is_empty(self) -> bool:
@@ -205,6 +223,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; see the module docstring for the order."""
+        if self.config.policy is BatchingPolicy.STATIC:
+            return self._schedule_static()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -267,6 +287,23 @@ class Scheduler:
                 self._finish(seq, reason)
             events.append(TokenEvent(chunk.seq_id, token, reason))
         return events
+
+    def _schedule_static(self) -> SchedulerOutput:
+        chunks: list[ScheduledChunk] = []
+        if self.running:  # the batch runs to completion: every member decodes, nobody joins
+            chunks = [self._schedule_chunk(seq, seq.num_tokens - seq.num_computed_tokens) for seq in self.running]
+        else:
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if not self.blocks.can_hold(seq.seq_id, len(seq.prompt_token_ids) + seq.params.max_tokens):
+                    break
+                self.blocks.allocate(seq.seq_id, len(seq.prompt_token_ids) + seq.params.max_tokens)
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                chunks.append(self._schedule_chunk(seq, seq.num_tokens - seq.num_computed_tokens))
+        return SchedulerOutput(chunks=tuple(chunks), preempted=(),
+                               num_batched_tokens=sum(c.num_tokens for c in chunks))
 
     def _schedule_chunk(self, seq: SequenceState, num_new: int) -> ScheduledChunk:
         end = seq.num_computed_tokens + num_new

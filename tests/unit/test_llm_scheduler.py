@@ -11,6 +11,7 @@ import pytest
 
 from python_backends.kv_blocks import BlockManager, KVCacheSpec, blocks_for_tokens, num_blocks_for_budget
 from python_backends.llm_scheduler import (
+    BatchingPolicy,
     FinishReason,
     SamplingParams,
     Scheduler,
@@ -52,7 +53,8 @@ class FakeRunner:
             assert len(table) * self.scheduler.config.block_size >= chunk.start + chunk.num_tokens
             if chunk.samples:
                 sampled[chunk.seq_id] = next_token(seq.token_ids())
-        assert output.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens
+        if self.scheduler.config.policy is BatchingPolicy.CONTINUOUS:
+            assert output.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens
         return output, self.scheduler.update_from_output(output, sampled, now)
 
     def run(self, max_steps: int = 10_000) -> dict[str, list[int]]:
@@ -314,3 +316,42 @@ def test_duplicate_request_id_is_refused():
 def test_scheduler_config_is_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
         scheduler(**overrides)
+
+
+# --- the static baseline ---------------------------------------------------------------
+
+
+def test_static_batch_runs_to_completion_before_the_next_one_forms():
+    sched = scheduler(policy=BatchingPolicy.STATIC, max_num_seqs=2)
+    sched.add("long", prompt(4), SamplingParams(max_tokens=6), now=0.0)
+    sched.add("short", prompt(4, seed=2), SamplingParams(max_tokens=2), now=0.0)
+    sched.add("late", prompt(4, seed=3), SamplingParams(max_tokens=2), now=0.0)
+    runner = FakeRunner(sched)
+    first, _ = runner.step()
+    assert [c.seq_id for c in first.chunks] == ["long", "short"]
+    # Blocks for prompt + max_tokens are reserved at admission: 10 tokens -> 3 blocks of 4.
+    assert len(sched.blocks.block_table("long")) == 3
+    scheduled = [[c.seq_id for c in runner.step()[0].chunks] for _ in range(5)]
+    assert scheduled == [["long", "short"], ["long"], ["long"], ["long"], ["long"]]  # "late" waits
+    assert [c.seq_id for c in runner.step()[0].chunks] == ["late"]
+
+
+def test_static_batch_prefills_whole_prompts_and_outputs_match_the_reference():
+    sched = scheduler(policy=BatchingPolicy.STATIC, max_num_batched_tokens=8)
+    prompts = {f"r{i}": prompt(10 + i, seed=i) for i in range(3)}
+    for seq_id, tokens in prompts.items():
+        sched.add(seq_id, tokens, SamplingParams(max_tokens=4), now=0.0)
+    runner = FakeRunner(sched)
+    first, events = runner.step()
+    assert [c.num_tokens for c in first.chunks] == [10, 11, 12]  # the token budget does not split them
+    outputs = runner.run()
+    for event in events:
+        outputs[event.seq_id].insert(0, event.token_id)
+    assert outputs == {seq_id: reference(tokens, 4) for seq_id, tokens in prompts.items()}
+    assert sched.blocks.num_used == 0
+
+
+def test_unknown_batching_policy_is_named():
+    assert BatchingPolicy.parse("static") is BatchingPolicy.STATIC
+    with pytest.raises(ValueError, match="unknown batching policy 'greedy'"):
+        BatchingPolicy.parse("greedy")

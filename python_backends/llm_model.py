@@ -1,0 +1,215 @@
+"""A Llama forward pass over a paged KV cache, for the continuous-batching engine.
+
+One call computes one engine step: the prefill chunks and decode tokens of every scheduled
+sequence, flattened into a single token axis for the dense layers (no padding compute where
+one sequence prefills 100 tokens and the others decode one), with attention done per
+sequence against its own cached keys and values, which live in fixed-size blocks addressed
+through the sequence's block table. Logits are computed only for the tokens that sample.
+
+The arithmetic follows `transformers`' Llama (RMSNorm in float32, rotate-half RoPE, grouped-
+query attention, SwiGLU), so greedy output matches its `generate` for the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """Shape of a Llama model, read from its `config.json`."""
+
+    num_layers: int  # transformer blocks
+    hidden_size: int  # model width
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention when fewer than num_heads)
+    head_dim: int  # width of one head
+    vocab_size: int  # output logits
+    rope_theta: float  # RoPE base
+    rms_norm_eps: float  # RMSNorm epsilon
+    max_position_embeddings: int  # longest context the model was trained for
+    tie_word_embeddings: bool  # lm_head shares the input embedding
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> LlamaDims:
+        if config.get("model_type") != "llama":
+            raise ValueError(f"expected a llama model config, got model_type={config.get('model_type')!r}")
+        if config.get("rope_scaling"):
+            raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported")
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads", num_heads)),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            vocab_size=int(config["vocab_size"]),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> LlamaDims:
+        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+@dataclass(frozen=True)
+class StepSequence:
+    """The tokens one sequence computes in a step, and where its cache lives."""
+
+    token_ids: Sequence[int]  # the tokens computed this step (a prefill chunk, or one decode token)
+    start: int  # position of the first of them; positions [0, start) are already cached
+    block_table: Sequence[int]  # the sequence's KV blocks in token order, covering start + len(token_ids)
+    samples: bool  # whether the step returns logits for its last token
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    """Llama weights plus a block-paged KV cache; `step()` runs one batched forward."""
+
+    def __init__(self, dims: LlamaDims, weights: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32):
+        self.dims = dims
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+
+        def weight(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"the model weights have no tensor {name!r}")
+            return weights[name].to(dtype).contiguous()
+
+        self.embed = weight("model.embed_tokens.weight")
+        self.lm_head = self.embed if dims.tie_word_embeddings else weight("lm_head.weight")
+        self.final_norm = weight("model.norm.weight")
+        self.layers = []
+        for i in range(dims.num_layers):
+            p = f"model.layers.{i}."
+            # q, k and v in one matmul, gate and up in another: fewer, larger GEMMs per step.
+            qkv = torch.cat([weight(p + "self_attn.q_proj.weight"), weight(p + "self_attn.k_proj.weight"),
+                             weight(p + "self_attn.v_proj.weight")])
+            gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])
+            self.layers.append((weight(p + "input_layernorm.weight"), qkv, weight(p + "self_attn.o_proj.weight"),
+                                weight(p + "post_attention_layernorm.weight"), gate_up,
+                                weight(p + "mlp.down_proj.weight")))
+        self.inv_freq = 1.0 / (dims.rope_theta ** (
+            torch.arange(0, dims.head_dim, 2, dtype=torch.int64).float() / dims.head_dim))
+        # [layer, slot, kv_head, head_dim]; slot = block * block_size + offset in the block
+        shape = (dims.num_layers, num_blocks * block_size, dims.num_kv_heads, dims.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype)
+        self.v_cache = torch.zeros(shape, dtype=dtype)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, num_blocks: int, block_size: int) -> PagedLlama:
+        from safetensors.torch import load_file
+
+        dims = LlamaDims.from_dir(model_dir)
+        return cls(dims, load_file(str(Path(model_dir) / "model.safetensors")), num_blocks, block_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        d = self.dims
+        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * self.k_cache.element_size()
+
+    def _slots(self, block_table: Sequence[int], positions: range) -> list[int]:
+        bs = self.block_size
+        try:
+            return [block_table[p // bs] * bs + p % bs for p in positions]
+        except IndexError:
+            raise ValueError(f"the block table ({len(block_table)} blocks of {bs}) does not cover "
+                             f"position {positions[-1]}") from None
+
+    @torch.inference_mode()
+    def step(self, batch: Sequence[StepSequence]) -> torch.Tensor:
+        """Compute one step; returns float32 logits [number of sampling sequences, vocab], in batch order."""
+        d = self.dims
+        if not batch:
+            return torch.empty((0, d.vocab_size))
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_rows: list[int] = []  # flat token index -> row in the padded [B * max_q] query layout
+        context_slots: list[list[int]] = []
+        sample_rows: list[int] = []
+        max_q = max(len(s.token_ids) for s in batch)
+        max_ctx = max(s.start + len(s.token_ids) for s in batch)
+        for b, seq in enumerate(batch):
+            n = len(seq.token_ids)
+            if n == 0:
+                raise ValueError("a scheduled sequence computes no tokens")
+            end = seq.start + n
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start, end))
+            slots.extend(self._slots(seq.block_table, range(seq.start, end)))
+            query_rows.extend(b * max_q + j for j in range(n))
+            ctx = self._slots(seq.block_table, range(end))
+            context_slots.append(ctx + [0] * (max_ctx - end))  # padding keys are masked out
+            if seq.samples:
+                sample_rows.append(len(token_ids) - 1)
+
+        num_seqs = len(batch)
+        pos = torch.tensor(positions, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(self.dtype)[:, None, :]
+        sin = emb.sin().to(self.dtype)[:, None, :]
+        slot_index = torch.tensor(slots, dtype=torch.long)
+        rows = torch.tensor(query_rows, dtype=torch.long)
+        ctx_index = torch.tensor(context_slots, dtype=torch.long)  # [B, max_ctx]
+        # Query j of sequence b (at position start_b + j) sees keys at positions <= start_b + j.
+        starts = torch.tensor([s.start for s in batch])
+        lengths = torch.tensor([len(s.token_ids) for s in batch])
+        q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
+        q_pos = torch.minimum(q_pos, (starts + lengths - 1)[:, None])  # padded queries repeat the last row
+        mask = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
+        mask = mask[:, None, :, :]
+
+        q_width = d.num_heads * d.head_dim
+        kv_width = d.num_kv_heads * d.head_dim
+        hidden = self.embed[torch.tensor(token_ids, dtype=torch.long)]
+        for layer, (norm1, qkv_w, o_w, norm2, gate_up_w, down_w) in enumerate(self.layers):
+            h = _rms_norm(hidden, norm1, d.rms_norm_eps)
+            q, k, v = F.linear(h, qkv_w).split((q_width, kv_width, kv_width), dim=-1)
+            q = q.view(-1, d.num_heads, d.head_dim)
+            k = k.view(-1, d.num_kv_heads, d.head_dim)
+            v = v.view(-1, d.num_kv_heads, d.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            k_cache[slot_index] = k
+            v_cache[slot_index] = v
+            keys = k_cache[ctx_index].transpose(1, 2)  # [B, kv_heads, max_ctx, head_dim]
+            values = v_cache[ctx_index].transpose(1, 2)
+            queries = q.new_zeros((num_seqs * max_q, d.num_heads, d.head_dim))
+            queries[rows] = q
+            queries = queries.view(num_seqs, max_q, d.num_heads, d.head_dim).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                                  enable_gqa=d.num_kv_heads != d.num_heads)
+            attn = attn.transpose(1, 2).reshape(num_seqs * max_q, q_width)[rows]
+            hidden = hidden + F.linear(attn, o_w)
+            h = _rms_norm(hidden, norm2, d.rms_norm_eps)
+            gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, down_w)
+
+        last = _rms_norm(hidden[torch.tensor(sample_rows, dtype=torch.long)], self.final_norm, d.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
