@@ -200,10 +200,9 @@ def convert_llm(gguf: Path, out_dir: Path) -> float:
     difference between the engine's forward pass and `transformers`' on a chat prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from python_backends.llm_model import PagedLlama, StepSequence
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the GGUF tokenizer's "legacy behaviour" notice is expected
     with warnings.catch_warnings():

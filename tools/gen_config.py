@@ -61,6 +61,7 @@ LLM_INPUTS = (
     ("stop", mc.TYPE_STRING, [-1]),
     ("stream", mc.TYPE_BOOL, [1]),
 )
+LLM_INFER_SUFFIX = "_infer"
 LLM_OUTPUTS = (
     ("text_output", mc.TYPE_STRING, [1]),  # a delta when streaming, else the whole text
     ("finish_reason", mc.TYPE_STRING, [1]),  # "" until the last response: stop, length or cancelled
@@ -183,7 +184,25 @@ def llm_config(model: LLMModelSpec) -> mc.ModelConfig:
     return config
 
 
-def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfile) -> GeneratedModel:
+def llm_infer_config(model: LLMModelSpec) -> mc.ModelConfig:
+    """`<llm>_infer`: the same model through plain infer, which Triton does not offer for
+    decoupled models; it forwards each request to the engine and answers once."""
+    config = mc.ModelConfig(name=f"{model.name}{LLM_INFER_SUFFIX}", backend="python", max_batch_size=0)
+    for name, data_type, dims in LLM_INPUTS:
+        if name != "stream":
+            _tensor(config.input, name, data_type, dims)
+            config.input[-1].optional = True
+    for name, data_type, dims in LLM_OUTPUTS:
+        _tensor(config.output, name, data_type, dims)
+    group = config.instance_group.add()
+    group.count = 1  # execute returns at once; worker threads wait on the engine
+    group.kind = mc.ModelInstanceGroup.KIND_CPU
+    config.parameters["target_model"].string_value = model.name
+    config.parameters["max_in_flight"].string_value = str(4 * model.max_num_seqs)
+    return config
+
+
+def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
     if model.batching == "continuous":
         policy = (f"Continuous batching: up to {model.max_num_seqs} sequences and {model.max_num_batched_tokens} "
                   "tokens per step (prefill chunks + decodes),",
@@ -192,8 +211,12 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
         policy = (f"Static batching (the benchmark baseline): batches of up to {model.max_num_seqs} sequences",
                   "form when the last batch has finished and run to completion")
     header = (*provenance(spec, profile), "", *policy)
-    return GeneratedModel(name=model.name, config=llm_config(model), header=header, adapter="llm_model",
-                          versions=model.versions)
+    infer_header = (*provenance(spec, profile), "",
+                    f"Plain (unary) infer for {model.name!r}: forwards each request to its engine and answers once")
+    return [GeneratedModel(name=model.name, config=llm_config(model), header=header, adapter="llm_model",
+                           versions=model.versions),
+            GeneratedModel(name=f"{model.name}{LLM_INFER_SUFFIX}", config=llm_infer_config(model),
+                           header=infer_header, adapter="llm_infer_model", versions=(1,))]
 
 
 def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
@@ -304,7 +327,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
 
 def plan_all(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
     plan = [generated for model in spec.models for generated in plan_embed_model(model, spec, profile)]
-    return plan + [plan_llm_model(model, spec, profile) for model in spec.llm_models]
+    return plan + [generated for model in spec.llm_models for generated in plan_llm_model(model, spec, profile)]
 
 
 def expected_files(plan: list[GeneratedModel], repository: Path) -> dict[Path, str]:

@@ -29,6 +29,8 @@ INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "
 TTFT_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0]
 TPOT_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Starts every bad-input error, so a BLS caller (whose errors all arrive as INTERNAL) can tell.
+INVALID_REQUEST = "invalid request: "
 
 
 def _response(text: str, output: StepOutput) -> pb_utils.InferenceResponse:
@@ -44,7 +46,7 @@ def _response(text: str, output: StepOutput) -> pb_utils.InferenceResponse:
 class TritonSink:
     """One request's response sender, as the engine loop's `RequestSink`."""
 
-    def __init__(self, sender, stream: bool, metrics: "LLMMetrics"):
+    def __init__(self, sender, stream: bool, metrics: LLMMetrics):
         self.sender = sender
         self.stream = stream
         self.metrics = metrics
@@ -151,7 +153,7 @@ class TritonPythonModel:
                 inputs = inputs_from_arrays(arrays)
                 prompt, params = self.engine.prepare(inputs)
             except InvalidInput as err:
-                error = pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)
+                error = pb_utils.TritonError(f"{INVALID_REQUEST}{err}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 continue
             if self.loop.error is not None:
