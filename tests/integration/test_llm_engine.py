@@ -1,0 +1,127 @@
+"""The LLM engine on the real SmolLM2 weights, in process: greedy output is the same as
+`transformers`' own `generate`, and the same alone as inside a full batch, with chunked
+prefill and with preemption."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from python_backends.llm_engine import EngineConfig, LLMEngine, build_inputs
+from python_backends.llm_scheduler import FinishReason
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = REPO / "model_repository" / "llm" / "1"
+MAX_TOKENS = 24
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+    "Explain continuous batching in one sentence.",
+    "List three fruits.",
+    "Tell me a joke.",
+    "What is 2+2?",
+    "Name a colour of the rainbow.",
+    "Why is the sky blue? Answer in detail, with the physics of Rayleigh scattering, the role of the "
+    "wavelength of light, why sunsets are red, and why the sky is not violet even though violet light "
+    "scatters even more than blue light does.",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_model():
+    subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
+
+
+def chat(question: str, **overrides):
+    fields = {"text_input": None, "messages": json.dumps([{"role": "user", "content": question}]),
+              "max_tokens": MAX_TOKENS, "temperature": None, "top_p": None, "seed": None, "stop": (),
+              "stream": True, **overrides}
+    return build_inputs(**fields)
+
+
+def engine(**config) -> LLMEngine:
+    return LLMEngine.from_dir(MODEL_DIR, EngineConfig(**{"kv_cache_bytes": 64 << 20, **config}))
+
+
+def generate(llm: LLMEngine, requests: dict[str, object]) -> dict[str, tuple[str, list, FinishReason]]:
+    """Run requests together to completion: request id -> (text, outputs, finish reason)."""
+    for request_id, inputs in requests.items():
+        prompt, params = llm.prepare(inputs)
+        llm.add(request_id, prompt, params)
+    outputs: dict[str, list] = {request_id: [] for request_id in requests}
+    while llm.has_work:
+        for output in llm.step():
+            outputs[output.request_id].append(output)
+    return {rid: ("".join(o.text_delta for o in outs), outs, outs[-1].finish_reason) for rid, outs in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict[int, str]:
+    llm = engine()
+    return {i: generate(llm, {"r": chat(q)})["r"][0] for i, q in enumerate(QUESTIONS)}
+
+
+def test_greedy_output_is_transformers_generate(alone):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
+    llm = engine()
+    for index in (0, 3, 7):
+        prompt, params = llm.prepare(chat(QUESTIONS[index]))
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=list(params.stop_token_ids), pad_token_id=tokenizer.pad_token_id)
+        expected = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert alone[index] == expected, QUESTIONS[index]
+
+
+def test_full_batch_with_chunked_prefill_matches_each_request_alone(alone):
+    llm = engine(max_num_seqs=8, max_num_batched_tokens=32)  # the long prompt takes several chunks
+    results = generate(llm, {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS)})
+    assert {i: results[f"r{i}"][0] for i in range(len(QUESTIONS))} == alone
+    assert llm.scheduler.blocks.num_used == 0
+    assert llm.stats().num_generated_tokens == sum(r[1][-1].num_output_tokens for r in results.values())
+
+
+def test_preempted_sequences_recompute_to_the_same_output(alone):
+    # 12 blocks of 16 tokens cannot hold 8 sequences of ~40-150 tokens: the youngest are
+    # evicted and recomputed, and still produce exactly what they produce alone.
+    per_block = 2 * 30 * 3 * 64 * 4 * 16
+    llm = engine(kv_cache_bytes=12 * per_block, max_num_seqs=8)
+    results = generate(llm, {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS)})
+    assert llm.scheduler.num_preemptions > 0
+    assert {i: results[f"r{i}"][0] for i in range(len(QUESTIONS))} == alone
+    assert llm.scheduler.blocks.num_used == 0
+
+
+def test_stop_string_cuts_the_text_and_finishes_with_stop(alone):
+    text = alone[3]  # "Here are three fruits ..."
+    stop = text.split()[3]
+    result = generate(engine(), {"r": chat(QUESTIONS[3], stop=(stop,))})["r"]
+    assert result[0] == text[:text.index(stop)]
+    assert result[2] is FinishReason.STOP
+
+
+def test_seeded_sampling_repeats_and_streams_deltas():
+    llm = engine()
+    first = generate(llm, {"a": chat(QUESTIONS[1], temperature=0.9, top_p=0.95, seed=11)})["a"]
+    again = generate(llm, {"b": chat(QUESTIONS[1], temperature=0.9, top_p=0.95, seed=11)})["b"]
+    assert first[0] == again[0]
+    assert len(first[1]) > 3  # one output per text delta
+    assert first[1][-1].ttft_s is not None and first[1][-1].ttft_s > 0
+
+
+def test_a_prompt_beyond_the_context_is_refused():
+    from python_backends.errors import InvalidInput
+
+    llm = engine(max_model_len=64)
+    with pytest.raises(InvalidInput, match="the context holds 64"):
+        llm.prepare(chat("word " * 100))
+    with pytest.raises(InvalidInput, match="exceeds the context of 64 tokens"):
+        llm.prepare(chat("hi", max_tokens=60))
