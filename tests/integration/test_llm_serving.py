@@ -1,0 +1,186 @@
+"""The `llm` model through the real tritonserver: gRPC streaming, HTTP generate and
+generate_stream, plain infer through `llm_infer`, concurrency, cancellation, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+import requests
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tools.llm_client import LLMStream, llm_inputs
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+    "Explain continuous batching in one sentence.",
+    "List three fruits.",
+    "Tell me a joke.",
+    "What is 2+2?",
+    "Name a colour of the rainbow.",
+    "Why is the sky blue?",
+]
+
+
+def chat(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def metric(triton, name: str, **labels) -> float:
+    text = requests.get(triton.metrics_url, timeout=10).text
+    wanted = {"model": "llm", **labels}
+    for line in text.splitlines():
+        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) == wanted:
+            return float(match.group(2))
+    raise AssertionError(f"metric {name}{wanted} not exported")
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def generate_url(triton, stream: bool = False) -> str:
+    return f"http://{triton.http_url}/v2/models/llm/generate{'_stream' if stream else ''}"
+
+
+def test_a_streamed_generation_arrives_as_several_responses(triton):
+    with LLMStream(triton.grpc_url) as stream:
+        generation = stream.submit(messages=chat(QUESTIONS[3]), max_tokens=16)
+        assert generation.done.wait(60), "no final response"
+    assert generation.error is None
+    assert len(generation.deltas) > 2  # several responses before the final one
+    assert generation.finish_reason == "length" and generation.completion_tokens == 16
+    assert generation.text.startswith("Here are three fruits")
+    assert generation.prompt_tokens > 20  # the chat template's system turn included
+
+
+def test_eight_concurrent_streams_each_get_their_own_greedy_text(triton):
+    alone = {}
+    with LLMStream(triton.grpc_url) as stream:
+        for index, question in enumerate(QUESTIONS):
+            generation = stream.submit(messages=chat(question), max_tokens=20)
+            assert generation.done.wait(60) and generation.error is None
+            alone[index] = generation.text
+    assert len(set(alone.values())) == len(QUESTIONS)
+
+    streams = [LLMStream(triton.grpc_url) for _ in QUESTIONS]
+    try:
+        generations = [s.submit(messages=chat(q), max_tokens=20) for s, q in zip(streams, QUESTIONS, strict=True)]
+        assert all(g.done.wait(120) for g in generations)
+    finally:
+        for s in streams:
+            s.close()
+    assert {i: g.text for i, g in enumerate(generations)} == alone
+    assert all(g.error is None for g in generations)
+
+
+def test_cancelling_a_stream_returns_its_kv_blocks(triton):
+    cancelled_before = metric(triton, "llm_requests_finished_total", finish_reason="cancelled")
+    stream = LLMStream(triton.grpc_url)
+    generation = stream.submit(text_input="Once upon a time", max_tokens=1000)
+    assert wait_for(lambda: len(generation.deltas) >= 3)
+    assert metric(triton, "llm_kv_blocks_used") > 0
+    stream.close(cancel=True)
+    assert wait_for(lambda: metric(triton, "llm_running_sequences") == 0 and metric(triton, "llm_kv_blocks_used") == 0)
+    assert metric(triton, "llm_requests_finished_total", finish_reason="cancelled") == cancelled_before + 1
+    assert generation.completion_tokens < 1000
+
+
+BAD_REQUESTS = [
+    ({"text_input": ""}, "text_input is empty"),
+    ({"text_input": "Hi", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"text_input": "Hi", "max_tokens": 5000}, "exceeds the context of 2048 tokens"),
+    ({"text_input": "word " * 3000}, "the context holds 2048"),
+    ({"messages": "[{\"role\": \"user\"}"}, "messages is not valid JSON"),
+    ({"messages": "[{\"role\": \"user\"}]"}, "must be an object with string 'role' and 'content'"),
+    ({"text_input": "Hi", "messages": "[]"}, "exactly one of text_input"),
+]
+
+
+def test_bad_input_is_refused_clearly_while_another_stream_keeps_going(triton):
+    with LLMStream(triton.grpc_url) as stream:
+        running = stream.submit(messages=chat(QUESTIONS[2]), max_tokens=40)
+        for body, message in BAD_REQUESTS:
+            reply = requests.post(generate_url(triton), json=body, timeout=30)
+            assert reply.status_code == 400, (body, reply.text)
+            assert message in reply.json()["error"], reply.text
+        assert running.done.wait(120)
+    assert running.error is None and running.finish_reason == "length" and running.completion_tokens == 40
+
+
+def test_bad_input_over_the_grpc_stream_gets_an_error_response(triton):
+    with LLMStream(triton.grpc_url) as stream:
+        generation = stream.submit(text_input="Hi", max_tokens=0)
+        assert generation.done.wait(30)
+    assert "max_tokens must be >= 1" in generation.error
+
+
+def test_http_generate_returns_the_whole_text(triton):
+    body = {"messages": json.dumps(chat(QUESTIONS[0])), "max_tokens": 20}
+    reply = requests.post(generate_url(triton), json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["text_output"] == "The capital of France is Paris."
+    assert answer["finish_reason"] == "stop" and answer["completion_tokens"] == 8
+
+
+def test_http_generate_stream_sends_server_sent_events(triton):
+    body = {"text_input": "The capital of France is", "max_tokens": 6, "stream": True}
+    with requests.post(generate_url(triton, stream=True), json=body, stream=True, timeout=60) as reply:
+        assert reply.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert len(events) >= 3
+    assert [e["finish_reason"] for e in events[:-1]] == [""] * (len(events) - 1)
+    assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == 6
+    assert "".join(e["text_output"] for e in events).startswith(" Paris")
+
+
+def test_plain_infer_through_llm_infer(triton, http_client):
+    result = http_client.infer("llm_infer", llm_inputs(messages=chat(QUESTIONS[0]), max_tokens=20,
+                                                       infer_input=httpclient.InferInput))
+    assert result.as_numpy("text_output")[0].decode() == "The capital of France is Paris."
+    assert result.as_numpy("finish_reason")[0].decode() == "stop"
+    with pytest.raises(InferenceServerException, match="invalid request: max_tokens must be >= 1") as error:
+        http_client.infer("llm_infer", llm_inputs(text_input="Hi", max_tokens=0, infer_input=httpclient.InferInput))
+    assert error.value.status() == "400"
+
+
+def test_plain_infer_calls_batch_in_the_engine(triton):
+    clients = [httpclient.InferenceServerClient(triton.http_url, network_timeout=120) for _ in range(4)]
+    results: dict[int, str] = {}
+
+    def call(index: int) -> None:
+        answer = clients[index].infer("llm_infer", llm_inputs(messages=chat(QUESTIONS[index]), max_tokens=12,
+                                                              infer_input=httpclient.InferInput))
+        results[index] = answer.as_numpy("text_output")[0].decode()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    assert wait_for(lambda: metric(triton, "llm_running_sequences") >= 2, timeout_s=30)
+    for thread in threads:
+        thread.join(120)
+    for client in clients:
+        client.close()
+    assert sorted(results) == [0, 1, 2, 3] and all(results.values())
+
+
+def test_engine_metrics_are_exported(triton):
+    assert metric(triton, "llm_kv_blocks_total") > 0
+    assert metric(triton, "llm_generated_tokens_total") > 0
+    assert metric(triton, "llm_time_to_first_token_seconds_count") > 0
+    assert metric(triton, "llm_time_per_output_token_seconds_count") > 0
+    assert metric(triton, "llm_preemptions_total") >= 0
+    assert metric(triton, "llm_waiting_sequences") >= 0
