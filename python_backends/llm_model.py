@@ -2,9 +2,9 @@
 
 One call computes one engine step: the prefill chunks and decode tokens of every scheduled
 sequence, flattened into a single token axis for the dense layers (no padding compute where
-one sequence prefills 100 tokens and the others decode one), with attention done per
-sequence against its own cached keys and values, which live in fixed-size blocks addressed
-through the sequence's block table. Logits are computed only for the tokens that sample.
+one sequence prefills 100 tokens and the others decode one). Attention reads each
+sequence's cached keys and values from fixed-size blocks through its block table: all
+decoding sequences in one call, each prefill chunk in its own. Logits are computed only for the tokens that sample.
 
 The arithmetic follows `transformers`' Llama (RMSNorm in float32, rotate-half RoPE, grouped-
 query attention, SwiGLU), so greedy output matches its `generate` for the same weights.
@@ -70,6 +70,16 @@ class StepSequence:
     start: int  # position of the first of them; positions [0, start) are already cached
     block_table: Sequence[int]  # the sequence's KV blocks in token order, covering start + len(token_ids)
     samples: bool  # whether the step returns logits for its last token
+
+
+@dataclass(frozen=True)
+class _AttentionGroup:
+    """Sequences whose attention runs in one call."""
+
+    rows: torch.Tensor  # their query rows in the step's flat token axis
+    slots: torch.Tensor  # [sequences, keys]: cache slots of each sequence's context (padded)
+    mask: torch.Tensor  # [sequences, 1, queries, keys]: True where a query may attend
+    num_queries: int  # queries per sequence: 1 for decodes, the chunk length for a prefill
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,6 +149,35 @@ class PagedLlama:
             raise ValueError(f"the block table ({len(block_table)} blocks of {bs}) does not cover "
                              f"position {positions[-1]}") from None
 
+    def _plan_attention(self, batch: Sequence[StepSequence]) -> list[_AttentionGroup]:
+        """Group the step's sequences for attention: every decoding sequence (one query each)
+        in one padded call, each prefill chunk in a call of its own, so no sequence pays for
+        another's query length."""
+        groups: list[_AttentionGroup] = []
+        decode_rows, decode_slots, decode_lens = [], [], []
+        row = 0
+        for seq in batch:
+            n = len(seq.token_ids)
+            end = seq.start + n
+            slots = self._slots(seq.block_table, range(end))
+            if n == 1:
+                decode_rows.append(row)
+                decode_slots.append(slots)
+                decode_lens.append(end)
+            else:
+                # Query j (at position start + j) sees the keys at positions <= start + j.
+                causal = torch.arange(end)[None, :] <= (seq.start + torch.arange(n))[:, None]
+                groups.append(_AttentionGroup(rows=torch.arange(row, row + n), slots=torch.tensor([slots]),
+                                              mask=causal[None, None], num_queries=n))
+            row += n
+        if decode_rows:
+            width = max(decode_lens)
+            padded = [slots + [0] * (width - len(slots)) for slots in decode_slots]  # padding keys are masked
+            mask = torch.arange(width)[None, :] < torch.tensor(decode_lens)[:, None]
+            groups.append(_AttentionGroup(rows=torch.tensor(decode_rows), slots=torch.tensor(padded),
+                                          mask=mask[:, None, None, :], num_queries=1))
+        return groups
+
     @torch.inference_mode()
     def step(self, batch: Sequence[StepSequence]) -> torch.Tensor:
         """Compute one step; returns float32 logits [number of sampling sequences, vocab], in batch order."""
@@ -148,41 +187,25 @@ class PagedLlama:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_rows: list[int] = []  # flat token index -> row in the padded [B * max_q] query layout
-        context_slots: list[list[int]] = []
         sample_rows: list[int] = []
-        max_q = max(len(s.token_ids) for s in batch)
-        max_ctx = max(s.start + len(s.token_ids) for s in batch)
-        for b, seq in enumerate(batch):
+        for seq in batch:
             n = len(seq.token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence computes no tokens")
-            end = seq.start + n
             token_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start, end))
-            slots.extend(self._slots(seq.block_table, range(seq.start, end)))
-            query_rows.extend(b * max_q + j for j in range(n))
-            ctx = self._slots(seq.block_table, range(end))
-            context_slots.append(ctx + [0] * (max_ctx - end))  # padding keys are masked out
+            positions.extend(range(seq.start, seq.start + n))
+            slots.extend(self._slots(seq.block_table, range(seq.start, seq.start + n)))
             if seq.samples:
                 sample_rows.append(len(token_ids) - 1)
+        groups = self._plan_attention(batch)
 
-        num_seqs = len(batch)
         pos = torch.tensor(positions, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
         sin = emb.sin().to(self.dtype)[:, None, :]
         slot_index = torch.tensor(slots, dtype=torch.long)
-        rows = torch.tensor(query_rows, dtype=torch.long)
-        ctx_index = torch.tensor(context_slots, dtype=torch.long)  # [B, max_ctx]
-        # Query j of sequence b (at position start_b + j) sees keys at positions <= start_b + j.
-        starts = torch.tensor([s.start for s in batch])
-        lengths = torch.tensor([len(s.token_ids) for s in batch])
-        q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-        q_pos = torch.minimum(q_pos, (starts + lengths - 1)[:, None])  # padded queries repeat the last row
-        mask = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
-        mask = mask[:, None, :, :]
+        gqa = d.num_kv_heads != d.num_heads
 
         q_width = d.num_heads * d.head_dim
         kv_width = d.num_kv_heads * d.head_dim
@@ -198,15 +221,15 @@ class PagedLlama:
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
             k_cache[slot_index] = k
             v_cache[slot_index] = v
-            keys = k_cache[ctx_index].transpose(1, 2)  # [B, kv_heads, max_ctx, head_dim]
-            values = v_cache[ctx_index].transpose(1, 2)
-            queries = q.new_zeros((num_seqs * max_q, d.num_heads, d.head_dim))
-            queries[rows] = q
-            queries = queries.view(num_seqs, max_q, d.num_heads, d.head_dim).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                                  enable_gqa=d.num_kv_heads != d.num_heads)
-            attn = attn.transpose(1, 2).reshape(num_seqs * max_q, q_width)[rows]
-            hidden = hidden + F.linear(attn, o_w)
+            attn = torch.empty_like(q)
+            for group in groups:
+                keys = k_cache[group.slots].transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
+                values = v_cache[group.slots].transpose(1, 2)
+                # [seqs, heads, queries, head_dim]: decodes are one query per sequence; a prefill chunk is one sequence
+                queries = q[group.rows].view(-1, group.num_queries, d.num_heads, d.head_dim).transpose(1, 2)
+                out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=gqa)
+                attn[group.rows] = out.transpose(1, 2).reshape(-1, d.num_heads, d.head_dim)
+            hidden = hidden + F.linear(attn.view(-1, q_width), o_w)
             h = _rms_norm(hidden, norm2, d.rms_norm_eps)
             gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, down_w)

@@ -25,7 +25,8 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
-from tools.gen_config import GeneratedModel, expected_files, plan_all
+from tools import bench_llm
+from tools.gen_config import LLM_INFER_SUFFIX, GeneratedModel, expected_files, plan_all
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
 from tools.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
 from tools.profiler import detect_hardware
@@ -48,9 +49,15 @@ class GoodputOptions:
     ceiling_rows: int  # rows run through ONNX Runtime for the ceiling
 
 
+def embed_plan(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
+    """The generated configs of the embedding service alone (the LLM is benchmarked by `bench llm`)."""
+    llm_names = {m.name for m in spec.llm_models} | {f"{m.name}{LLM_INFER_SUFFIX}" for m in spec.llm_models}
+    return [m for m in plan_all(spec, profile) if m.name not in llm_names]
+
+
 def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool) -> list[GeneratedModel]:
     """The baselines: the router with a single 256-token bucket, so every input is padded to 256."""
-    plan = {m.name: m for m in plan_all(spec, profile)}
+    plan = {m.name: m for m in embed_plan(spec, profile)}
     model = spec.models[0]
     largest = model.bucket_lens[-1]
     router = mc.ModelConfig()
@@ -83,7 +90,7 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
         for version in model.versions:
             source = DEFAULT_MODEL_REPOSITORY / model.name / str(version)
             for item in source.iterdir():
-                if item.is_file() and item.suffix in (".onnx", ".json"):
+                if item.is_file() and item.name != "model.py":  # model files; the shim is generated
                     os.link(item, target / model.name / str(version) / item.name)
     return target
 
@@ -214,6 +221,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     goodput.add_argument("--quick", action="store_true",
                          help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run")
     goodput.set_defaults(benchmark_run=run_goodput)
+    llm = sub.add_parser("llm", help="LLM: continuous vs static batching, tokens/s and time to first token",
+                         description=bench_llm.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_llm.add_arguments(llm)
+    llm.set_defaults(benchmark_run=bench_llm.run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,7 +270,7 @@ def run_goodput(args: argparse.Namespace) -> int:
     try:
         for setup in setups:
             if setup == "slo_bucketed":
-                repository = build_repository(setup, plan_all(spec, profile))
+                repository = build_repository(setup, embed_plan(spec, profile))
             else:
                 repository = build_repository(setup, padded_only_plan(spec, profile, setup == "default_batching"))
             report["setups"][setup] = run_setup(setup, repository, texts, model.slo_p95_ms, options, log)

@@ -23,6 +23,7 @@ class Generation:
     sent_s: float  # time.monotonic() when it was sent
     deltas: list[str] = field(default_factory=list)  # text of each response, in order
     arrivals_s: list[float] = field(default_factory=list)  # when each response arrived
+    token_counts: list[int] = field(default_factory=list)  # completion tokens so far, per response
     finish_reason: str | None = None  # set by the final response
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -120,6 +121,7 @@ class LLMStream:
         generation.arrivals_s.append(now)
         generation.prompt_tokens = int(result.as_numpy("prompt_tokens")[0])
         generation.completion_tokens = int(result.as_numpy("completion_tokens")[0])
+        generation.token_counts.append(generation.completion_tokens)
         reason = result.as_numpy("finish_reason")[0].decode()
         if reason:
             generation.finish_reason = reason

@@ -104,8 +104,9 @@ def test_profile_round_trip_and_errors(tmp_path):
         profile.curve("encoder_512")
 
 
-def test_plan_has_router_and_one_model_per_bucket(plan):
-    assert [m.name for m in plan] == ["embed", "encoder_16", "encoder_32", "encoder_64", "encoder_128", "encoder_256"]
+def test_plan_has_router_one_model_per_bucket_and_the_llm(plan):
+    assert [m.name for m in plan] == ["embed", "encoder_16", "encoder_32", "encoder_64", "encoder_128", "encoder_256",
+                                      "llm", "llm_infer"]
 
 
 def test_encoder_config_carries_the_derived_knobs(plan):
@@ -127,7 +128,7 @@ def test_router_config_carries_buckets_limits_and_tiers(plan):
     assert router.parameters["bucket_lens"].string_value == "16,32,64,128,256"
     limits = dict(part.split(":") for part in router.parameters["bucket_max_batch"].string_value.split(","))
     assert {int(k): int(v) for k, v in limits.items()} == {
-        int(m.name.removeprefix("encoder_")): m.knobs.max_batch_size for m in plan[1:]}
+        int(m.name.removeprefix("encoder_")): m.knobs.max_batch_size for m in plan if m.name.startswith("encoder_")}
     assert router.dynamic_batching.priority_levels == 2
     assert router.dynamic_batching.default_priority_level == 2
 
@@ -256,3 +257,48 @@ def test_profile_round_trip_keeps_the_router_cpu():
     profile = load_profile(REPO / "profiles" / "cpu.json")
     again = profile_from_dict(profile_to_dict(profile))
     assert again.overhead["embed"].cpu_ms == profile.overhead["embed"].cpu_ms
+
+
+# --- the LLM ------------------------------------------------------------------------------
+
+LLM = {"kv_cache_mb": 64, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1024,
+       "default_max_tokens": 64, "ttft_p95_ms": 1000, "threads": 0}
+
+
+def test_llm_config_is_decoupled_with_optional_inputs_and_engine_parameters(plan):
+    config = next(m for m in plan if m.name == "llm").config
+    assert config.model_transaction_policy.decoupled and config.max_batch_size == 0
+    assert not config.HasField("dynamic_batching")  # the engine batches per iteration itself
+    assert {i.name for i in config.input} == {"text_input", "messages", "max_tokens", "temperature", "top_p", "seed",
+                                              "stop", "stream"}
+    assert all(i.optional for i in config.input)
+    assert {o.name for o in config.output} == {"text_output", "finish_reason", "prompt_tokens", "completion_tokens"}
+    assert config.parameters["batching"].string_value == "continuous"
+    assert float(config.parameters["kv_cache_mb"].string_value) > 0
+    assert config.instance_group[0].count == 1
+
+
+def test_llm_infer_is_the_plain_infer_front_of_the_llm(plan):
+    config = next(m for m in plan if m.name == "llm_infer").config
+    assert not config.model_transaction_policy.decoupled
+    assert config.parameters["target_model"].string_value == "llm"
+    assert "stream" not in {i.name for i in config.input}
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"kv_cache_mb": 0}, "'kv_cache_mb' must be > 0"),
+    ({"batching": "eager"}, "batching must be 'continuous' or 'static'"),
+    ({"max_num_batched_tokens": 4}, r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"),
+    ({"default_max_tokens": 2048}, r"default_max_tokens \(2048\) must be < max_model_len"),
+    ({"max_num_seqs": None}, "missing 'max_num_seqs'"),
+])
+def test_llm_spec_errors_name_the_field(changes, message):
+    llm = {**LLM, **changes}
+    llm = {k: v for k, v in llm.items() if v is not None}
+    with pytest.raises(SpecError, match=message):
+        parse_spec({**BASE, "llm_models": {"llm": llm}}, REPO / "serving.toml")
+
+
+def test_llm_name_may_not_clash_with_another_model():
+    with pytest.raises(SpecError, match="model name 'embed' is used twice"):
+        parse_spec({**BASE, "llm_models": {"embed": LLM}}, REPO / "serving.toml")

