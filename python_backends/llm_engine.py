@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -515,7 +516,8 @@ class EngineLoop:
                 self.engine.requests.pop(request_id, None)
                 self._deliver_failure(sink, f"the LLM engine stopped: {type(err).__name__}: {err}")
             self._sinks.clear()
-            raise
+            traceback.print_exc()  # to the server log; new requests are refused with self.error
+            return
         for request_id, sink in list(self._sinks.items()):
             self._deliver_failure(sink, "the model is unloading; retry")
             self._sinks.pop(request_id)

@@ -1,0 +1,140 @@
+"""The engine loop's threading contract, driven by a fake engine: outputs reach their sink in
+order, cancellation and broken clients free the request, and a crashed engine fails every
+waiting client instead of leaving it hanging."""
+
+from __future__ import annotations
+
+import threading
+
+from python_backends.llm_engine import EngineLoop, EngineStats, StepOutput
+from python_backends.llm_scheduler import FinishReason, SamplingParams
+
+
+class FakeEngine:
+    """Emits one output per request per step; finishes a request after its max_tokens steps."""
+
+    def __init__(self, fail_at_step: int | None = None):
+        self.requests: dict[str, list[int]] = {}  # request id -> [tokens so far, max tokens]
+        self.steps = 0
+        self.fail_at_step = fail_at_step
+        self.aborted: list[str] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, request_id, prompt, params):
+        if request_id in self.requests:
+            raise KeyError(f"request id {request_id!r} is already in the engine")
+        self.requests[request_id] = [0, params.max_tokens]
+
+    def abort(self, request_id):
+        if self.requests.pop(request_id, None) is None:
+            return None
+        self.aborted.append(request_id)
+        return StepOutput(request_id, "", 1, 0, FinishReason.CANCELLED)
+
+    def step(self):
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("device lost")
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            state[0] += 1
+            done = state[0] >= state[1]
+            if done:
+                del self.requests[request_id]
+            outputs.append(StepOutput(request_id, f"t{state[0]} ", 1, state[0], FinishReason.LENGTH if done else None))
+        return outputs
+
+    def stats(self):
+        return EngineStats(len(self.requests), 0, 0, 1, 0, self.steps)
+
+
+class Sink:
+    def __init__(self, raise_on_send: bool = False):
+        self.outputs: list[StepOutput] = []
+        self.failure: str | None = None
+        self.cancel = threading.Event()
+        self.done = threading.Event()
+        self.raise_on_send = raise_on_send
+
+    def send(self, output):
+        if self.raise_on_send:
+            raise ConnectionError("client went away")
+        self.outputs.append(output)
+        if output.finish_reason is not None:
+            self.done.set()
+
+    def fail(self, message):
+        self.failure = message
+        self.done.set()
+
+    def cancelled(self):
+        return self.cancel.is_set()
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
+
+
+def test_outputs_reach_their_sink_in_order_ending_with_the_final_one():
+    engine = FakeEngine()
+    stats: list[EngineStats] = []
+    loop = EngineLoop(engine, on_step=stats.append, idle_wait_s=0.01).start()
+    sinks = {rid: Sink() for rid in ("a", "b")}
+    loop.submit("a", [1], params(3), sinks["a"])
+    loop.submit("b", [1], params(5), sinks["b"])
+    assert all(s.done.wait(5) for s in sinks.values())
+    loop.stop()
+    assert "".join(o.text_delta for o in sinks["a"].outputs) == "t1 t2 t3 "
+    assert [o.finish_reason for o in sinks["b"].outputs] == [None] * 4 + [FinishReason.LENGTH]
+    assert stats and loop.num_in_flight == 0
+
+
+def test_a_cancelled_request_is_aborted_and_told_so():
+    engine = FakeEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.01).start()
+    sink = Sink()
+    sink.cancel.set()
+    loop.submit("a", [1], params(10_000), sink)
+    assert sink.done.wait(5)
+    loop.stop()
+    assert sink.outputs[-1].finish_reason is FinishReason.CANCELLED
+    assert engine.aborted == ["a"] and not engine.requests
+
+
+def test_a_client_that_went_away_is_aborted_and_the_others_continue():
+    engine = FakeEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.01).start()
+    broken, healthy = Sink(raise_on_send=True), Sink()
+    loop.submit("gone", [1], params(10_000), broken)
+    loop.submit("ok", [1], params(3), healthy)
+    assert healthy.done.wait(5)
+    loop.stop()
+    assert engine.aborted == ["gone"]
+    assert healthy.outputs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_refused_request_fails_its_own_sink_only():
+    engine = FakeEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.01).start()
+    first, duplicate = Sink(), Sink()
+    loop.submit("a", [1], params(50), first)
+    loop.submit("a", [1], params(5), duplicate)
+    assert duplicate.done.wait(5) and "already in the engine" in duplicate.failure
+    assert first.done.wait(5) and first.failure is None
+    loop.stop()
+
+
+def test_a_crashed_engine_fails_every_waiting_client_and_reports_why():
+    engine = FakeEngine(fail_at_step=2)
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    sinks = [Sink(), Sink()]
+    loop.submit("a", [1], params(100), sinks[0])
+    loop.submit("b", [1], params(100), sinks[1])
+    loop.start()
+    assert all(s.done.wait(5) for s in sinks)
+    assert all("the LLM engine stopped: RuntimeError: device lost" in s.failure for s in sinks)
+    loop.stop(drain_timeout_s=0.1)
+    assert isinstance(loop.error, RuntimeError)
