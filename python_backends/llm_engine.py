@@ -291,8 +291,9 @@ class LLMEngine:
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig) -> LLMEngine:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # Set it always: Triton starts Python backend stubs with one OpenMP thread, which
+        # measured 30% fewer tokens/s on 2 cores than a thread per core.
+        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         tokenizer = ChatTokenizer(model_dir)
         dims = LlamaDims.from_dir(model_dir)
         kv = KVCacheSpec(num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
