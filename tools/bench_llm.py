@@ -230,7 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
     parser.add_argument("--workload", type=Path, default=DEFAULT_CHAT_WORKLOAD,
                         help="chat workload (default: %(default)s)")
-    parser.add_argument("--rate", type=float, default=1.0, help="arrivals per second (default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=2.5, help="arrivals per second (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=90.0,
                         help="seconds of arrivals per setup (default: %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=300.0,

@@ -184,3 +184,17 @@ def test_engine_metrics_are_exported(triton):
     assert metric(triton, "llm_time_per_output_token_seconds_count") > 0
     assert metric(triton, "llm_preemptions_total") >= 0
     assert metric(triton, "llm_waiting_sequences") >= 0
+
+
+def test_an_http_client_that_disconnects_mid_stream_frees_its_sequence(triton):
+    cancelled_before = metric(triton, "llm_requests_finished_total", finish_reason="cancelled")
+    body = {"text_input": "Once upon a time", "max_tokens": 1000, "stream": True}
+    with requests.post(generate_url(triton, stream=True), json=body, stream=True, timeout=60) as reply:
+        events = 0
+        for line in reply.iter_lines():
+            events += bool(line)
+            if events == 3:
+                break  # leaving the block closes the connection mid-generation
+    assert wait_for(lambda: metric(triton, "llm_requests_finished_total", finish_reason="cancelled")
+                    == cancelled_before + 1)
+    assert wait_for(lambda: metric(triton, "llm_running_sequences") == 0 and metric(triton, "llm_kv_blocks_used") == 0)
