@@ -117,3 +117,16 @@ def all_counts(client) -> dict[str, tuple[int, int]]:
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+# Chat questions for the LLM tests: distinct greedy answers, short and long.
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+    "Explain continuous batching in one sentence.",
+    "List three fruits.",
+    "Tell me a joke.",
+    "What is 2+2?",
+    "Name a colour of the rainbow.",
+    "Why is the sky blue?",
+]

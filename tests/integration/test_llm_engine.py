@@ -13,22 +13,16 @@ import pytest
 
 from python_backends.llm_engine import EngineConfig, LLMEngine, build_inputs
 from python_backends.llm_scheduler import FinishReason
+from tests.integration.helpers import CHAT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "model_repository" / "llm" / "1"
 MAX_TOKENS = 24
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about GPUs.",
-    "Explain continuous batching in one sentence.",
-    "List three fruits.",
-    "Tell me a joke.",
-    "What is 2+2?",
-    "Name a colour of the rainbow.",
-    "Why is the sky blue? Answer in detail, with the physics of Rayleigh scattering, the role of the "
-    "wavelength of light, why sunsets are red, and why the sky is not violet even though violet light "
-    "scatters even more than blue light does.",
-]
+# The last prompt is long enough to be prefilled in several chunks.
+QUESTIONS = [*CHAT_QUESTIONS[:-1],
+             "Why is the sky blue? Answer in detail, with the physics of Rayleigh scattering, the role of the "
+             "wavelength of light, why sunsets are red, and why the sky is not violet even though violet light "
+             "scatters even more than blue light does."]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,18 +13,10 @@ import requests
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.integration.helpers import CHAT_QUESTIONS
 from tools.llm_client import LLMStream, llm_inputs
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about GPUs.",
-    "Explain continuous batching in one sentence.",
-    "List three fruits.",
-    "Tell me a joke.",
-    "What is 2+2?",
-    "Name a colour of the rainbow.",
-    "Why is the sky blue?",
-]
+QUESTIONS = CHAT_QUESTIONS
 
 
 def chat(question: str) -> list[dict]:
