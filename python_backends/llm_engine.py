@@ -13,6 +13,7 @@ converts tensors to `GenerationInputs` and `StepOutput`s to responses.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -272,8 +273,7 @@ class StepOutput:
 class _Request:
     seq: SequenceState  # the scheduler's state; still readable after it finished
     generator: torch.Generator | None  # per-request randomness (seeded), None when greedy
-    text: str = ""  # detokenized output, cut at a stop string
-    emitted: int = 0  # characters of `text` already sent
+    emitted: int = 0  # characters of the output text already sent
 
 
 class LLMEngine:
@@ -316,7 +316,7 @@ class LLMEngine:
         params = self.sampling_params(inputs)
         if inputs.max_tokens is None:  # the default shrinks to fit the context; an explicit value does not
             room = self.scheduler.config.max_model_len - len(prompt)
-            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, min(params.max_tokens, room))})
+            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         try:
             self.scheduler.check(prompt, params)
         except ValueError as err:

@@ -156,6 +156,10 @@ class TritonPythonModel:
                 error = pb_utils.TritonError(f"{INVALID_REQUEST}{err}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 continue
+            except Exception as err:  # answer this request, keep serving the others
+                error = pb_utils.TritonError(f"preparing the request failed: {err}", pb_utils.TritonError.INTERNAL)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
             if self.loop.error is not None:
                 message = f"the LLM engine stopped: {self.loop.error}"
                 error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
