@@ -149,17 +149,16 @@ class PagedLlama:
             raise ValueError(f"the block table ({len(block_table)} blocks of {bs}) does not cover "
                              f"position {positions[-1]}") from None
 
-    def _plan_attention(self, batch: Sequence[StepSequence]) -> list[_AttentionGroup]:
+    def _plan_attention(self, batch: Sequence[StepSequence], contexts: Sequence[list[int]]) -> list[_AttentionGroup]:
         """Group the step's sequences for attention: every decoding sequence (one query each)
         in one padded call, each prefill chunk in a call of its own, so no sequence pays for
         another's query length."""
         groups: list[_AttentionGroup] = []
         decode_rows, decode_slots, decode_lens = [], [], []
         row = 0
-        for seq in batch:
+        for seq, slots in zip(batch, contexts, strict=True):
             n = len(seq.token_ids)
             end = seq.start + n
-            slots = self._slots(seq.block_table, range(end))
             if n == 1:
                 decode_rows.append(row)
                 decode_slots.append(slots)
@@ -188,16 +187,18 @@ class PagedLlama:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        contexts: list[list[int]] = []  # per sequence: the cache slots of positions [0, start + n)
         for seq in batch:
             n = len(seq.token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence computes no tokens")
+            contexts.append(self._slots(seq.block_table, range(seq.start + n)))
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + n))
-            slots.extend(self._slots(seq.block_table, range(seq.start, seq.start + n)))
+            slots.extend(contexts[-1][seq.start:])
             if seq.samples:
                 sample_rows.append(len(token_ids) - 1)
-        groups = self._plan_attention(batch)
+        groups = self._plan_attention(batch, contexts)
 
         pos = torch.tensor(positions, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)

@@ -79,6 +79,15 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool)
     ]
 
 
+def write_report(report: dict, out: Path, plot, log) -> None:
+    """Write a benchmark's JSON and, beside it, the PNG that `plot(report, path)` draws."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot_path = out.with_suffix(".png")
+    plot(report, plot_path)
+    log(f"wrote {out} and {plot_path}")
+
+
 def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
     """A model repository for one setup: generated configs, model files hard-linked from the real one."""
     target = BENCH_DIR / setup
@@ -291,9 +300,5 @@ def run_goodput(args: argparse.Namespace) -> int:
         if goodputs.get("no_batching"):
             report["ratios"]["slo_bucketed_vs_no_batching"] = round(ours / goodputs["no_batching"], 2)
         log(f"ratios: {report['ratios']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot_path = args.out.with_suffix(".png")
-    plot_goodput(report, plot_path)
-    log(f"wrote {args.out} and {plot_path}")
+    write_report(report, args.out, plot_goodput, log)
     return 0

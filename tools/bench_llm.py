@@ -15,7 +15,6 @@ inflated by waiting for the whole answer: it only pays for waiting for a batch.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -240,7 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.bench import build_repository  # shared with the goodput benchmark
+    from tools.bench import build_repository, write_report  # shared with the goodput benchmark
     from tools.profiler import detect_hardware
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -296,9 +295,5 @@ def run(args: argparse.Namespace) -> int:
                                               if continuous["ttft_p95_s"] and static["ttft_p95_s"] else None),
         }
         log(f"ratios: {report['ratios']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot_path = args.out.with_suffix(".png")
-    plot(report, plot_path)
-    log(f"wrote {args.out} and {plot_path}")
+    write_report(report, args.out, plot, log)
     return 0

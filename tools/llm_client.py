@@ -6,6 +6,7 @@ token and time per output token as the client saw them. Used by the benchmark an
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -87,7 +88,7 @@ class LLMStream:
         self.client = grpcclient.InferenceServerClient(url)
         self._pending: dict[str, Generation] = {}
         self._lock = threading.Lock()
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
         self.client.start_stream(callback=self._on_response)
 
     def submit(self, **request) -> Generation:
