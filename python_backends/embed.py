@@ -15,6 +15,7 @@ import numpy as np
 
 from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
 from python_backends.errors import InvalidInput
+from python_backends.routing import RoutingTable, parse_weights, pinned_version
 from python_backends.tokenization import TextTokenizer
 
 EMBEDDING_DIM = 384
@@ -26,6 +27,15 @@ ROUTER_COUNTERS = {
     "embed_bucket_padded_tokens_total": "Token slots sent to each bucket, padding included (rows x bucket length)",
     "embed_truncated_rows_total": "Rows cut to the model's token limit",
 }
+# Per encoder version (labels model, version): what the rollout gates read.
+VERSION_COUNTER = ("embed_requests_total", "Routed requests by encoder version and outcome (ok, error, rejected)")
+VERSION_LATENCY = ("embed_request_duration_seconds", "Time the router took to answer a request, by encoder version")
+VERSION_INFLIGHT = ("embed_inflight_requests", "Requests the router is serving on each encoder version now")
+SHADOW_COSINE = ("embed_shadow_cosine", "Cosine between the candidate's and the baseline's embedding of shadowed rows")
+# Histogram bucket edges: latency in seconds (fine around a 200 ms SLO), cosine near 1.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4,
+                     0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+COSINE_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
 # The per-bucket counters, in the order the adapter increments them: rows, real, padded.
 BUCKET_COUNTERS = ("embed_bucket_rows_total", "embed_bucket_real_tokens_total", "embed_bucket_padded_tokens_total")
 
@@ -38,6 +48,8 @@ class RouterConfig:
     bucket_max_batch: Mapping[int, int]  # bucket length -> its model's max_batch_size (chunk limit)
     encoder_prefix: str = "encoder_"  # bucket model name = prefix + length, e.g. encoder_16
     max_text_bytes: int = 65536  # a row longer than this (UTF-8 bytes) is rejected before tokenizing
+    default_routing: RoutingTable = field(default_factory=lambda: RoutingTable({1: 1.0}))  # split with no routing file
+    routing_file: str = "routing.json"  # the live split, relative to the model's folder unless absolute
 
     @property
     def max_tokens(self) -> int:
@@ -75,7 +87,16 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
         bucket_max_batch=parse_bucket_max_batch(model_name, parameters.get("bucket_max_batch", ""), bucket_lens),
         encoder_prefix=parameters.get("encoder_prefix", "encoder_"),
         max_text_bytes=integer("max_text_bytes", 65536, 1),
+        default_routing=parse_default_routing(model_name, parameters.get("version_weights", "1:1")),
+        routing_file=parameters.get("routing_file", "routing.json") or "routing.json",
     )
+
+
+def parse_default_routing(model_name: str, raw: str) -> RoutingTable:
+    try:
+        return RoutingTable(parse_weights(raw))
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter version_weights={raw!r}: {err}") from None
 
 
 def parse_bucket_max_batch(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> dict[int, int]:
@@ -107,6 +128,7 @@ class RequestOptions:
 
     tenant: str = "default"  # who sent it; quotas and priorities key on this
     truncate: bool = True  # False: a row over the token limit is an error instead of cut
+    version: int | None = None  # encoder version the request pins; None: the routing table decides
 
 
 MAX_TENANT_LEN = 64
@@ -134,7 +156,7 @@ def parse_request_options(parameters_json: str | None) -> RequestOptions:
         truncate = truncate.lower() == "true"
     if not isinstance(truncate, bool):
         raise InvalidInput(f"parameter 'truncate' must be true or false, got {truncate!r}")
-    return RequestOptions(tenant=tenant, truncate=truncate)
+    return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params))
 
 
 def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[str]:
@@ -248,3 +270,11 @@ class EmbedRouter:
             num_truncated=num_truncated,
             chunks=prepared,
         )
+
+
+def row_cosines(served: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Cosine of each row pair of two embedding batches of the same inputs (rows need not be unit length)."""
+    if served.shape != other.shape:
+        raise ValueError(f"embedding shapes differ: {served.shape} vs {other.shape}")
+    norms = np.linalg.norm(served, axis=1) * np.linalg.norm(other, axis=1)
+    return np.sum(served * other, axis=1) / np.maximum(norms, 1e-12)

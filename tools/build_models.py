@@ -27,12 +27,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.triton_server import DEFAULT_MODEL_REPOSITORY
+from tools.triton_server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
+
+DEFAULT_SPEC = REPO_ROOT / "serving.toml"
 
 # Bump when the export itself changes (graph, opset, names), to force a rebuild.
 EXPORT_RECIPE = "minilm-onnx-meanpool-l2/opset17/v1"
 OPSET = 17
 MIN_EXPORT_COSINE = 0.9999
+MIN_INT8_COSINE = 0.98  # INT8 vs FP32 embeddings of the same sentences (measured: about 0.99)
 ROUTER_MODEL = "embed"
 ENCODER_GLOB = "encoder_*"
 BUILD_INFO = "BUILD_INFO.json"
@@ -72,16 +75,16 @@ def file_sha256(path: Path) -> str:
 class Targets:
     """Where the build writes: version folders of the repository's models."""
 
-    encoder_dirs: tuple[Path, ...]  # encoder_<len>/1 folders that get model.onnx
+    encoder_dirs: tuple[Path, ...]  # encoder_<len>/<version> folders that get model.onnx
     router_dirs: tuple[Path, ...]  # embed/<version> folders that get tokenizer.json
     llm_dirs: tuple[Path, ...] = ()  # llm/<version> folders that get the converted LLM
 
 
 def find_targets(repository: Path) -> Targets:
-    encoder_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ENCODER_GLOB}/1/model.py")))
+    encoder_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ENCODER_GLOB}/[0-9]*/model.py")))
     router_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ROUTER_MODEL}/[0-9]*/model.py")))
     if not encoder_dirs:
-        raise SystemExit(f"error: no {ENCODER_GLOB}/1/model.py folders in {repository}")
+        raise SystemExit(f"error: no {ENCODER_GLOB}/<version>/model.py folders in {repository}")
     llm_dirs = tuple(sorted(p.parent for p in repository.glob(f"{LLM_MODEL}/[0-9]*/model.py")))
     return Targets(encoder_dirs, router_dirs, llm_dirs)
 
@@ -113,6 +116,45 @@ def write_build_info(folder: Path, filename: str, fingerprint: dict[str, str]) -
     info = {"file": filename, "sha256": file_sha256(folder / filename), "source": fingerprint,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def encoder_precisions(spec_path: Path) -> dict[tuple[str, int], str]:
+    """(encoder model, version) -> precision, from the serving spec; unlisted folders are fp32."""
+    from tools.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_path)
+    except SpecError as err:
+        raise SystemExit(f"error: {err}") from None
+    return {(model.encoder_name(length), version): model.precision_of(version)
+            for model in spec.models for length in model.bucket_lens for version in model.versions}
+
+
+def quantize_int8(fp32_path: Path, out_path: Path, weights: Path) -> float:
+    """Dynamic INT8 quantization of the encoder's MatMul weights, per output channel (activations
+    are quantized at run time); return the worst cosine against the FP32 graph on real sentences.
+    Per-channel scales keep the cosine near 0.99; one scale per tensor loses several points."""
+    import logging
+
+    import numpy as np
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from python_backends.buckets import pad_rows
+    from python_backends.tokenization import TextTokenizer
+
+    logging.getLogger().setLevel(logging.ERROR)  # the quantizer suggests optional pre-processing on every run
+    quantize_dynamic(str(fp32_path), str(out_path), weight_type=QuantType.QInt8, per_channel=True,
+                     op_types_to_quantize=["MatMul"])
+    tokenizer = TextTokenizer.from_file(weights / "tokenizer.json")
+    texts = ["How do I reset my password?", "Triton batches requests by length before they reach the GPU.",
+             "a", "The quarterly report shows revenue up 12% on strong demand for inference hardware, "
+             "while costs per request fell as batching improved."]
+    ids, mask = pad_rows(tokenizer.encode(texts), 64, tokenizer.pad_id)
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    (reference,) = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    (quantized,) = ort.InferenceSession(str(out_path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    return float(np.min(np.sum(reference * quantized, axis=1)))
 
 
 def export_onnx(weights: Path, out_path: Path) -> float:
@@ -264,6 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
                         help="repository whose version folders receive the files (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the files are up to date")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC,
+                        help="serving spec: which precision each encoder version gets (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"[2/4] tokenizer: {len(stale_routers)} installed, "
         f"{len(targets.router_dirs) - len(stale_routers)} up to date")
 
-    status = build_encoders(targets, fingerprint, weights, args.force, repository)
+    status = build_encoders(targets, fingerprint, weights, args.force, repository, encoder_precisions(args.spec))
     if status == 0:
         status = build_llm(targets, args.force, repository)
     if status == 0:
@@ -290,24 +334,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path, force: bool,
-                   repository: Path) -> int:
-    stale = [d for d in targets.encoder_dirs if force or not is_up_to_date(d, "model.onnx", fingerprint)]
+                   repository: Path, precisions: dict[tuple[str, int], str]) -> int:
+    def precision(folder: Path) -> str:
+        return precisions.get((folder.parent.name, int(folder.name)), "fp32")
+
+    def source(folder: Path) -> dict[str, str]:
+        return {**fingerprint, "precision": precision(folder)}
+
+    stale = [d for d in targets.encoder_dirs if force or not is_up_to_date(d, "model.onnx", source(d))]
     if not stale:
-        log(f"[3/4] ONNX encoder: all {len(targets.encoder_dirs)} bucket models up to date, nothing to do")
+        log(f"[3/4] ONNX encoder: all {len(targets.encoder_dirs)} bucket model versions up to date, nothing to do")
         return 0
-    log(f"[3/4] ONNX encoder: exporting for {len(stale)} bucket model(s) (about 10 s) ...")
+    kinds = sorted({precision(d) for d in stale})
+    log(f"[3/4] ONNX encoder: building {'+'.join(kinds)} for {len(stale)} bucket model version(s) (about 15 s) ...")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=repository, prefix=".build-") as tmp:
-        onnx_path = Path(tmp) / "model.onnx"
-        worst_cosine = export_onnx(weights, onnx_path)
+        built = {"fp32": Path(tmp) / "model.onnx"}
+        worst_cosine = export_onnx(weights, built["fp32"])
         if worst_cosine < MIN_EXPORT_COSINE:
             print(f"error: exported graph disagrees with PyTorch (cosine {worst_cosine:.6f} < "
                   f"{MIN_EXPORT_COSINE}); nothing installed", file=sys.stderr)
             return 1
         log(f"      exported in {time.monotonic() - started:.1f} s, "
-            f"{onnx_path.stat().st_size / 1e6:.1f} MB, cosine vs PyTorch {worst_cosine:.6f}")
+            f"{built['fp32'].stat().st_size / 1e6:.1f} MB, cosine vs PyTorch {worst_cosine:.6f}")
+        if "int8" in kinds:
+            built["int8"] = Path(tmp) / "model.int8.onnx"
+            int8_cosine = quantize_int8(built["fp32"], built["int8"], weights)
+            if int8_cosine < MIN_INT8_COSINE:
+                print(f"error: the INT8 graph drifts from FP32 (cosine {int8_cosine:.4f} < {MIN_INT8_COSINE}); "
+                      "nothing installed", file=sys.stderr)
+                return 1
+            log(f"      quantized to INT8: {built['int8'].stat().st_size / 1e6:.1f} MB, "
+                f"worst cosine vs FP32 {int8_cosine:.4f}")
         for index, folder in enumerate(stale, start=1):
-            install_file(onnx_path, folder / "model.onnx")
-            write_build_info(folder, "model.onnx", fingerprint)
-            log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx")
+            install_file(built[precision(folder)], folder / "model.onnx")
+            write_build_info(folder, "model.onnx", source(folder))
+            log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx ({precision(folder)})")
     return 0

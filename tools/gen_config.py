@@ -19,6 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import load_workload
 from python_backends.embed import EMBEDDING_DIM
+from python_backends.routing import format_weights
 from tools.derivation import (
     BatchingKnobs,
     BucketDemand,
@@ -41,6 +42,8 @@ from tools.spec import (
     load_spec,
 )
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY
+
+ROUTING_FILE = "routing.json"  # the live version split, in the router's model folder (rollout writes it)
 
 SHIM = '''"""Triton entry point of `{name}`; the adapter is `python_backends.adapters.{adapter}`."""
 
@@ -131,18 +134,35 @@ def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: Hard
     group = config.instance_group.add()
     group.count = knobs.instance_count
     group.kind = mc.ModelInstanceGroup.Kind.Value(hardware.instance_kind)
+    add_encoder_warmup(config, seq_len)
     config.parameters["intra_op_threads"].string_value = str(hardware.intra_op_threads)
     config.parameters["allow_spinning"].string_value = "1" if hardware.ort_spinning else "0"
     return config
 
 
+def add_encoder_warmup(config: mc.ModelConfig, seq_len: int) -> None:
+    """Warm-up batches Triton runs before a version reports ready: one row, and a full batch,
+    so the first real requests (and a rollout's first canary step) do not pay for cold start.
+    All-zero ids and mask: token 0 is [PAD], and the graph's pooling divides by max(mask, eps)."""
+    for batch_size in sorted({1, config.max_batch_size}):
+        warmup = config.model_warmup.add(name=f"zeros_batch_{batch_size}", batch_size=batch_size, count=1)
+        for name in ("INPUT_IDS", "ATTENTION_MASK"):
+            warmup.inputs[name].data_type = mc.TYPE_INT64
+            warmup.inputs[name].dims.append(seq_len)
+            warmup.inputs[name].zero_data = True
+
+
+ROUTER_VERSIONS = (1,)  # the router itself has one version; the encoder versions are what roll out
+
+
 def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
                   instances: int) -> mc.ModelConfig:
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=model.max_request_rows)
-    config.version_policy.specific.versions.extend(model.versions)
+    config.version_policy.specific.versions.extend(ROUTER_VERSIONS)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
     _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [EMBEDDING_DIM])
     _tensor(config.output, "TOKENS", mc.TYPE_INT32, [1])
+    _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])  # the encoder version that served the row
     batching = config.dynamic_batching
     # The router's queue orders requests by tenant tier; it must not batch them: one
     # execution answers all its requests together, so a short request would wait for a
@@ -158,6 +178,8 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     params["encoder_prefix"].string_value = model.encoder_prefix
     params["bucket_max_batch"].string_value = ",".join(f"{b}:{n}" for b, n in sorted(bucket_max_batch.items()))
     params["max_text_bytes"].string_value = str(model.max_text_bytes)
+    params["version_weights"].string_value = format_weights(model.traffic)
+    params["routing_file"].string_value = ROUTING_FILE
     return config
 
 
@@ -288,6 +310,8 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95). The buckets share",
             f"the device ({device_text}): at peak, with the planned batches, it is "
             f"{utilization:.0%} busy{router_share}.",
+            f"Versions {', '.join(f'{v} ({model.precision_of(v)})' for v in model.versions)}: each has its own "
+            "instances and batcher, so versions never share a batch.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",
@@ -314,13 +338,15 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         "preferred_batch_size 1: the router's queue orders by priority but never batches, so a request",
         "never waits for another request's slower bucket.",
         f"instance_count: {instances_reason}",
+        f"version_weights: the encoder version split at start (spec `traffic`); {ROUTING_FILE} in this folder,",
+        "when present, overrides it live (`python -m tools rollout` writes it); a request may pin `version`.",
     )
     generated.insert(0, GeneratedModel(
         name=model.name,
         config=router_config(model, spec, bucket_max_batch, instances),
         header=router_header,
         adapter="embed_model",
-        versions=model.versions,
+        versions=ROUTER_VERSIONS,
     ))
     return generated
 

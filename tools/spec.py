@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends.buckets import validate_buckets
 from tools.triton_server import REPO_ROOT
 
 DEFAULT_SPEC = REPO_ROOT / "serving.toml"
+
+
+ENCODER_PRECISIONS = ("fp32", "int8")  # what build-models can make of an encoder version
 
 
 class SpecError(ValueError):
@@ -59,7 +62,7 @@ class EmbedModelSpec:
     """The length-bucketed embedding service: a router model and one encoder per bucket."""
 
     name: str  # the router model clients call
-    versions: tuple[int, ...]  # versions of the model folders to serve
+    versions: tuple[int, ...]  # encoder versions loaded at start (each bucket model serves them all)
     slo_p95_ms: float  # end-to-end p95 latency target of one request
     expected_rps: float  # requests per second in normal traffic
     peak_rps: float  # requests per second at peak
@@ -70,6 +73,11 @@ class EmbedModelSpec:
     max_router_instances: int  # cap on router instances (each holds one request in flight)
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
     queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
+    precision: dict[int, str] = field(default_factory=dict)  # encoder version -> "fp32" or "int8" (build recipe)
+    traffic: dict[int, float] = field(default_factory=dict)  # encoder version -> weight of unpinned traffic at start
+
+    def precision_of(self, version: int) -> str:
+        return self.precision.get(version, "fp32")
 
     def encoder_name(self, bucket_len: int) -> str:
         return f"{self.encoder_prefix}{bucket_len}"
@@ -177,9 +185,12 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         versions = tuple(int(v) for v in raw.get("versions", [1]))
         if not versions or min(versions) < 1:
             raise SpecError(f"{at}: versions must be a non-empty list of integers >= 1")
+        precision, traffic = _version_tables(raw, versions, at)
         models.append(EmbedModelSpec(
             name=name,
             versions=versions,
+            precision=precision,
+            traffic=traffic,
             slo_p95_ms=_positive(raw, "slo_p95_ms", at),
             expected_rps=expected,
             peak_rps=peak,
@@ -209,6 +220,40 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         hardware=hardware,
         llm_models=llm_models,
     )
+
+
+def _version_tables(raw: dict, versions: tuple[int, ...], at: str) -> tuple[dict[int, str], dict[int, float]]:
+    """`precision` and `traffic` tables keyed by version; both may only name served versions."""
+    if len(set(versions)) != len(versions):
+        raise SpecError(f"{at}: versions {list(versions)} repeat a version")
+    tables = {}
+    for key in ("precision", "traffic"):
+        table = raw.get(key, {})
+        if not isinstance(table, dict):
+            raise SpecError(f"{at}: '{key}' must be a table of version = value")
+        parsed = {}
+        for version_key, value in table.items():
+            try:
+                version = int(version_key)
+            except ValueError:
+                raise SpecError(f"{at}: {key}: key {version_key!r} is not a version number") from None
+            if version not in versions:
+                raise SpecError(f"{at}: {key} names version {version}, which is not in versions {list(versions)}")
+            parsed[version] = value
+        tables[key] = parsed
+    for version, value in tables["precision"].items():
+        if value not in ENCODER_PRECISIONS:
+            raise SpecError(f"{at}: precision of version {version} must be one of {ENCODER_PRECISIONS}, got {value!r}")
+    traffic = {}
+    for version, value in tables["traffic"].items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise SpecError(f"{at}: traffic weight of version {version} must be a number >= 0, got {value!r}")
+        traffic[version] = float(value)
+    if not traffic:
+        traffic = {versions[0]: 100.0}  # all traffic on the first version until a rollout moves it
+    if sum(traffic.values()) <= 0:
+        raise SpecError(f"{at}: traffic needs a weight > 0 on at least one version")
+    return tables["precision"], traffic
 
 
 def parse_llm_model(name: str, raw: dict, at: str) -> LLMModelSpec:

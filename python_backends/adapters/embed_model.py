@@ -1,25 +1,41 @@
 """Triton adapter for `embed`: tensors in, BLS calls to the bucket models, tensors out.
 
-All decisions (validation, tokenization, bucket choice, padding, reassembly) live in
-`python_backends.embed` and `python_backends.buckets`.
+All decisions (validation, tokenization, bucket choice, padding, reassembly, which
+encoder version serves) live in `python_backends.embed`, `python_backends.buckets` and
+`python_backends.routing`.
 """
+
+from __future__ import annotations
 
 import asyncio
 import json
+import random
+import time
 from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.buckets import reassemble
 from python_backends.embed import (
     BUCKET_COUNTERS,
+    COSINE_BUCKETS,
+    LATENCY_BUCKETS_S,
     ROUTER_COUNTERS,
+    SHADOW_COSINE,
+    VERSION_COUNTER,
+    VERSION_INFLIGHT,
+    VERSION_LATENCY,
     EmbedRouter,
     is_scheduler_rejection,
     parse_router_config,
+    row_cosines,
 )
 from python_backends.errors import InvalidInput
+from python_backends.routing import RoutingSource
 from python_backends.tokenization import TextTokenizer
+
+MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load on a busy server
 
 
 class TritonPythonModel:
@@ -29,40 +45,77 @@ class TritonPythonModel:
         config = parse_router_config(args["model_name"], params)
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.router = EmbedRouter(config, TextTokenizer.from_file(version_dir / "tokenizer.json"))
+        self.routing = RoutingSource(Path(args["model_repository"]) / config.routing_file, config.default_routing)
+        self.logger = pb_utils.Logger
+        self.model = args["model_name"]
         # A MetricFamily must outlive its Metrics: keep the families on the instance.
+        counter, gauge, histogram = (pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE,
+                                     pb_utils.MetricFamily.HISTOGRAM)
         self.metric_families = {
-            name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+            name: pb_utils.MetricFamily(name=name, description=text, kind=counter)
             for name, text in ROUTER_COUNTERS.items()
         }
-        model = args["model_name"]
-        self.truncated = self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": model})
+        for (name, text), kind in ((VERSION_COUNTER, counter), (VERSION_INFLIGHT, gauge),
+                                   (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram)):
+            self.metric_families[name] = pb_utils.MetricFamily(name=name, description=text, kind=kind)
+        self.truncated = self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": self.model})
         self.bucket_metrics = {
             length: tuple(
-                self.metric_families[name].Metric(labels={"model": model, "bucket": str(length)})
+                self.metric_families[name].Metric(labels={"model": self.model, "bucket": str(length)})
                 for name in BUCKET_COUNTERS
             )
             for length in config.bucket_lens
         }
+        self.version_metrics = {}
+        self.shadow_metrics = {}
+        self.shadow_tasks = set()
 
-    def _bucket_error(self, model_name, error):
+    def _metrics_of(self, version):
+        """Outcome counters, latency histogram and in-flight gauge of one encoder version."""
+        if version not in self.version_metrics:
+            labels = {"model": self.model, "version": str(version)}
+            outcomes = {outcome: self.metric_families[VERSION_COUNTER[0]].Metric(labels={**labels, "outcome": outcome})
+                        for outcome in ("ok", "error", "rejected")}
+            latency = self.metric_families[VERSION_LATENCY[0]].Metric(labels=labels, buckets=list(LATENCY_BUCKETS_S))
+            inflight = self.metric_families[VERSION_INFLIGHT[0]].Metric(labels=labels)
+            self.version_metrics[version] = (outcomes, latency, inflight)
+        return self.version_metrics[version]
+
+    def _shadow_metric(self, baseline, candidate):
+        key = (baseline, candidate)
+        if key not in self.shadow_metrics:
+            labels = {"model": self.model, "baseline": str(baseline), "candidate": str(candidate)}
+            self.shadow_metrics[key] = self.metric_families[SHADOW_COSINE[0]].Metric(
+                labels=labels, buckets=list(COSINE_BUCKETS))
+        return self.shadow_metrics[key]
+
+    def _not_served(self, version, model_name=None):
+        """The client pinned a version this server does not serve (or no longer does)."""
+        detail = f" ({model_name} v{version} is not loaded)" if model_name else ""
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            f"version {version} of '{self.model}' is not being served{detail}; pin a served version or "
+            "leave 'version' out", pb_utils.TritonError.NOT_FOUND))
+
+    def _bucket_error(self, model_name, version, error, pinned):
         code = error.code()
-        if is_scheduler_rejection(error.message()) or not pb_utils.is_model_ready(model_name):
-            # Rejected by the bucket's queue policy, or the bucket is not loaded: the server
-            # is busy or changing, not broken; tell the client to retry.
+        message = error.message()
+        if not pb_utils.is_model_ready(model_name, str(version)):
+            if pinned:
+                return self._not_served(version, model_name)
+            # Routed to a version that is being loaded or unloaded: retry.
+            code = pb_utils.TritonError.UNAVAILABLE
+        elif is_scheduler_rejection(message):
+            # Rejected by the bucket's queue policy: the server is busy, not broken; retry.
             code = pb_utils.TritonError.UNAVAILABLE
         return pb_utils.InferenceResponse(
-            error=pb_utils.TritonError(f"bucket model {model_name}: {error.message()}", code)
+            error=pb_utils.TritonError(f"bucket model {model_name} v{version}: {message}", code)
         )
 
     async def execute(self, requests):
         return list(await asyncio.gather(*(self._serve(request) for request in requests)))
 
-    async def _serve(self, request):
-        try:
-            text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
-            prepared = self.router.prepare(text.reshape(-1).tolist(), request.parameters())
-        except InvalidInput as err:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
+    async def _run_chunks(self, prepared, version):
+        """Send every chunk to version `version` of its bucket model; return (error response | None, outputs)."""
         responses = [None] * len(prepared.chunks)
 
         async def run_lane(lane):
@@ -70,6 +123,7 @@ class TritonPythonModel:
                 chunk = prepared.chunks[index]
                 responses[index] = await pb_utils.InferenceRequest(
                     model_name=chunk.model_name,
+                    model_version=version,
                     inputs=[
                         pb_utils.Tensor("INPUT_IDS", chunk.input_ids),
                         pb_utils.Tensor("ATTENTION_MASK", chunk.attention_mask),
@@ -83,8 +137,43 @@ class TritonPythonModel:
         # A lane stops at its first failed chunk (later ones stay None); report that failure.
         for chunk, response in zip(prepared.chunks, responses, strict=True):
             if response is not None and response.has_error():
-                return self._bucket_error(chunk.model_name, response.error())
+                return (chunk.model_name, response.error()), None
         outputs = [pb_utils.get_output_tensor_by_name(r, "EMBEDDING").as_numpy() for r in responses]
+        return None, reassemble(len(prepared.token_counts), prepared.chunk_plan, outputs)
+
+    async def _serve(self, request):
+        started = time.monotonic()
+        try:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
+            prepared = self.router.prepare(text.reshape(-1).tolist(), request.parameters())
+        except InvalidInput as err:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
+        table = self.routing.current(on_error=self.logger.log_warn)
+        pinned = prepared.options.version
+        if pinned is not None and not pb_utils.is_model_ready(prepared.chunks[0].model_name, str(pinned)):
+            return self._not_served(pinned)
+        version = pinned if pinned is not None else table.pick(random.random())
+        outcomes, latency, inflight = self._metrics_of(version)
+        inflight.increment(1)
+        try:
+            failure, embedding = await self._run_chunks(prepared, version)
+        finally:
+            inflight.increment(-1)
+        if failure is not None:
+            model_name, error = failure
+            response = self._bucket_error(model_name, version, error, pinned is not None)
+            code = response.error().code()
+            if code != pb_utils.TritonError.NOT_FOUND:  # a retired pinned version is the client's mistake
+                outcomes["rejected" if code == pb_utils.TritonError.UNAVAILABLE else "error"].increment(1)
+            return response
+        latency.observe(time.monotonic() - started)
+        outcomes["ok"].increment(1)
+        baseline = table.shadows(version, random.random()) if pinned is None else None
+        if baseline is not None and len(self.shadow_tasks) < MAX_SHADOWS_IN_FLIGHT:
+            # Repeat the request on the baseline after answering: the client never waits for it.
+            task = asyncio.get_running_loop().create_task(self._shadow(prepared, embedding, baseline, version))
+            self.shadow_tasks.add(task)
+            task.add_done_callback(self.shadow_tasks.discard)
         for chunk in prepared.chunks:
             rows, real, padded = self.bucket_metrics[chunk.chunk.bucket_len]
             rows.increment(len(chunk.chunk.row_indices))
@@ -92,10 +181,22 @@ class TritonPythonModel:
             padded.increment(chunk.input_ids.size)
         if prepared.num_truncated:
             self.truncated.increment(prepared.num_truncated)
-        embedding = reassemble(len(prepared.token_counts), prepared.chunk_plan, outputs)
         return pb_utils.InferenceResponse(
             output_tensors=[
                 pb_utils.Tensor("EMBEDDING", embedding),
                 pb_utils.Tensor("TOKENS", prepared.token_counts.reshape(-1, 1)),
+                pb_utils.Tensor("VERSION", np.full((len(prepared.token_counts), 1), version, dtype=np.int32)),
             ]
         )
+
+    async def _shadow(self, prepared, served, baseline, candidate):
+        try:
+            failure, reference = await self._run_chunks(prepared, baseline)
+        except Exception as err:  # a shadow must never take the router down
+            self.logger.log_warn(f"shadow request on version {baseline} failed: {err}")
+            return
+        if failure is not None:
+            return  # the baseline was busy or is going away: no sample
+        metric = self._shadow_metric(baseline, candidate)
+        for cosine in row_cosines(served, reference):
+            metric.observe(float(cosine))
