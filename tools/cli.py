@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tools import bench, build_models, gen_config, profiler, serve, sweep
+from tools import bench, build_models, gen_config, profiler, rollout, serve, sweep
 
 COMMANDS = {
     "serve": serve,
@@ -15,6 +15,7 @@ COMMANDS = {
     "gen-config": gen_config,
     "sweep": sweep,
     "bench": bench,
+    "rollout": rollout,
 }
 
 

@@ -38,9 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus metrics port (default: %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     parser.add_argument("--model-control-mode", type=ModelControlMode,
-                        choices=list(ModelControlMode), default=ModelControlMode.NONE,
-                        help="none: load all at start; poll: follow repository changes; "
-                             "explicit: load/unload via the repository API (default: %(default)s)")
+                        choices=list(ModelControlMode), default=ModelControlMode.EXPLICIT,
+                        help="explicit: load every model at start, then load/unload versions through the "
+                             "repository API (what `rollout` uses); none: load all, no changes; poll: follow "
+                             "repository changes (default: %(default)s)")
     parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="with explicit mode: a model to load at start (repeatable; default: all)")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL",

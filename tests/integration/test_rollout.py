@@ -1,0 +1,254 @@
+"""Canary rollouts against the real tritonserver under steady background load.
+
+The server serves a copy of the repository in explicit model-control mode. Two versions
+made for the test stand in for bad releases: one that fails every real request (warm-up
+still passes, as a real bug often would) and one too slow for the SLO. Each rollout runs
+through the real CLI (`python -m tools rollout`); the background clients record every
+answer, so the tests count exactly what clients saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from tools.spec import load_spec
+from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ModelControlMode, ServerConfig, TritonServer, free_port
+
+from .conftest import LOG_DIR, REPO
+
+SPEC = load_spec()
+EMBED = SPEC.models[0]
+ENCODERS = [EMBED.encoder_name(length) for length in EMBED.bucket_lens]
+
+BROKEN = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.adapters.encoder_model import TritonPythonModel as Encoder
+
+
+class TritonPythonModel(Encoder):
+    """Made for the test: fails every request that carries text (warm-up sends none, so it loads)."""
+
+    def execute(self, requests):
+        masks = [pb_utils.get_input_tensor_by_name(r, "ATTENTION_MASK").as_numpy() for r in requests]
+        if any(np.any(mask) for mask in masks):
+            return [pb_utils.InferenceResponse(error=pb_utils.TritonError("injected fault: broken release"))
+                    for _ in requests]
+        return super().execute(requests)
+'''
+
+SLOW = '''import time
+
+from python_backends.adapters.encoder_model import TritonPythonModel as Encoder
+
+
+class TritonPythonModel(Encoder):
+    """Made for the test: right answers, but every batch takes 350 ms more (the SLO is 200 ms)."""
+
+    def execute(self, requests):
+        time.sleep(0.35)
+        return super().execute(requests)
+'''
+
+FAST_STEPS = ["--steps", "10,50,100", "--step-seconds", "3", "--max-step-seconds", "60", "--min-requests", "10",
+              "--min-shadow-samples", "5", "--shadow-rate", "0.5", "--drain-timeout", "60"]
+
+
+def copy_repository(target: Path) -> Path:
+    for name in ["embed", *ENCODERS]:
+        shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, target / name, copy_function=os.link,
+                        ignore=shutil.ignore_patterns("__pycache__", "routing.json"))
+    for encoder in ENCODERS:
+        for version, source in ((3, BROKEN), (4, SLOW)):
+            folder = target / encoder / str(version)
+            folder.mkdir()
+            (folder / "model.py").write_text(source)
+            os.link(target / encoder / "1" / "model.onnx", folder / "model.onnx")
+    return target
+
+
+@pytest.fixture(scope="module")
+def canary_server(tmp_path_factory):
+    subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
+    repository = copy_repository(tmp_path_factory.mktemp("rollout-repo"))
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
+                          load_models=("embed", *ENCODERS))
+    server = TritonServer(config, log_path=LOG_DIR / "tritonserver-rollout.log")
+    server.start()
+    try:
+        server.wait_ready(timeout_s=300)
+        yield server, repository, tmp_path_factory.mktemp("rollout-records")
+    finally:
+        server.stop()
+
+
+@dataclass
+class Answer:
+    ok: bool
+    version: int | None  # the version the response names, or the pinned one
+    error: str = ""
+
+
+@dataclass
+class Load:
+    """A client thread sending embed requests at a steady pace and keeping every answer."""
+
+    url: str
+    rate: float  # requests per second
+    texts: list[str]
+    pin: int | None = None
+    until: threading.Event = field(default_factory=threading.Event)
+    answers: list[Answer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        client = httpclient.InferenceServerClient(self.url, network_timeout=120)
+        next_at = time.monotonic()
+        index = 0
+        while not self.until.is_set():
+            text = self.texts[index % len(self.texts)]
+            index += 1
+            rows = np.array([text], dtype=object).reshape(-1, 1)
+            tensor = httpclient.InferInput("TEXT", list(rows.shape), "BYTES")
+            tensor.set_data_from_numpy(rows)
+            try:
+                result = client.infer("embed", [tensor], parameters={"version": self.pin} if self.pin else None)
+                self.answers.append(Answer(True, int(result.as_numpy("VERSION")[0, 0])))
+            except Exception as err:
+                self.answers.append(Answer(False, self.pin, str(err)))
+            next_at += 1.0 / self.rate
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        client.close()
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.until.set()
+        self.thread.join(timeout=120)
+
+
+TEXTS = [f"steady background traffic, request about topic {i}" for i in range(50)]
+
+
+def rollout(server: TritonServer, repository: Path, records: Path, *args: str) -> tuple[int, dict, str]:
+    command = [sys.executable, "-m", "tools", "rollout", "embed", *args,
+               "--url", f"127.0.0.1:{server.config.http_port}",
+               "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics", "--model-repository",
+               str(repository), "--records", str(records)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    state = json.loads((records / "embed.state.json").read_text())
+    record = json.loads(Path(state["record"]).read_text())
+    return done.returncode, record, done.stdout + done.stderr
+
+
+def loaded(server: TritonServer, model: str) -> set[int]:
+    client = httpclient.InferenceServerClient(server.http_url)
+    index = client.get_model_repository_index()
+    client.close()
+    return {int(entry["version"]) for entry in index if entry["name"] == model and entry.get("state") == "READY"}
+
+
+def test_a_version_that_fails_requests_is_rolled_back_by_the_error_gate(canary_server):
+    server, repository, records = canary_server
+    with Load(server.http_url, rate=15, texts=TEXTS) as load:
+        time.sleep(2)
+        code, record, output = rollout(server, repository, records, "--to", "3", *FAST_STEPS)
+    assert code == 1, output
+    assert record["status"] == "rolled_back", output
+    assert "errors gate failed" in record["reason"], record["reason"]
+    assert len(record["steps"]) == 1 and record["steps"][0]["percent"] == 10  # pulled at the first step
+    failed = [a for a in load.answers if not a.ok]
+    assert failed, "the broken version should have failed some canary requests"
+    assert all("injected fault" in a.error for a in failed), {a.error for a in failed}
+    # Only the canary's share failed: the failures are at most the first step's 10% of the
+    # requests sent while the rollout ran, plus the few in flight when the gate tripped.
+    assert len(failed) <= 0.10 * len(load.answers) + 3, (len(failed), len(load.answers))
+    for encoder in ENCODERS:
+        assert loaded(server, encoder) == {1, 2}  # v3 unloaded again
+    assert json.loads((repository / "embed" / "routing.json").read_text())["weights"] == {"1": 100.0}
+
+
+def test_a_version_too_slow_for_the_slo_is_rolled_back_by_the_latency_gate(canary_server):
+    server, repository, records = canary_server
+    with Load(server.http_url, rate=15, texts=TEXTS) as load:
+        time.sleep(2)
+        code, record, output = rollout(server, repository, records, "--to", "4", *FAST_STEPS)
+    assert code == 1, output
+    assert record["status"] == "rolled_back"
+    assert "latency gate failed" in record["reason"], record["reason"]
+    latency = next(r for r in record["steps"][-1]["readings"] if r["gate"] == "latency")
+    assert latency["value"] > latency["limit"] == EMBED.slo_p95_ms
+    assert all(a.ok for a in load.answers), [a.error for a in load.answers if not a.ok][:3]
+    for encoder in ENCODERS:
+        assert loaded(server, encoder) == {1, 2}
+
+
+def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary_server):
+    server, repository, records = canary_server
+    long_text = " ".join(["batching long documents through the largest bucket"] * 30)
+    state_file = records / "embed.state.json"
+    old_answers: list[Answer] = []
+    stop_old = threading.Event()
+
+    def send_old_until_draining() -> None:
+        # Requests pinned to the old version, back to back, until the tool starts draining it:
+        # whatever is in flight then must finish before v1 is unloaded.
+        client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
+        rows = np.array([long_text] * 24, dtype=object).reshape(-1, 1)
+        while not stop_old.is_set():
+            try:
+                if json.loads(state_file.read_text()).get("status") in ("draining", "promoted"):
+                    break
+            except (OSError, ValueError):
+                pass
+            tensor = httpclient.InferInput("TEXT", list(rows.shape), "BYTES")
+            tensor.set_data_from_numpy(rows)
+            try:
+                result = client.infer("embed", [tensor], parameters={"version": 1})
+                old_answers.append(Answer(True, int(result.as_numpy("VERSION")[0, 0])))
+            except Exception as err:
+                old_answers.append(Answer(False, 1, str(err)))
+        client.close()
+
+    state_file.unlink(missing_ok=True)
+    old_thread = threading.Thread(target=send_old_until_draining, daemon=True)
+    with Load(server.http_url, rate=15, texts=TEXTS) as load, \
+            Load(server.http_url, rate=3, texts=TEXTS, pin=2) as pinned_new:
+        time.sleep(2)
+        old_thread.start()
+        code, record, output = rollout(server, repository, records, "--to", "2", *FAST_STEPS)
+        stop_old.set()
+        old_thread.join(timeout=120)
+    assert code == 0, output
+    assert record["status"] == "promoted"
+    assert [s["percent"] for s in record["steps"]] == [10, 50, 100]
+    assert all(s["verdict"] == "pass" for s in record["steps"])
+    drift = next(r for r in record["steps"][0]["readings"] if r["gate"] == "drift")
+    assert drift["value"] >= 0.98  # INT8 against FP32 on live traffic
+    failed = [a.error for a in load.answers + pinned_new.answers + old_answers if not a.ok]
+    assert failed == [], failed[:3]
+    assert {a.version for a in load.answers} == {1, 2}
+    assert pinned_new.answers and {a.version for a in pinned_new.answers} == {2}  # pins win over the split
+    assert old_answers and {a.version for a in old_answers} == {1}
+    # Unloading waited for the requests still in flight on v1.
+    assert record["drain"]["version"] == 1 and not record["drain"]["timed_out"]
+    assert record["drain"]["max_inflight_seen"] >= 1, record["drain"]
+    for encoder in ENCODERS:
+        assert loaded(server, encoder) == {2}

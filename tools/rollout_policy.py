@@ -1,0 +1,319 @@
+"""The arithmetic of a canary rollout: metric windows, gates, steps. No I/O here.
+
+A rollout moves unpinned traffic from a baseline version to a candidate in steps. During a
+step the tool reads the router's metrics (Prometheus text) now and then; the difference
+from the step's start is the step's window. Three gates judge the candidate on that window:
+
+- errors: the candidate's error rate (failed / answered; queue rejections are retryable and
+  reported apart) stays within `max_error_rate`. It fails as soon as the errors seen exceed
+  what the rate allows over the step's minimum sample, so a broken version is pulled after
+  a handful of failures rather than at the end of the step.
+- latency: the candidate's p95, read from the router's latency histogram, is within the SLO.
+- drift: the mean cosine between the candidate's and the baseline's embeddings of the
+  shadowed sample is at least `min_cosine`.
+
+A gate without enough data waits; a step passes when every gate passes and the step has
+lasted its minimum time, and fails when a gate fails or the step runs out of time waiting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text exposition: (name, labels, value); comments skipped."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, raw_labels, raw_value = match.groups()
+        try:
+            value = float(raw_value)
+        except ValueError:
+            continue
+        samples.append((name, dict(_LABEL.findall(raw_labels or "")), value))
+    return samples
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative histogram: counts of observations <= each upper edge."""
+
+    edges: tuple[float, ...] = ()  # finite upper edges, ascending
+    cumulative: tuple[float, ...] = ()  # observations <= each edge
+    count: float = 0.0  # all observations (the +Inf bucket)
+    total: float = 0.0  # sum of the observed values
+
+    def minus(self, earlier: Histogram) -> Histogram:
+        """Observations made since `earlier` (same edges, or `earlier` empty)."""
+        if not earlier.edges:
+            return self
+        if earlier.edges != self.edges:
+            raise ValueError("histograms with different bucket edges cannot be subtracted")
+        return Histogram(self.edges, tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative, strict=True)),
+                         self.count - earlier.count, self.total - earlier.total)
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile, interpolated linearly inside its bucket (as PromQL's histogram_quantile).
+        NaN without observations; the last finite edge when it falls in the +Inf bucket."""
+        if self.count <= 0:
+            return math.nan
+        rank = q * self.count
+        lower_edge, lower_count = 0.0, 0.0
+        for edge, cumulative in zip(self.edges, self.cumulative, strict=True):
+            if cumulative >= rank:
+                if cumulative == lower_count:
+                    return edge
+                return lower_edge + (edge - lower_edge) * (rank - lower_count) / (cumulative - lower_count)
+            lower_edge, lower_count = edge, cumulative
+        return self.edges[-1] if self.edges else math.inf
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class VersionStats:
+    """What the router counted for one encoder version."""
+
+    ok: float = 0.0
+    errors: float = 0.0
+    rejected: float = 0.0  # queue-policy rejections (UNAVAILABLE): retryable, not the version's fault
+    latency_s: Histogram = field(default_factory=Histogram)  # of successful requests
+    inflight: float = 0.0  # being served now (a gauge, not subtracted)
+
+    @property
+    def answered(self) -> float:
+        return self.ok + self.errors
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.answered if self.answered else 0.0
+
+    def minus(self, earlier: VersionStats) -> VersionStats:
+        return VersionStats(self.ok - earlier.ok, self.errors - earlier.errors, self.rejected - earlier.rejected,
+                            self.latency_s.minus(earlier.latency_s), self.inflight)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The router metrics of one model at one moment."""
+
+    versions: Mapping[int, VersionStats]
+    drift: Mapping[tuple[int, int], Histogram]  # (baseline, candidate) -> cosine histogram of shadowed rows
+
+    def version(self, version: int) -> VersionStats:
+        return self.versions.get(version, VersionStats())
+
+    def cosines(self, baseline: int, candidate: int) -> Histogram:
+        return self.drift.get((baseline, candidate), Histogram())
+
+    def minus(self, earlier: Snapshot) -> Snapshot:
+        return Snapshot(
+            versions={v: s.minus(earlier.version(v)) for v, s in self.versions.items()},
+            drift={key: h.minus(earlier.drift.get(key, Histogram())) for key, h in self.drift.items()},
+        )
+
+
+def _histograms(samples, name: str, model: str, key_of) -> dict:
+    buckets: dict = {}
+    counts: dict = {}
+    sums: dict = {}
+    for metric, labels, value in samples:
+        if labels.get("model") != model:
+            continue
+        if metric == f"{name}_bucket" and labels.get("le") not in (None, "+Inf"):
+            buckets.setdefault(key_of(labels), []).append((float(labels["le"]), value))
+        elif metric == f"{name}_count":
+            counts[key_of(labels)] = value
+        elif metric == f"{name}_sum":
+            sums[key_of(labels)] = value
+    result = {}
+    for key, count in counts.items():
+        pairs = sorted(buckets.get(key, []))
+        result[key] = Histogram(tuple(e for e, _ in pairs), tuple(c for _, c in pairs), count, sums.get(key, 0.0))
+    return result
+
+
+def snapshot_from_metrics(text: str, model: str) -> Snapshot:
+    """Read the router's per-version metrics of `model` from a /metrics page."""
+    samples = parse_prometheus(text)
+    counts: dict[int, dict[str, float]] = {}
+    inflight: dict[int, float] = {}
+    for metric, labels, value in samples:
+        if labels.get("model") != model or "version" not in labels:
+            continue
+        version = int(labels["version"])
+        if metric == "embed_requests_total":
+            counts.setdefault(version, {})[labels.get("outcome", "")] = value
+        elif metric == "embed_inflight_requests":
+            inflight[version] = value
+    latency = _histograms(samples, "embed_request_duration_seconds", model, lambda labels: int(labels["version"]))
+    drift = _histograms(samples, "embed_shadow_cosine", model,
+                        lambda labels: (int(labels["baseline"]), int(labels["candidate"])))
+    versions = {}
+    for version in set(counts) | set(inflight) | set(latency):
+        c = counts.get(version, {})
+        versions[version] = VersionStats(c.get("ok", 0.0), c.get("error", 0.0), c.get("rejected", 0.0),
+                                         latency.get(version, Histogram()), inflight.get(version, 0.0))
+    return Snapshot(versions, drift)
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Thresholds a candidate must meet at every step."""
+
+    slo_p95_ms: float  # the candidate's p95 must be within this (the model's SLO)
+    max_error_rate: float = 0.01  # failed / answered requests on the candidate
+    min_cosine: float = 0.98  # mean cosine of the candidate's embeddings against the baseline's
+    min_requests: int = 20  # candidate requests a step needs before its latency and error gates can pass
+    min_shadow_samples: int = 10  # shadowed rows a step needs before the drift gate can pass
+
+    def __post_init__(self) -> None:
+        if self.slo_p95_ms <= 0:
+            raise ValueError(f"slo_p95_ms must be > 0, got {self.slo_p95_ms}")
+        if not 0 <= self.max_error_rate < 1:
+            raise ValueError(f"max_error_rate must be within [0, 1), got {self.max_error_rate}")
+        if not -1 <= self.min_cosine <= 1:
+            raise ValueError(f"min_cosine must be within [-1, 1], got {self.min_cosine}")
+        if self.min_requests < 1 or self.min_shadow_samples < 0:
+            raise ValueError("min_requests must be >= 1 and min_shadow_samples >= 0")
+
+    @property
+    def errors_allowed(self) -> int:
+        """Errors the candidate may make over a minimum sample and still pass."""
+        return math.floor(self.max_error_rate * self.min_requests)
+
+
+class Verdict(StrEnum):
+    PASS = "pass"
+    WAIT = "wait"  # not enough data yet
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class GateReading:
+    """One gate on one window: the value measured, its limit, and the verdict."""
+
+    gate: str  # errors, latency or drift
+    verdict: Verdict
+    value: float | None  # NaN-free: None when nothing was measured
+    limit: float
+    detail: str  # one line a person can read
+
+    def to_json(self) -> dict:
+        return {"gate": self.gate, "verdict": self.verdict.value, "value": self.value, "limit": self.limit,
+                "detail": self.detail}
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 6)
+
+
+def evaluate_gates(window: Snapshot, baseline: int, candidate: int, gates: Gates) -> list[GateReading]:
+    """Judge the candidate on one step's window, with the baseline's figures alongside."""
+    cand, base = window.version(candidate), window.version(baseline)
+    readings = []
+
+    errors_over = cand.errors > gates.max_error_rate * max(cand.answered, gates.min_requests)
+    if errors_over and cand.errors > gates.errors_allowed:
+        verdict = Verdict.FAIL
+    elif cand.answered < gates.min_requests:
+        verdict = Verdict.WAIT
+    else:
+        verdict = Verdict.PASS if cand.error_rate <= gates.max_error_rate else Verdict.FAIL
+    readings.append(GateReading(
+        "errors", verdict, _number(cand.error_rate) if cand.answered else None, gates.max_error_rate,
+        f"candidate v{candidate}: {cand.errors:.0f} failed of {cand.answered:.0f} ({cand.error_rate:.1%}), "
+        f"{cand.rejected:.0f} rejected; baseline v{baseline}: {base.error_rate:.1%} of {base.answered:.0f}"))
+
+    p95_ms = cand.latency_s.quantile(0.95) * 1000
+    base_p95_ms = base.latency_s.quantile(0.95) * 1000
+    if cand.latency_s.count < gates.min_requests:
+        verdict = Verdict.WAIT
+    else:
+        verdict = Verdict.PASS if p95_ms <= gates.slo_p95_ms else Verdict.FAIL
+    base_text = f"{base_p95_ms:.0f} ms" if not math.isnan(base_p95_ms) else "no requests"
+    readings.append(GateReading(
+        "latency", verdict, _number(p95_ms), gates.slo_p95_ms,
+        f"candidate v{candidate} p95 {p95_ms:.0f} ms over {cand.latency_s.count:.0f} requests "
+        f"(SLO {gates.slo_p95_ms:.0f} ms); baseline v{baseline} p95 {base_text}"))
+
+    cosines = window.cosines(baseline, candidate)
+    if cosines.count < max(1, gates.min_shadow_samples):
+        verdict = Verdict.WAIT if gates.min_shadow_samples > 0 else Verdict.PASS
+    else:
+        verdict = Verdict.PASS if cosines.mean >= gates.min_cosine else Verdict.FAIL
+    readings.append(GateReading(
+        "drift", verdict, _number(cosines.mean), gates.min_cosine,
+        f"mean cosine v{candidate} vs v{baseline} {cosines.mean:.4f} over {cosines.count:.0f} shadowed rows"
+        if cosines.count else f"no shadowed rows yet (need {gates.min_shadow_samples})"))
+    return readings
+
+
+def step_verdict(readings: Sequence[GateReading], elapsed_s: float, min_step_s: float,
+                 max_step_s: float) -> tuple[Verdict, str]:
+    """Whether a step is done: (PASS | WAIT | FAIL, why)."""
+    failed = [r for r in readings if r.verdict is Verdict.FAIL]
+    if failed:
+        return Verdict.FAIL, "; ".join(f"{r.gate} gate failed: {r.detail}" for r in failed)
+    waiting = [r for r in readings if r.verdict is Verdict.WAIT]
+    if waiting:
+        if elapsed_s >= max_step_s:
+            return Verdict.FAIL, (f"not enough canary traffic in {max_step_s:.0f} s to judge: "
+                                  + "; ".join(r.detail for r in waiting))
+        return Verdict.WAIT, "waiting for " + ", ".join(r.gate for r in waiting)
+    if elapsed_s < min_step_s:
+        return Verdict.WAIT, f"gates pass; holding the step for {min_step_s - elapsed_s:.0f} s more"
+    return Verdict.PASS, "all gates pass"
+
+
+def parse_steps(raw: str) -> tuple[float, ...]:
+    """`1,5,25,50,100`: the candidate's traffic percent at each step, rising, ending at 100."""
+    try:
+        steps = tuple(float(part) for part in raw.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"steps {raw!r} must be comma-separated percentages, e.g. 1,5,25,50,100") from None
+    if not steps:
+        raise ValueError("give at least one step")
+    if any(not 0 < s <= 100 for s in steps):
+        raise ValueError(f"every step must be within (0, 100], got {list(steps)}")
+    if any(b <= a for a, b in itertools.pairwise(steps)):
+        raise ValueError(f"steps must rise, got {list(steps)}")
+    if steps[-1] != 100:
+        raise ValueError(f"the last step must be 100 (the candidate takes all traffic), got {steps[-1]:g}")
+    return steps
+
+
+def step_weights(baseline: int, candidate: int, percent: float) -> dict[int, float]:
+    """Routing weights that give the candidate `percent` of unpinned traffic."""
+    weights = {candidate: percent}
+    if percent < 100:
+        weights[baseline] = 100.0 - percent
+    return weights
+
+
+def baseline_of(weights: Mapping[int, float], candidate: int) -> int:
+    """The version a rollout starts from: the only one with traffic, which must not be the candidate."""
+    live = sorted(v for v, w in weights.items() if w > 0)
+    if len(live) != 1:
+        raise ValueError(f"traffic is split over versions {live}; finish or abort that first, "
+                         "or name the baseline with --from")
+    if live[0] == candidate:
+        raise ValueError(f"version {candidate} already takes all traffic")
+    return live[0]
