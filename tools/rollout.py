@@ -522,6 +522,11 @@ def run(args: argparse.Namespace) -> int:
         if args.to is None:
             print("error: say which version to roll out with --to VERSION", file=sys.stderr)
             return 2
+        state = read_state(args.records, args.model)
+        if state and state.get("status") not in FINAL_STATES and pid_alive(int(state.get("pid", 0))):
+            print(f"error: a rollout of {args.model} is already running (pid {state['pid']}); "
+                  "see `rollout status`", file=sys.stderr)
+            return 2
         plan = make_plan(args)
     except (RolloutError, SpecError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -530,11 +535,6 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("dry run: nothing changed")
         return 0
-    state = read_state(args.records, plan.model.name)
-    if state and state.get("status") not in FINAL_STATES and pid_alive(int(state.get("pid", 0))):
-        print(f"error: a rollout of {plan.model.name} is already running (pid {state['pid']}); "
-              "see `rollout status`", file=sys.stderr)
-        return 2
     control = TritonControl(_url(args.url), _url(args.metrics_url))
     recorder = Recorder(args.records, plan.model.name)
     rollout = Rollout(plan, control, args.model_repository.resolve(), recorder, drain_timeout_s=args.drain_timeout)

@@ -200,6 +200,41 @@ def test_a_version_too_slow_for_the_slo_is_rolled_back_by_the_latency_gate(canar
         assert loaded(server, encoder) == {1, 2}
 
 
+def test_rollout_abort_rolls_back_a_running_rollout_and_status_reports_it(canary_server):
+    server, repository, records = canary_server
+    command = [sys.executable, "-m", "tools", "rollout", "embed", "--to", "4", "--steps", "10,100",
+               "--min-requests", "100000", "--max-step-seconds", "300", "--url", f"127.0.0.1:{server.config.http_port}",
+               "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics",
+               "--model-repository", str(repository), "--records", str(records)]
+    common = ["--model-repository", str(repository), "--records", str(records)]
+    state_file = records / "embed.state.json"
+    state_file.unlink(missing_ok=True)
+    running = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if state_file.is_file() and json.loads(state_file.read_text())["status"].startswith("step"):
+                break
+            time.sleep(0.5)
+        status = subprocess.run([sys.executable, "-m", "tools", "rollout", "status", "embed", *common], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert "rollout v1 -> v4: step 10%" in status.stdout and "(tool running)" in status.stdout, status.stdout
+        assert "live split of embed: v1 90%, v4 10%" in status.stdout, status.stdout
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and "already running" in second.stderr
+        aborted = subprocess.run([sys.executable, "-m", "tools", "rollout", "abort", "embed", *common], cwd=REPO,
+                                 capture_output=True, text=True, timeout=300)
+        assert aborted.returncode == 0, aborted.stdout + aborted.stderr
+        assert running.wait(timeout=120) == 1
+    finally:
+        running.kill()
+    state = json.loads(state_file.read_text())
+    assert state["status"] == "aborted" and "aborted by the operator" in state["reason"]
+    for encoder in ENCODERS:
+        assert loaded(server, encoder) == {1, 2}
+    assert json.loads((repository / "embed" / "routing.json").read_text())["weights"] == {"1": 100.0}
+
+
 def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary_server):
     server, repository, records = canary_server
     long_text = " ".join(["batching long documents through the largest bucket"] * 30)
