@@ -12,6 +12,7 @@ Everything here is free of Triton imports.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -35,10 +36,10 @@ class RoutingTable:
         if not self.weights:
             raise ValueError("a routing table needs at least one version")
         for version, weight in self.weights.items():
-            if not isinstance(version, int) or version < 1:
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
                 raise ValueError(f"version {version!r} must be an integer >= 1")
-            if not weight >= 0:  # also rejects NaN
-                raise ValueError(f"weight of version {version} must be >= 0, got {weight}")
+            if not (weight >= 0 and math.isfinite(weight)):  # also rejects NaN
+                raise ValueError(f"weight of version {version} must be a finite number >= 0, got {weight}")
         if sum(self.weights.values()) <= 0:
             raise ValueError("at least one version needs a weight > 0")
         if not 0.0 <= self.shadow_rate <= 1.0:
@@ -104,12 +105,17 @@ class RoutingTable:
                 raise ValueError(f"'{key}' must be a version number or null, got {value!r}")
             return value
 
+        try:
+            shadow_rate = float(data.get("shadow_rate", 0.0))
+            generation = int(data.get("generation", 0))
+        except (TypeError, ValueError):
+            raise ValueError("'shadow_rate' and 'generation' must be numbers") from None
         return cls(
             weights=weights,
             candidate=optional_version("candidate"),
             baseline=optional_version("baseline"),
-            shadow_rate=float(data.get("shadow_rate", 0.0)),
-            generation=int(data.get("generation", 0)),
+            shadow_rate=shadow_rate,
+            generation=generation,
         )
 
 
@@ -119,9 +125,12 @@ def parse_weights(raw: str) -> dict[int, float]:
     for part in filter(None, (p.strip() for p in raw.split(","))):
         try:
             version, weight = part.split(":")
-            weights[int(version)] = float(weight)
+            key, value = int(version), float(weight)
         except ValueError:
             raise ValueError(f"weight entry {part!r} is not 'version:weight'") from None
+        if key in weights:
+            raise ValueError(f"version {key} has two weights")
+        weights[key] = value
     return weights
 
 

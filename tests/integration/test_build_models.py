@@ -23,20 +23,26 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
     for model in ("embed", "encoder_16", "encoder_32"):
         (repository / model / "1").mkdir(parents=True)
         shutil.copy2(REPO / "model_repository" / model / "1" / "model.py", repository / model / "1" / "model.py")
+    (repository / "encoder_16" / "2").mkdir()  # the spec makes version 2 INT8
+    shutil.copy2(REPO / "model_repository" / "encoder_16" / "2" / "model.py", repository / "encoder_16" / "2")
 
     first = build(repository)
     assert first.returncode == 0, first.stderr
-    assert "exporting for 2 bucket model(s)" in first.stdout
+    assert "building fp32+int8 for 3 bucket model version(s)" in first.stdout
+    assert "quantized to INT8" in first.stdout
     assert "cosine vs PyTorch 1.0000" in first.stdout or "cosine vs PyTorch 0.9999" in first.stdout
     onnx_16 = repository / "encoder_16" / "1" / "model.onnx"
     onnx_32 = repository / "encoder_32" / "1" / "model.onnx"
     assert onnx_16.stat().st_ino == onnx_32.stat().st_ino  # one copy on disk
+    int8 = repository / "encoder_16" / "2" / "model.onnx"
+    assert int8.stat().st_size < 0.7 * onnx_16.stat().st_size
+    assert json.loads((int8.parent / "BUILD_INFO.json").read_text())["source"]["precision"] == "int8"
     assert (repository / "embed" / "1" / "tokenizer.json").is_file()
     built_at = onnx_16.stat().st_mtime_ns
 
     second = build(repository)
     assert second.returncode == 0
-    assert "all 2 bucket models up to date, nothing to do" in second.stdout
+    assert "all 3 bucket model versions up to date, nothing to do" in second.stdout
     assert "1 up to date" in second.stdout
     assert onnx_16.stat().st_mtime_ns == built_at
 
@@ -46,7 +52,7 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
     info["source"]["weights_sha256"] = "0" * 64
     info_path.write_text(json.dumps(info))
     third = build(repository)
-    assert "exporting for 1 bucket model(s)" in third.stdout
+    assert "building fp32 for 1 bucket model version(s)" in third.stdout
     assert onnx_16.stat().st_mtime_ns == built_at
 
     # The exported graph has dynamic batch and sequence axes.
@@ -62,4 +68,4 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
 def test_build_fails_clearly_without_encoder_folders(tmp_path):
     result = build(tmp_path)
     assert result.returncode != 0
-    assert "no encoder_*/1/model.py folders" in result.stderr
+    assert "no encoder_*/<version>/model.py folders" in result.stderr

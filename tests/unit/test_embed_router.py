@@ -14,8 +14,10 @@ from python_backends.embed import (
     is_scheduler_rejection,
     parse_request_options,
     parse_router_config,
+    row_cosines,
 )
 from python_backends.errors import InvalidInput
+from python_backends.routing import RoutingTable
 from python_backends.tokenization import TextTokenizer
 
 CONFIG = RouterConfig(bucket_lens=(16, 32, 64, 128, 256), bucket_max_batch={16: 4, 32: 4, 64: 4, 128: 2, 256: 1},
@@ -42,6 +44,13 @@ def test_options_parsed():
     assert options == RequestOptions(tenant="team-a.prod", truncate=False)
 
 
+@pytest.mark.parametrize(("params", "version"), [({}, None), ({"version": 2}, 2), ({"version": "2"}, 2),
+                                                 ({"version": ""}, None)])
+def test_options_carry_the_pinned_version(params, version):
+    options = parse_request_options(json.dumps({"tenant": "a", **params}))
+    assert options == RequestOptions(tenant="a", version=version)
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
@@ -52,6 +61,10 @@ def test_options_parsed():
         (json.dumps({"tenant": "a b"}), "only letters"),
         (json.dumps({"tenant": 5}), "'tenant' must be"),
         (json.dumps({"truncate": "maybe"}), "'truncate' must be true or false"),
+        (json.dumps({"version": "latest"}), "'version' must be a version number"),
+        (json.dumps({"version": True}), "'version' must be a version number"),
+        (json.dumps({"version": 0}), "'version' must be an integer >= 1"),
+        (json.dumps({"version": 1.5}), "'version' must be an integer >= 1"),
     ],
 )
 def test_options_errors(params, message):
@@ -84,6 +97,23 @@ def test_router_config_from_parameters():
     assert config.bucket_max_batch == {16: 8, 32: 4, 64: 2}
     assert config.max_tokens == 64
     assert config.model_for(32) == "encoder_32"
+    assert config.default_routing == RoutingTable({1: 1.0})  # no version_weights: everything on version 1
+    assert config.routing_file == "routing.json"
+
+
+@pytest.mark.parametrize(
+    ("params", "weights", "routing_file"),
+    [
+        ({"version_weights": "1:100"}, {1: 100.0}, "routing.json"),
+        ({"version_weights": "1:90, 2:10", "routing_file": "live.json"}, {1: 90.0, 2: 10.0}, "live.json"),
+        ({"version_weights": "1:0,2:1", "routing_file": "/srv/routing.json"}, {1: 0.0, 2: 1.0}, "/srv/routing.json"),
+        ({"routing_file": ""}, {1: 1.0}, "routing.json"),
+    ],
+)
+def test_router_config_reads_the_version_split(params, weights, routing_file):
+    config = parse_router_config("embed", {"bucket_lens": "16", "bucket_max_batch": "16:4", **params})
+    assert config.default_routing == RoutingTable(weights)
+    assert config.routing_file == routing_file
 
 
 @pytest.mark.parametrize(
@@ -97,6 +127,16 @@ def test_router_config_from_parameters():
         ({"bucket_lens": "16", "bucket_max_batch": "16=4"}, "is not 'length:max_batch'"),
         ({"bucket_lens": "16", "bucket_max_batch": "16:4", "max_text_bytes": "lots"},
          "max_text_bytes='lots' is not an integer"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": "1=100"},
+         "version_weights='1=100': weight entry '1=100' is not 'version:weight'"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": ""},
+         "version_weights='': a routing table needs at least one version"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": "1:0,2:0"},
+         "version_weights='1:0,2:0': at least one version needs a weight > 0"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": "1:-5"},
+         "weight of version 1 must be a finite number >= 0"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": "0:100"},
+         "version 0 must be an integer >= 1"),
     ],
 )
 def test_router_config_errors_name_the_model(params, message):
@@ -153,3 +193,30 @@ def test_lanes_run_buckets_side_by_side_and_a_buckets_chunks_in_order(router):
 )
 def test_scheduler_rejections_are_recognised(message, expected):
     assert is_scheduler_rejection(message) is expected
+
+
+def test_row_cosines_compare_rows_pairwise_whatever_their_length():
+    served = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0], [1.0, 1.0]], dtype=np.float32)
+    other = np.array([[5.0, 0.0], [3.0, 0.0], [-3.0, -4.0], [0.0, 1.0]], dtype=np.float32)
+    np.testing.assert_allclose(row_cosines(served, other), [1.0, 0.0, -1.0, np.sqrt(0.5)], rtol=1e-6)
+
+
+def test_row_cosines_match_the_definition_on_embeddings():
+    rng = np.random.default_rng(0)
+    served = rng.normal(size=(5, 384)).astype(np.float32)
+    other = served + rng.normal(scale=0.1, size=served.shape).astype(np.float32)
+    expected = [a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) for a, b in zip(served, other, strict=True)]
+    cosines = row_cosines(served, other)
+    assert cosines.shape == (5,)
+    np.testing.assert_allclose(cosines, expected, rtol=1e-5)
+    np.testing.assert_allclose(row_cosines(served, 3 * served), np.ones(5), rtol=1e-5)
+
+
+def test_row_cosines_of_a_zero_row_is_zero_not_nan():
+    cosines = row_cosines(np.zeros((1, 4)), np.ones((1, 4)))
+    assert cosines.tolist() == [0.0]
+
+
+def test_row_cosines_refuse_batches_of_different_shapes():
+    with pytest.raises(ValueError, match=r"embedding shapes differ: \(2, 384\) vs \(3, 384\)"):
+        row_cosines(np.ones((2, 384)), np.ones((3, 384)))

@@ -9,7 +9,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tools.gen_config import check, expected_files, plan_all
+from python_backends.embed import parse_router_config
+from python_backends.routing import RoutingTable
+from tools.gen_config import add_encoder_warmup, check, expected_files, plan_all
 from tools.latency_profile import ProfileError, load_profile, profile_from_dict, profile_to_dict
 from tools.spec import SpecError, load_spec, parse_spec
 
@@ -82,6 +84,58 @@ def test_spec_errors_name_the_field(data, message, tmp_path):
         parse_spec(data, path)
 
 
+def versions_variant(**changes):
+    """BASE serving versions 1 and 2, with `changes` to the embed model (None deletes a key)."""
+    return variant(**{f"models__embed__{key}": v for key, v in {"versions": [1, 2], **changes}.items()})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (versions_variant(versions=[1, 1]), r"versions \[1, 1\] repeat a version"),
+        (versions_variant(versions=[]), "versions must be a non-empty list of integers >= 1"),
+        (versions_variant(versions=[0, 1]), "versions must be a non-empty list of integers >= 1"),
+        (versions_variant(precision={"3": "fp32"}), r"precision names version 3, which is not in versions \[1, 2\]"),
+        (versions_variant(precision={"v2": "int8"}), "precision: key 'v2' is not a version number"),
+        (versions_variant(precision={"2": "fp16"}),
+         r"precision of version 2 must be one of \('fp32', 'int8'\), got 'fp16'"),
+        (versions_variant(precision="int8"), "'precision' must be a table of version = value"),
+        (versions_variant(traffic={"3": 10}), r"traffic names version 3, which is not in versions \[1, 2\]"),
+        (versions_variant(traffic={"1": -1}), "traffic weight of version 1 must be a number >= 0, got -1"),
+        (versions_variant(traffic={"1": "most"}), "traffic weight of version 1 must be a number >= 0, got 'most'"),
+        (versions_variant(traffic={"2": True}), "traffic weight of version 2 must be a number >= 0, got True"),
+        (versions_variant(traffic={"1": 0, "2": 0}), "traffic needs a weight > 0 on at least one version"),
+        (versions_variant(traffic=[100, 0]), "'traffic' must be a table of version = value"),
+    ],
+)
+def test_version_table_errors_name_the_model(data, message):
+    with pytest.raises(SpecError, match=message) as info:
+        parse_spec(data, REPO / "serving.toml")
+    assert "[models.embed]" in str(info.value)
+
+
+def test_version_tables_default_to_fp32_and_all_traffic_on_the_first_version():
+    (embed,) = parse_spec(variant(models__embed__versions=[3, 1]), REPO / "serving.toml").models
+    assert embed.versions == (3, 1)
+    assert embed.precision == {} and embed.precision_of(1) == "fp32"
+    assert embed.traffic == {3: 100.0}
+
+
+def test_version_tables_are_keyed_by_version():
+    data = versions_variant(precision={"2": "int8"}, traffic={"1": 90, "2": 10.5})
+    (embed,) = parse_spec(data, REPO / "serving.toml").models
+    assert embed.precision == {2: "int8"}
+    assert (embed.precision_of(1), embed.precision_of(2)) == ("fp32", "int8")
+    assert embed.traffic == {1: 90.0, 2: 10.5}
+
+
+def test_committed_spec_serves_versions_1_and_2_with_all_traffic_on_1(spec):
+    (embed,) = spec.models
+    assert embed.versions == (1, 2)
+    assert embed.precision == {1: "fp32", 2: "int8"}
+    assert embed.traffic == {1: 100.0}
+
+
 def test_missing_or_broken_spec_file(tmp_path):
     with pytest.raises(SpecError, match="not found"):
         load_spec(tmp_path / "none.toml")
@@ -121,6 +175,60 @@ def test_encoder_config_carries_the_derived_knobs(plan):
     assert batching.default_queue_policy.max_queue_size == knobs.max_queue_size
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     assert config.instance_group[0].count == knobs.instance_count
+
+
+@pytest.mark.parametrize("name", ["encoder_16", "encoder_32", "encoder_64", "encoder_128", "encoder_256"])
+def test_encoder_configs_serve_every_version_and_warm_up_one_row_and_a_full_batch(plan, name):
+    model = next(m for m in plan if m.name == name)
+    config, seq_len = model.config, int(name.removeprefix("encoder_"))
+    assert list(config.version_policy.specific.versions) == [1, 2]
+    assert model.versions == (1, 2)
+    assert config.max_batch_size > 1  # else the two warm-ups would be one
+    assert [w.batch_size for w in config.model_warmup] == [1, config.max_batch_size]
+    for warmup in config.model_warmup:
+        assert warmup.count == 1
+        assert set(warmup.inputs) == {"INPUT_IDS", "ATTENTION_MASK"}
+        for tensor in warmup.inputs.values():
+            assert tensor.zero_data and tensor.data_type == mc.TYPE_INT64 and list(tensor.dims) == [seq_len]
+    assert "Versions 1 (fp32), 2 (int8)" in "\n".join(model.header)
+
+
+def test_a_bucket_of_batch_one_warms_up_once():
+    config = mc.ModelConfig(name="encoder_512", max_batch_size=1)
+    add_encoder_warmup(config, 512)
+    assert [(w.name, w.batch_size) for w in config.model_warmup] == [("zeros_batch_1", 1)]
+
+
+def test_router_has_one_version_answers_version_and_splits_all_traffic_to_version_1(plan):
+    router = plan[0]
+    config = router.config
+    assert router.name == "embed" and router.versions == (1,)
+    assert list(config.version_policy.specific.versions) == [1]
+    version = next(o for o in config.output if o.name == "VERSION")
+    assert version.data_type == mc.TYPE_INT32 and list(version.dims) == [1]
+    assert config.parameters["version_weights"].string_value == "1:100"
+    assert config.parameters["routing_file"].string_value == "routing.json"
+    # The router reads its own generated parameters back into the same default split.
+    parsed = parse_router_config(config.name, {k: v.string_value for k, v in config.parameters.items()})
+    assert parsed.default_routing == RoutingTable({1: 100.0})
+
+
+def test_every_encoder_version_gets_a_model_py_and_the_router_one(plan, tmp_path):
+    files = expected_files(plan, tmp_path)
+    shims = {str(path.relative_to(tmp_path)) for path in files if path.name == "model.py"}
+    assert {"encoder_16/1/model.py", "encoder_16/2/model.py", "embed/1/model.py"} <= shims
+    assert "embed/2/model.py" not in shims
+
+
+def test_spec_traffic_becomes_the_routers_version_weights(spec):
+    import dataclasses
+
+    (embed,) = spec.models
+    split = dataclasses.replace(spec, models=(dataclasses.replace(embed, traffic={2: 10.0, 1: 90.0}),))
+    router = plan_all(split, load_profile(SMALL_PROFILE))[0].config
+    assert router.parameters["version_weights"].string_value == "1:90,2:10"
+    parsed = parse_router_config(router.name, {k: v.string_value for k, v in router.parameters.items()})
+    assert parsed.default_routing == RoutingTable({1: 90.0, 2: 10.0})
 
 
 def test_router_config_carries_buckets_limits_and_tiers(plan):
