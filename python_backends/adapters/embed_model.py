@@ -115,7 +115,10 @@ class TritonPythonModel:
         return list(await asyncio.gather(*(self._serve(request) for request in requests)))
 
     async def _run_chunks(self, prepared, version):
-        """Send every chunk to version `version` of its bucket model; return (error response | None, outputs)."""
+        """Send every chunk to `version` of its bucket model.
+
+        Returns ((model name, error) of the first failure, None), or (None, the reassembled embedding).
+        """
         responses = [None] * len(prepared.chunks)
 
         async def run_lane(lane):
