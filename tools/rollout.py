@@ -234,9 +234,9 @@ class Rollout:
     def _snapshot(self) -> Snapshot:
         return snapshot_from_metrics(self.control.metrics(), self.plan.model.name)
 
-    def _set_versions(self, versions_of: Callable[[str], set[int]]) -> None:
-        for encoder in self.plan.encoders:
-            self.control.load(with_versions(read_config(self.repository, encoder), versions_of(encoder)))
+    def _load_versions(self, encoder: str, versions: set[int]) -> None:
+        """Have `encoder` serve exactly `versions`, with its own config from the repository."""
+        self.control.load(with_versions(read_config(self.repository, encoder), versions))
 
     def load_candidate(self) -> None:
         plan = self.plan
@@ -251,7 +251,7 @@ class Rollout:
             self.recorder.event(f"loading v{plan.candidate} of {', '.join(missing)} ...")
             for encoder in missing:
                 versions = self.loaded_before[encoder] | {plan.candidate}
-                self.control.load(with_versions(read_config(self.repository, encoder), versions))
+                self._load_versions(encoder, versions)
         not_ready = [e for e in plan.encoders if not self.control.is_ready(e, plan.candidate)]
         if not_ready:
             raise RolloutError(f"v{plan.candidate} of {', '.join(not_ready)} did not become ready")
@@ -312,10 +312,9 @@ class Rollout:
             inflight = self._snapshot().version(version).inflight
             peak = max(peak, inflight)
             waited = time.monotonic() - started
-            if inflight <= 0:
-                return {"version": version, "waited_s": round(waited, 2), "max_inflight_seen": peak, "timed_out": False}
-            if waited > self.drain_timeout_s:
-                return {"version": version, "waited_s": round(waited, 2), "max_inflight_seen": peak, "timed_out": True}
+            if inflight <= 0 or waited > self.drain_timeout_s:
+                return {"version": version, "waited_s": round(waited, 2), "max_inflight_seen": peak,
+                        "timed_out": inflight > 0}
             self.sleep(0.2)
 
     def _restore_versions(self, keep: int) -> None:
@@ -327,7 +326,7 @@ class Rollout:
             try:
                 loaded = self.control.loaded_versions(encoder)
                 if loaded != before | {keep}:
-                    self.control.load(with_versions(read_config(self.repository, encoder), before | {keep}))
+                    self._load_versions(encoder, before | {keep})
             except (RolloutError, requests.RequestException) as err:
                 self.recorder.event(f"could not restore the versions of {encoder}: {err}")
 
@@ -367,7 +366,7 @@ class Rollout:
                       "unloading anyway (Triton finishes the ones it holds)")
         for encoder in plan.encoders:
             keep = (self.control.loaded_versions(encoder) | {plan.candidate}) - {plan.baseline}
-            self.control.load(with_versions(read_config(self.repository, encoder), keep))
+            self._load_versions(encoder, keep)
         rec.record.update(status="promoted", finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         rec.event(f"promoted v{plan.candidate}; v{plan.baseline} unloaded after draining "
                   f"({drain['waited_s']} s, at most {drain['max_inflight_seen']:.0f} in flight)")

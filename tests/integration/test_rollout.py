@@ -102,6 +102,18 @@ class Answer:
     error: str = ""
 
 
+def embed_answer(client: httpclient.InferenceServerClient, texts: list[str], pin: int | None) -> Answer:
+    """One embed request; the answer names the version that served it, or the error."""
+    rows = np.array(texts, dtype=object).reshape(-1, 1)
+    tensor = httpclient.InferInput("TEXT", list(rows.shape), "BYTES")
+    tensor.set_data_from_numpy(rows)
+    try:
+        result = client.infer("embed", [tensor], parameters={"version": pin} if pin else None)
+        return Answer(True, int(result.as_numpy("VERSION")[0, 0]))
+    except Exception as err:  # every failure is an answer to count
+        return Answer(False, pin, str(err))
+
+
 @dataclass
 class Load:
     """A client thread sending embed requests at a steady pace and keeping every answer."""
@@ -123,14 +135,7 @@ class Load:
         while not self.until.is_set():
             text = self.texts[index % len(self.texts)]
             index += 1
-            rows = np.array([text], dtype=object).reshape(-1, 1)
-            tensor = httpclient.InferInput("TEXT", list(rows.shape), "BYTES")
-            tensor.set_data_from_numpy(rows)
-            try:
-                result = client.infer("embed", [tensor], parameters={"version": self.pin} if self.pin else None)
-                self.answers.append(Answer(True, int(result.as_numpy("VERSION")[0, 0])))
-            except Exception as err:
-                self.answers.append(Answer(False, self.pin, str(err)))
+            self.answers.append(embed_answer(client, [text], self.pin))
             next_at += 1.0 / self.rate
             time.sleep(max(0.0, next_at - time.monotonic()))
         client.close()
@@ -246,20 +251,14 @@ def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary
         # Requests pinned to the old version, back to back, until the tool starts draining it:
         # whatever is in flight then must finish before v1 is unloaded.
         client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
-        rows = np.array([long_text] * 24, dtype=object).reshape(-1, 1)
+        rows = [long_text] * 24
         while not stop_old.is_set():
             try:
                 if json.loads(state_file.read_text()).get("status") in ("draining", "promoted"):
                     break
             except (OSError, ValueError):
                 pass
-            tensor = httpclient.InferInput("TEXT", list(rows.shape), "BYTES")
-            tensor.set_data_from_numpy(rows)
-            try:
-                result = client.infer("embed", [tensor], parameters={"version": 1})
-                old_answers.append(Answer(True, int(result.as_numpy("VERSION")[0, 0])))
-            except Exception as err:
-                old_answers.append(Answer(False, 1, str(err)))
+            old_answers.append(embed_answer(client, rows, pin=1))
         client.close()
 
     state_file.unlink(missing_ok=True)
