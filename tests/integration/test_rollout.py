@@ -262,14 +262,19 @@ def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary
         client.close()
 
     state_file.unlink(missing_ok=True)
-    old_thread = threading.Thread(target=send_old_until_draining, daemon=True)
+    # Three senders, so that some v1 request is in flight at any moment, also the one when
+    # draining starts (one sender alone may be between two requests then).
+    old_threads = [threading.Thread(target=send_old_until_draining, daemon=True) for _ in range(3)]
     with Load(server.http_url, rate=15, texts=TEXTS) as load, \
             Load(server.http_url, rate=3, texts=TEXTS, pin=2) as pinned_new:
         time.sleep(2)
-        old_thread.start()
+        for thread in old_threads:
+            thread.start()
+            time.sleep(0.3)
         code, record, output = rollout(server, repository, records, "--to", "2", *FAST_STEPS)
         stop_old.set()
-        old_thread.join(timeout=120)
+        for thread in old_threads:
+            thread.join(timeout=120)
     assert code == 0, output
     assert record["status"] == "promoted"
     assert [s["percent"] for s in record["steps"]] == [10, 50, 100]
