@@ -15,6 +15,7 @@ import numpy as np
 
 from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
 from python_backends.errors import InvalidInput
+from python_backends.quotas import UNLIMITED, TenantPolicy
 from python_backends.routing import RoutingTable, parse_weights, pinned_version
 from python_backends.tokenization import TextTokenizer
 
@@ -32,6 +33,10 @@ VERSION_COUNTER = ("embed_requests_total", "Routed requests by encoder version a
 VERSION_LATENCY = ("embed_request_duration_seconds", "Time the router took to answer a request, by encoder version")
 VERSION_INFLIGHT = ("embed_inflight_requests", "Requests the router is serving on each encoder version now")
 SHADOW_COSINE = ("embed_shadow_cosine", "Cosine between the candidate's and the baseline's embedding of shadowed rows")
+# Per tenant (labels model, tenant, tier, outcome): who is served and who is turned away.
+TENANT_COUNTER = ("embed_tenant_requests_total",
+                  "Requests by tenant, tier and outcome (ok, error, rejected: server busy, over_quota)")
+TENANT_OUTCOMES = ("ok", "error", "rejected", "over_quota")
 # Histogram bucket edges: latency in seconds (fine around a 200 ms SLO), cosine near 1.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4,
                      0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -50,6 +55,7 @@ class RouterConfig:
     max_text_bytes: int = 65536  # a row longer than this (UTF-8 bytes) is rejected before tokenizing
     default_routing: RoutingTable = field(default_factory=lambda: RoutingTable({1: 1.0}))  # split with no routing file
     routing_file: str = "routing.json"  # the live split, relative to the model's folder unless absolute
+    tenants: TenantPolicy = UNLIMITED  # tiers and quotas of tenants (spec [tenants])
 
     @property
     def max_tokens(self) -> int:
@@ -89,7 +95,17 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
         max_text_bytes=integer("max_text_bytes", 65536, 1),
         default_routing=parse_default_routing(model_name, parameters.get("version_weights", "1:1")),
         routing_file=parameters.get("routing_file", "routing.json") or "routing.json",
+        tenants=parse_tenant_policy(model_name, parameters.get("tenants", "")),
     )
+
+
+def parse_tenant_policy(model_name: str, raw: str) -> TenantPolicy:
+    if not raw:
+        return UNLIMITED
+    try:
+        return TenantPolicy.from_json(raw)
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter tenants: {err}") from None
 
 
 def parse_default_routing(model_name: str, raw: str) -> RoutingTable:
@@ -145,7 +161,9 @@ def parse_request_options(parameters_json: str | None) -> RequestOptions:
     if not isinstance(params, dict):
         raise InvalidInput("request parameters must be a JSON object")
 
-    tenant = params.get("tenant", "default")
+    # Over HTTP and gRPC the tenant may also come as a `tenant` header, which the server
+    # forwards as a parameter under the header's own spelling.
+    tenant = next((value for key, value in params.items() if key.lower() == "tenant"), "default")
     if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
         raise InvalidInput(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
     if not tenant.replace("-", "").replace("_", "").replace(".", "").isalnum():
@@ -184,6 +202,12 @@ def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[st
 # and a full queue. Over BLS they arrive as INTERNAL; the router restores UNAVAILABLE
 # (HTTP 503), the retryable status a client gets when it calls a model directly.
 SCHEDULER_REJECTIONS = ("Request timeout expired", "Exceeds maximum queue size")
+
+
+def is_instance_crash(message: str) -> bool:
+    """Whether a bucket model's error says the instance that took the request died (its stub
+    process is gone). Retryable: another instance, or the reloaded one, serves the retry."""
+    return "Stub process" in message and "is not healthy" in message
 
 
 def is_scheduler_rejection(message: str) -> bool:
@@ -235,8 +259,10 @@ class EmbedRouter:
         self.config = config
         self.tokenizer = tokenizer
 
-    def prepare(self, raw_rows: Sequence[bytes | str], parameters_json: str | None) -> PreparedRequest:
-        options = parse_request_options(parameters_json)
+    def prepare(self, raw_rows: Sequence[bytes | str], parameters_json: str | None,
+                options: RequestOptions | None = None) -> PreparedRequest:
+        """Validate, tokenize and plan a request; `options` when the caller parsed the parameters already."""
+        options = options if options is not None else parse_request_options(parameters_json)
         texts = decode_rows(raw_rows, self.config.max_text_bytes)
         encoded = self.tokenizer.encode(texts)
         max_tokens = self.config.max_tokens

@@ -25,7 +25,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
-from tools import bench_llm
+from tools import bench_llm, bench_overload
 from tools.gen_config import LLM_INFER_SUFFIX, GeneratedModel, expected_files, plan_all
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
 from tools.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
@@ -234,6 +234,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          description=bench_llm.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_llm.add_arguments(llm)
     llm.set_defaults(benchmark_run=bench_llm.run)
+    overload = sub.add_parser("overload", help="3x goodput overload, tenant isolation and crash recovery",
+                              description=bench_overload.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_overload.add_arguments(overload)
+    overload.set_defaults(benchmark_run=bench_overload.run)
 
 
 def run(args: argparse.Namespace) -> int:

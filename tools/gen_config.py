@@ -180,6 +180,7 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     params["max_text_bytes"].string_value = str(model.max_text_bytes)
     params["version_weights"].string_value = format_weights(model.traffic)
     params["routing_file"].string_value = ROUTING_FILE
+    params["tenants"].string_value = spec.tenant_policy().to_json()
     return config
 
 
@@ -334,6 +335,9 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         "that bucket's encoder over BLS. No linger here: batches form at the bucket models.",
         f"Priority levels = tenant tiers: {', '.join(f'{t.name}={t.priority}' for t in spec.tiers)} "
         f"(default {spec.default_tier}).",
+        "tenants: each tenant's quota by tier (" + "; ".join(
+            f"{t.name}: {t.requests_per_s:g} req/s, burst {t.burst:g}" if t.requests_per_s else f"{t.name}: no quota"
+            for t in spec.tiers) + "), enforced across the router's instances before tokenizing.",
         "bucket_max_batch: each bucket's derived max_batch_size; larger requests are sent in chunks.",
         "preferred_batch_size 1: the router's queue orders by priority but never batches, so a request",
         "never waits for another request's slower bucket.",

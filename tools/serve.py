@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+from tools.supervisor import Supervisor
 from tools.triton_server import (
     DEFAULT_MODEL_REPOSITORY,
     ModelControlMode,
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tritonserver verbose log level, 0 = off (default: %(default)s)")
     parser.add_argument("--log-file", type=Path, default=None,
                         help="write the server log here instead of the terminal")
+    parser.add_argument("--no-supervisor", dest="supervise", action="store_false",
+                        help="do not reload a model whose Python backend instance died (by default, in explicit "
+                             "mode, a watcher reloads it within about a second; Triton itself never restarts one)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the models are not ready within this time (default: %(default)s)")
 
@@ -100,10 +104,16 @@ def run(args: argparse.Namespace) -> int:
         f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
         flush=True,
     )
+    supervisor = None
+    if args.supervise and config.model_control_mode is ModelControlMode.EXPLICIT:
+        supervisor = Supervisor(f"http://localhost:{config.http_port}", server.process.pid,
+                                log=lambda line: print(line, flush=True)).start()
     while not stop.wait(1.0):
         if server.process is not None and server.process.poll() is not None:
             print(f"error: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
             return 1
+    if supervisor is not None:
+        supervisor.stop()
     print("stopping tritonserver (in-flight requests finish first) ...", flush=True)
     code = server.stop()
     print(f"tritonserver stopped (exit code {code})", flush=True)

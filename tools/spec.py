@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends.buckets import validate_buckets
+from python_backends.quotas import TENANT_PATTERN, TenantPolicy, TierPolicy
 from tools.triton_server import REPO_ROOT
 
 DEFAULT_SPEC = REPO_ROOT / "serving.toml"
@@ -32,6 +33,10 @@ class TenantTier:
 
     name: str  # tier name used in the spec and metrics
     priority: int  # Triton priority level; 1 is served first
+    requests_per_s: float = 0.0  # quota of each tenant in the tier, requests/s; 0: none
+    burst: float = 0.0  # requests a tenant may send at once (token bucket size)
+    llm_tokens_per_s: float = 0.0  # quota of generated LLM tokens/s per tenant; 0: none
+    llm_token_burst: float = 0.0  # generated tokens a tenant may take at once
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,17 @@ class ServingSpec:
     default_tier: str  # tier of requests that name no tenant tier
     hardware: dict[str, HardwareLimits]  # by hardware kind
     llm_models: tuple[LLMModelSpec, ...] = ()  # generative models
+    tenant_members: dict[str, str] = field(default_factory=dict)  # tenant id -> tier name
 
     def tier(self, name: str) -> TenantTier:
         return next(t for t in self.tiers if t.name == name)
+
+    def tenant_policy(self) -> TenantPolicy:
+        """Tiers, members and quotas as the router and the LLM engine enforce them."""
+        return TenantPolicy(
+            tiers={t.name: TierPolicy(t.name, t.priority, t.requests_per_s, t.burst, t.llm_tokens_per_s,
+                                      t.llm_token_burst) for t in self.tiers},
+            default_tier=self.default_tier, members=dict(self.tenant_members))
 
 
 def _positive(table: dict, key: str, where: str, kind=float, allow_zero: bool = False):
@@ -136,21 +149,41 @@ def _boolean(table: dict, key: str, where: str, default: bool) -> bool:
     return value
 
 
+def _tier(name: str, raw: dict, where: str) -> TenantTier:
+    def quota(key: str) -> float:
+        return float(_positive({key: raw.get(key, 0)}, key, where, allow_zero=True))
+
+    tier = TenantTier(name=name, priority=int(_positive(raw, "priority", where, int)),
+                      requests_per_s=quota("requests_per_s"), burst=quota("burst"),
+                      llm_tokens_per_s=quota("llm_tokens_per_s"), llm_token_burst=quota("llm_token_burst"))
+    try:
+        TierPolicy(tier.name, tier.priority, tier.requests_per_s, tier.burst, tier.llm_tokens_per_s,
+                   tier.llm_token_burst).verify()
+    except ValueError as err:
+        raise SpecError(f"{where}: {err}") from None
+    return tier
+
+
 def parse_spec(data: dict, path: Path) -> ServingSpec:
     root = path.parent
     where = str(path)
     tiers_raw = data.get("tenants", {}).get("tiers", {"standard": {"priority": 1}})
-    tiers = tuple(sorted(
-        (TenantTier(name, int(_positive(t, "priority", f"{where} [tenants.tiers.{name}]", int)))
-         for name, t in tiers_raw.items()),
-        key=lambda tier: tier.priority,
-    ))
+    tiers = tuple(sorted((_tier(name, t, f"{where} [tenants.tiers.{name}]") for name, t in tiers_raw.items()),
+                         key=lambda tier: tier.priority))
     if sorted(t.priority for t in tiers) != list(range(1, len(tiers) + 1)):
         raise SpecError(f"{where}: tenant tier priorities must be 1..{len(tiers)} without gaps, "
                         f"got {[t.priority for t in tiers]}")
     default_tier = data.get("tenants", {}).get("default_tier", tiers[-1].name)
     if default_tier not in {t.name for t in tiers}:
         raise SpecError(f"{where}: default_tier {default_tier!r} is not one of {[t.name for t in tiers]}")
+    members = data.get("tenants", {}).get("members", {})
+    for tenant, tier in members.items():
+        if not TENANT_PATTERN.match(tenant):
+            raise SpecError(f"{where} [tenants.members]: tenant id {tenant!r} must be 1-64 letters, digits, "
+                            "'.', '_' or '-'")
+        if tier not in {t.name for t in tiers}:
+            raise SpecError(f"{where} [tenants.members]: tenant {tenant!r} is in tier {tier!r}, which is not "
+                            f"one of {[t.name for t in tiers]}")
 
     hardware = {}
     for kind, raw in data.get("hardware", {}).items():
@@ -219,6 +252,7 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         default_tier=default_tier,
         hardware=hardware,
         llm_models=llm_models,
+        tenant_members=dict(members),
     )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
+TENANT_HEADER_PATTERN = "(?i)^tenant$"  # RE2, matched against header names
 
 
 class ServerError(RuntimeError):
@@ -143,6 +144,9 @@ def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: 
         f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
         # No GPU on the host: skip the pinned-memory pool instead of warning about it.
         "--pinned-memory-pool-byte-size=0",
+        # A `tenant` header reaches the models as the `tenant` request parameter.
+        f"--http-header-forward-pattern={TENANT_HEADER_PATTERN}",
+        f"--grpc-header-forward-pattern={TENANT_HEADER_PATTERN}",
     ]
     if config.model_control_mode is ModelControlMode.POLL:
         command.append("--repository-poll-secs=5")

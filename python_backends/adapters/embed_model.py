@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,19 +25,28 @@ from python_backends.embed import (
     LATENCY_BUCKETS_S,
     ROUTER_COUNTERS,
     SHADOW_COSINE,
+    TENANT_COUNTER,
     VERSION_COUNTER,
     VERSION_INFLIGHT,
     VERSION_LATENCY,
     EmbedRouter,
+    is_instance_crash,
     is_scheduler_rejection,
+    parse_request_options,
     parse_router_config,
     row_cosines,
 )
 from python_backends.errors import InvalidInput
+from python_backends.quotas import SharedBuckets, admit
 from python_backends.routing import RoutingSource
 from python_backends.tokenization import TextTokenizer
 
 MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load on a busy server
+
+
+def shared_dir():
+    """Where processes of one server share files: memory-backed when the system has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class TritonPythonModel:
@@ -55,7 +66,7 @@ class TritonPythonModel:
             name: pb_utils.MetricFamily(name=name, description=text, kind=counter)
             for name, text in ROUTER_COUNTERS.items()
         }
-        for (name, text), kind in ((VERSION_COUNTER, counter), (VERSION_INFLIGHT, gauge),
+        for (name, text), kind in ((VERSION_COUNTER, counter), (TENANT_COUNTER, counter), (VERSION_INFLIGHT, gauge),
                                    (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram)):
             self.metric_families[name] = pb_utils.MetricFamily(name=name, description=text, kind=kind)
         self.truncated = self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": self.model})
@@ -68,7 +79,25 @@ class TritonPythonModel:
         }
         self.version_metrics = {}
         self.shadow_metrics = {}
+        self.tenant_metrics = {}
         self.shadow_tasks = set()
+        # Quotas hold across every instance of the router (each its own process) of this
+        # server (the stub's parent), so the buckets live in one shared file.
+        self.tenants = config.tenants
+        self.quota_buckets = SharedBuckets(
+            Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-quotas.bin")
+
+    def finalize(self):
+        self.quota_buckets.close()
+
+    def _tenant_outcome(self, tenant, outcome):
+        label = self.tenants.metric_label(tenant)
+        key = (label, outcome)
+        if key not in self.tenant_metrics:
+            tier = self.tenants.tier_of(tenant).name if label != "other" else self.tenants.default_tier
+            self.tenant_metrics[key] = self.metric_families[TENANT_COUNTER[0]].Metric(
+                labels={"model": self.model, "tenant": label, "tier": tier, "outcome": outcome})
+        self.tenant_metrics[key].increment(1)
 
     def _metrics_of(self, version):
         """Outcome counters, latency histogram and in-flight gauge of one encoder version."""
@@ -107,6 +136,11 @@ class TritonPythonModel:
         elif is_scheduler_rejection(message):
             # Rejected by the bucket's queue policy: the server is busy, not broken; retry.
             code = pb_utils.TritonError.UNAVAILABLE
+        elif is_instance_crash(message):
+            # The instance died under the request; the supervisor reloads it, the other
+            # instances keep serving: a retry succeeds.
+            code = pb_utils.TritonError.UNAVAILABLE
+            message = f"{message} The instance crashed while serving this request; retry."
         return pb_utils.InferenceResponse(
             error=pb_utils.TritonError(f"bucket model {model_name} v{version}: {message}", code)
         )
@@ -147,8 +181,26 @@ class TritonPythonModel:
     async def _serve(self, request):
         started = time.monotonic()
         try:
+            options = parse_request_options(request.parameters())
+        except InvalidInput as err:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
+        # The quota first: a tenant over it costs the server no tokenization and no queue slot.
+        quota = admit(self.tenants, self.quota_buckets, options.tenant, started)
+        if not quota.allowed:
+            self._tenant_outcome(options.tenant, "over_quota")
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                quota.message(options.tenant), pb_utils.TritonError.UNAVAILABLE))
+        response = await self._serve_admitted(request, options, started)
+        outcome = "ok"
+        if response.has_error():
+            outcome = "rejected" if response.error().code() == pb_utils.TritonError.UNAVAILABLE else "error"
+        self._tenant_outcome(options.tenant, outcome)
+        return response
+
+    async def _serve_admitted(self, request, options, started):
+        try:
             text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
-            prepared = self.router.prepare(text.reshape(-1).tolist(), request.parameters())
+            prepared = self.router.prepare(text.reshape(-1).tolist(), None, options)
         except InvalidInput as err:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
         table = self.routing.current(on_error=self.logger.log_warn)

@@ -10,6 +10,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.embed import parse_router_config
+from python_backends.quotas import TenantPolicy
 from python_backends.routing import RoutingTable
 from tools.gen_config import add_encoder_warmup, check, expected_files, plan_all
 from tools.latency_profile import ProfileError, load_profile, profile_from_dict, profile_to_dict
@@ -33,7 +34,7 @@ def test_spec_reads_models_tiers_and_hardware(spec):
     (embed,) = spec.models
     assert embed.name == "embed" and embed.bucket_lens == (16, 32, 64, 128, 256)
     assert embed.peak_rps >= embed.expected_rps > 0
-    assert [t.name for t in spec.tiers] == ["premium", "standard"] and spec.default_tier == "standard"
+    assert [t.name for t in spec.tiers] == ["premium", "standard", "batch"] and spec.default_tier == "standard"
     assert spec.hardware["cpu"].instance_kind == "KIND_CPU"
 
 
@@ -237,8 +238,11 @@ def test_router_config_carries_buckets_limits_and_tiers(plan):
     limits = dict(part.split(":") for part in router.parameters["bucket_max_batch"].string_value.split(","))
     assert {int(k): int(v) for k, v in limits.items()} == {
         int(m.name.removeprefix("encoder_")): m.knobs.max_batch_size for m in plan if m.name.startswith("encoder_")}
-    assert router.dynamic_batching.priority_levels == 2
+    assert router.dynamic_batching.priority_levels == 3
     assert router.dynamic_batching.default_priority_level == 2
+    tenants = TenantPolicy.from_json(router.parameters["tenants"].string_value)
+    assert tenants.tier_of("nightly-backfill").name == "batch" and tenants.tier_of("anyone").name == "standard"
+    assert tenants.tier_of("search-frontend").priority == 1 and tenants.tier_of("anyone").requests_per_s == 150
 
 
 def test_written_text_round_trips_through_protobuf_and_says_where_it_came_from(plan):

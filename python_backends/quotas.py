@@ -1,0 +1,240 @@
+"""Tenant tiers and quotas: which tier a tenant is in, and whether it may send one more request.
+
+The policy (`TenantPolicy`, `take`) is pure: plain data and an explicit clock. Quotas are
+token buckets, one per tenant, refilled at the tier's rate up to its burst. A tenant over
+its quota is refused at once (the caller answers a retryable "over quota" error with the
+time until a token is back), so a flooding tenant costs the server almost nothing and
+cannot take the instances, queues or cores the other tenants need.
+
+The router runs as many processes as it has instances, and a quota must hold across all of
+them: `SharedBuckets` keeps the buckets in one memory-mapped file under an exclusive file
+lock (a few microseconds per request). The LLM engine is one process and uses `LocalBuckets`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+OTHER_TENANTS = "other"  # metric label of tenants the spec does not name (keeps label sets bounded)
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """What every tenant of one tier gets."""
+
+    name: str
+    priority: int  # Triton priority level of the router queue; 1 is served first
+    requests_per_s: float  # sustained requests per second per tenant; 0: no limit
+    burst: float  # requests a tenant may send at once after being idle (bucket size)
+    llm_tokens_per_s: float = 0.0  # generated tokens per second per tenant on the LLM; 0: no limit
+    llm_token_burst: float = 0.0  # generated tokens a tenant may take at once
+
+    def verify(self) -> None:
+        if self.priority < 1:
+            raise ValueError(f"tier {self.name!r}: priority must be >= 1, got {self.priority}")
+        for key in ("requests_per_s", "burst", "llm_tokens_per_s", "llm_token_burst"):
+            value = getattr(self, key)
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"tier {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
+        if self.requests_per_s > 0 and self.burst < 1:
+            raise ValueError(f"tier {self.name!r}: burst must be >= 1 when requests_per_s is set, got {self.burst}")
+        if self.llm_tokens_per_s > 0 and self.llm_token_burst < 1:
+            raise ValueError(f"tier {self.name!r}: llm_token_burst must be >= 1 when llm_tokens_per_s is set")
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Tiers, which named tenant is in which, and the tier of everyone else."""
+
+    tiers: Mapping[str, TierPolicy]  # by name
+    default_tier: str  # tier of a tenant the spec does not name (and of requests naming none)
+    members: Mapping[str, str] = field(default_factory=dict)  # tenant id -> tier name
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("at least one tenant tier is needed")
+        for tier in self.tiers.values():
+            tier.verify()
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default tier {self.default_tier!r} is not one of the tiers {sorted(self.tiers)}")
+        for tenant, tier in self.members.items():
+            if not TENANT_PATTERN.match(tenant):
+                raise ValueError(f"tenant id {tenant!r} must be 1-64 letters, digits, '.', '_' or '-'")
+            if tier not in self.tiers:
+                raise ValueError(f"tenant {tenant!r} is in tier {tier!r}, which is not one of {sorted(self.tiers)}")
+
+    def tier_of(self, tenant: str) -> TierPolicy:
+        return self.tiers[self.members.get(tenant, self.default_tier)]
+
+    def metric_label(self, tenant: str) -> str:
+        """The tenant's own id when the spec names it, else one shared label."""
+        return tenant if tenant in self.members else OTHER_TENANTS
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "default_tier": self.default_tier,
+            "members": dict(sorted(self.members.items())),
+            "tiers": {name: {"priority": t.priority, "requests_per_s": t.requests_per_s, "burst": t.burst,
+                             "llm_tokens_per_s": t.llm_tokens_per_s, "llm_token_burst": t.llm_token_burst}
+                      for name, t in sorted(self.tiers.items())},
+        }, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TenantPolicy:
+        try:
+            data = json.loads(text)
+            tiers = {name: TierPolicy(name=name, priority=int(t["priority"]),
+                                      requests_per_s=float(t.get("requests_per_s", 0)),
+                                      burst=float(t.get("burst", 0)),
+                                      llm_tokens_per_s=float(t.get("llm_tokens_per_s", 0)),
+                                      llm_token_burst=float(t.get("llm_token_burst", 0)))
+                     for name, t in data["tiers"].items()}
+            return cls(tiers=tiers, default_tier=str(data["default_tier"]), members=dict(data.get("members", {})))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"tenant policy is not valid: {err}") from None
+
+
+UNLIMITED = TenantPolicy(tiers={"standard": TierPolicy("standard", 1, 0.0, 0.0)}, default_tier="standard")
+
+
+@dataclass(frozen=True)
+class BucketState:
+    """One tenant's token bucket."""
+
+    tokens: float  # tokens in the bucket at `updated_s`
+    updated_s: float  # monotonic clock of the last refill
+
+
+def take(state: BucketState | None, cost: float, rate_per_s: float, burst: float,
+         now_s: float) -> tuple[BucketState, float]:
+    """Try to take `cost` tokens. Returns the new state and the wait: 0.0 when taken, else the
+    seconds until the bucket holds `cost` (nothing is taken then). A new tenant starts full."""
+    if state is None:
+        tokens = burst
+    else:
+        elapsed_s = max(0.0, now_s - state.updated_s)  # a clock never runs backwards here
+        tokens = min(burst, state.tokens + elapsed_s * rate_per_s)
+    if tokens >= cost:
+        return BucketState(tokens - cost, now_s), 0.0
+    return BucketState(tokens, now_s), (cost - tokens) / rate_per_s
+
+
+def charge(state: BucketState | None, cost: float, rate_per_s: float, burst: float,
+           now_s: float) -> BucketState:
+    """Take `cost` tokens whatever the level (the bucket may go negative): for work already done,
+    such as tokens generated, which later admissions then wait to pay back."""
+    refilled, _ = take(state, 0.0, rate_per_s, burst, now_s)
+    return BucketState(refilled.tokens - cost, now_s)
+
+
+@dataclass(frozen=True)
+class QuotaDecision:
+    """Whether a tenant's request may go ahead."""
+
+    allowed: bool
+    retry_after_s: float  # when refused: seconds until the tenant has quota again
+    tier: TierPolicy
+
+    def message(self, tenant: str) -> str:
+        return (f"tenant '{tenant}' is over its quota of {self.tier.requests_per_s:g} requests/s "
+                f"(tier {self.tier.name}, burst {self.tier.burst:g}); retry after {self.retry_after_s:.3f} s")
+
+
+class LocalBuckets:
+    """Token buckets of one process."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, BucketState] = {}
+
+    def take(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> float:
+        state, wait_s = take(self._states.get(key), cost, rate_per_s, burst, now_s)
+        self._states[key] = state
+        return wait_s
+
+    def charge(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> None:
+        self._states[key] = charge(self._states.get(key), cost, rate_per_s, burst, now_s)
+
+
+# Slot layout of the shared file: key hash (u64, 0 = empty), tokens (f64), updated (f64).
+_SLOT = struct.Struct("<Qdd")
+
+
+def _key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") or 1
+
+
+class SharedBuckets:
+    """Token buckets shared by every process that opens the same file (an open-addressing
+    hash table of `num_slots` tenants, memory-mapped, updated under `flock`).
+
+    When every slot is taken, a new tenant gets the slot its hash lands on, sharing it with
+    that tenant: the table is sized far beyond the tenants one server sees, and a shared
+    bucket errs towards refusing rather than towards letting a flood through.
+    """
+
+    def __init__(self, path: Path, num_slots: int = 4096):
+        self.path = Path(path)
+        self.num_slots = num_slots
+        size = num_slots * _SLOT.size
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            self._map = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def _slot_of(self, key_hash: int) -> int:
+        start = key_hash % self.num_slots
+        for probe in range(self.num_slots):
+            slot = (start + probe) % self.num_slots
+            stored, _, _ = _SLOT.unpack_from(self._map, slot * _SLOT.size)
+            if stored in (0, key_hash):
+                return slot
+        return start
+
+    def _update(self, key: str, step) -> float:
+        key_hash = _key_hash(key)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            slot = self._slot_of(key_hash)
+            stored, tokens, updated_s = _SLOT.unpack_from(self._map, slot * _SLOT.size)
+            state = BucketState(tokens, updated_s) if stored == key_hash else None
+            new_state, wait_s = step(state)
+            _SLOT.pack_into(self._map, slot * _SLOT.size, key_hash, new_state.tokens, new_state.updated_s)
+            return wait_s
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def take(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> float:
+        return self._update(key, lambda state: take(state, cost, rate_per_s, burst, now_s))
+
+    def charge(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> None:
+        self._update(key, lambda state: (charge(state, cost, rate_per_s, burst, now_s), 0.0))
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+
+def admit(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, tenant: str, now_s: float) -> QuotaDecision:
+    """One request of `tenant`: within its tier's requests/s quota or not."""
+    tier = policy.tier_of(tenant)
+    if tier.requests_per_s <= 0:
+        return QuotaDecision(True, 0.0, tier)
+    wait_s = buckets.take(f"req:{tenant}", 1.0, tier.requests_per_s, tier.burst, now_s)
+    return QuotaDecision(wait_s == 0.0, wait_s, tier)
