@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from python_backends.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
 from python_backends.errors import InvalidInput
 from python_backends.quotas import UNLIMITED, TenantPolicy
@@ -56,6 +57,7 @@ class RouterConfig:
     default_routing: RoutingTable = field(default_factory=lambda: RoutingTable({1: 1.0}))  # split with no routing file
     routing_file: str = "routing.json"  # the live split, relative to the model's folder unless absolute
     tenants: TenantPolicy = UNLIMITED  # tiers and quotas of tenants (spec [tenants])
+    admission: AdmissionPolicy = ADMIT_ALL  # how much work may be in flight (derived from the profile)
 
     @property
     def max_tokens(self) -> int:
@@ -96,7 +98,21 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
         default_routing=parse_default_routing(model_name, parameters.get("version_weights", "1:1")),
         routing_file=parameters.get("routing_file", "routing.json") or "routing.json",
         tenants=parse_tenant_policy(model_name, parameters.get("tenants", "")),
+        admission=parse_admission(model_name, parameters.get("admission", ""), bucket_lens),
     )
+
+
+def parse_admission(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> AdmissionPolicy:
+    if not raw:
+        return ADMIT_ALL
+    try:
+        policy = AdmissionPolicy.from_json(raw)
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter admission: {err}") from None
+    missing = sorted(set(bucket_lens) - set(policy.row_cost_ms))
+    if policy.max_work_ms > 0 and missing:
+        raise ValueError(f"model '{model_name}': parameter admission has no row cost for buckets {missing}")
+    return policy
 
 
 def parse_tenant_policy(model_name: str, raw: str) -> TenantPolicy:
@@ -238,6 +254,12 @@ class PreparedRequest:
     @property
     def chunk_plan(self) -> list[Chunk]:
         return [prepared.chunk for prepared in self.chunks]
+
+    def rows_by_bucket(self) -> dict[int, int]:
+        rows: dict[int, int] = {}
+        for prepared in self.chunks:
+            rows[prepared.chunk.bucket_len] = rows.get(prepared.chunk.bucket_len, 0) + len(prepared.chunk.row_indices)
+        return rows
 
     def lanes(self) -> list[list[int]]:
         """Indices into `chunks`, one lane per bucket.

@@ -21,10 +21,12 @@ from loadtest.workload import load_workload
 from python_backends.embed import EMBEDDING_DIM
 from python_backends.routing import format_weights
 from tools.derivation import (
+    Admission,
     BatchingKnobs,
     BucketDemand,
     InfeasibleSLO,
     SharedLoad,
+    derive_admission,
     derive_knobs,
     derive_router_instances,
     plan_shared_batches,
@@ -156,7 +158,7 @@ ROUTER_VERSIONS = (1,)  # the router itself has one version; the encoder version
 
 
 def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
-                  instances: int) -> mc.ModelConfig:
+                  instances: int, admission: Admission) -> mc.ModelConfig:
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=model.max_request_rows)
     config.version_policy.specific.versions.extend(ROUTER_VERSIONS)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
@@ -170,6 +172,9 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     batching.preferred_batch_size.append(1)
     batching.priority_levels = len(spec.tiers)
     batching.default_priority_level = spec.tier(spec.default_tier).priority
+    # A full router queue turns requests away in C++, before any Python runs: under overload
+    # that is the cheap rejection, and it bounds the wait before admission.
+    batching.default_queue_policy.max_queue_size = admission.max_queue_size
     group = config.instance_group.add()
     group.count = instances
     group.kind = mc.ModelInstanceGroup.KIND_CPU  # tokenization is CPU work on every node
@@ -181,6 +186,7 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     params["version_weights"].string_value = format_weights(model.traffic)
     params["routing_file"].string_value = ROUTING_FILE
     params["tenants"].string_value = spec.tenant_policy().to_json()
+    params["admission"].string_value = admission.policy.to_json()
     return config
 
 
@@ -328,6 +334,14 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         ))
     instances, instances_reason = derive_router_instances(model.peak_rps, model.slo_p95_ms,
                                                           model.max_router_instances)
+    try:
+        admission = derive_admission(
+            {b: profile.curve(model.encoder_name(b)) for b in model.bucket_lens},
+            {b: next(g.knobs.preferred_batch_size for g in generated if g.name == model.encoder_name(b))
+             for b in model.bucket_lens},
+            lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps)
+    except ValueError as err:
+        raise InfeasibleSLO(f"{model.name}: {err}") from None
     router_header = (
         *provenance(spec, profile),
         "",
@@ -342,12 +356,14 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         "preferred_batch_size 1: the router's queue orders by priority but never batches, so a request",
         "never waits for another request's slower bucket.",
         f"instance_count: {instances_reason}",
+        *(f"{knob}: {reason}" for knob, reason in admission.reasons.items()),
+        "A request refused by either gets UNAVAILABLE (HTTP 503) at once instead of a late answer.",
         f"version_weights: the encoder version split at start (spec `traffic`); {ROUTING_FILE} in this folder,",
         "when present, overrides it live (`python -m tools rollout` writes it); a request may pin `version`.",
     )
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=router_config(model, spec, bucket_max_batch, instances),
+        config=router_config(model, spec, bucket_max_batch, instances, admission),
         header=router_header,
         adapter="embed_model",
         versions=ROUTER_VERSIONS,

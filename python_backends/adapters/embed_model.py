@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from python_backends.admission import SharedWork, decide, instance_slot, tier_share
 from python_backends.buckets import reassemble
 from python_backends.embed import (
     BUCKET_COUNTERS,
@@ -86,9 +87,14 @@ class TritonPythonModel:
         self.tenants = config.tenants
         self.quota_buckets = SharedBuckets(
             Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-quotas.bin")
+        # Admission counts the work in flight across the router's instances the same way.
+        self.admission = config.admission
+        self.work = SharedWork(Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-work.bin",
+                               instance_slot(args["model_instance_name"]))
 
     def finalize(self):
         self.quota_buckets.close()
+        self.work.close()
 
     def _tenant_outcome(self, tenant, outcome):
         label = self.tenants.metric_label(tenant)
@@ -208,12 +214,21 @@ class TritonPythonModel:
         if pinned is not None and not pb_utils.is_model_ready(prepared.chunks[0].model_name, str(pinned)):
             return self._not_served(pinned)
         version = pinned if pinned is not None else table.pick(random.random())
+        own_work_ms = self.admission.work_ms(prepared.rows_by_bucket()) if self.admission.max_work_ms else 0.0
+        tier = self.tenants.tier_of(prepared.options.tenant)
+        share = tier_share(tier.priority, self.tenants.tiers[self.tenants.default_tier].priority)
+        admission = decide(self.admission, self.work.total_ms(), own_work_ms, share)
+        if not admission.admitted:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                admission.message(), pb_utils.TritonError.UNAVAILABLE))
         outcomes, latency, inflight = self._metrics_of(version)
         inflight.increment(1)
+        self.work.add(own_work_ms)
         try:
             failure, embedding = await self._run_chunks(prepared, version)
         finally:
             inflight.increment(-1)
+            self.work.add(-own_work_ms)
         if failure is not None:
             model_name, error = failure
             response = self._bucket_error(model_name, version, error, pinned is not None)

@@ -22,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.admission import ADMIT_ALL
 from tools.spec import load_spec
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ModelControlMode, ServerConfig, TritonServer, free_port
 
@@ -76,7 +79,23 @@ def copy_repository(target: Path) -> Path:
             folder.mkdir()
             (folder / "model.py").write_text(source)
             os.link(target / encoder / "1" / "model.onnx", folder / "model.onnx")
+    admit_everything(target / "embed" / "config.pbtxt")
     return target
+
+
+def admit_everything(config_path: Path) -> None:
+    """Turn the router's admission control off in the copy.
+
+    These tests measure rollouts, not overload: their deliberately heavy requests (24 long
+    rows pinned to v1, a version 350 ms slower) would otherwise make the router turn the
+    background load away as late, which is right under overload (test_overload.py) but would
+    hide what the rollout did. The file is a hard link to the real repository's: replace it.
+    """
+    config = text_format.Parse(config_path.read_text(), mc.ModelConfig())
+    config.parameters["admission"].string_value = ADMIT_ALL.to_json()
+    config.dynamic_batching.ClearField("default_queue_policy")
+    config_path.unlink()
+    config_path.write_text(text_format.MessageToString(config))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,156 @@
+"""Admission of the `embed` router: turn a request away at once when it cannot meet the SLO.
+
+Under overload a queue only adds waiting: every request admitted beyond what the device can
+finish within the SLO is served late, and so is every request behind it. The router
+therefore keeps count of the work in flight, in device milliseconds (rows in flight times
+the measured compute per row of their bucket, divided by the lanes that run in parallel),
+and admits a request only while that work plus its own fits in `max_work_ms`, the part of
+the SLO left for waiting and computing once the fixed overhead and the slowest single
+batch are set aside. A refused request gets UNAVAILABLE (HTTP 503) with the numbers, at
+the cost of a tokenization, and a client may retry it later or elsewhere.
+
+Work is counted in device time, not requests: a 256-token row costs the device about 15x a
+16-token one, so a count of requests would either refuse short requests needlessly or
+admit long ones that cannot finish. `decide` is pure; `SharedWork` is the few bytes every
+router instance (each its own process) shares.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_SLOTS = 1024  # router instances one server can run (64 per instance group, 16 groups)
+_VALUE = struct.Struct("<d")
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """What a row costs and how much work may be in flight; written by gen-config from the profile."""
+
+    row_cost_ms: Mapping[int, float]  # bucket length -> device ms per row (at its preferred batch)
+    lanes: int  # executions the device runs side by side
+    max_work_ms: float  # admit while in-flight work (ms of device time per lane) stays within this; 0: admit all
+
+    def __post_init__(self) -> None:
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
+        if not self.max_work_ms >= 0:
+            raise ValueError(f"max_work_ms must be >= 0, got {self.max_work_ms}")
+        for bucket, cost in self.row_cost_ms.items():
+            if not cost >= 0:
+                raise ValueError(f"row_cost_ms of bucket {bucket} must be >= 0, got {cost}")
+
+    def work_ms(self, rows_by_bucket: Mapping[int, int]) -> float:
+        """Device time (per lane) that these rows take."""
+        missing = sorted(set(rows_by_bucket) - set(self.row_cost_ms))
+        if missing:
+            raise ValueError(f"no row cost for buckets {missing}")
+        return sum(rows * self.row_cost_ms[bucket] for bucket, rows in rows_by_bucket.items()) / self.lanes
+
+    def to_json(self) -> str:
+        return json.dumps({"row_cost_ms": {str(b): round(c, 4) for b, c in sorted(self.row_cost_ms.items())},
+                           "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> AdmissionPolicy:
+        try:
+            data = json.loads(text)
+            return cls(row_cost_ms={int(b): float(c) for b, c in data["row_cost_ms"].items()},
+                       lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"admission policy is not valid: {err}") from None
+
+
+ADMIT_ALL = AdmissionPolicy(row_cost_ms={}, lanes=1, max_work_ms=0.0)
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    admitted: bool
+    work_ahead_ms: float  # in flight when the request arrived, ms per lane
+    own_work_ms: float  # what the request adds
+    limit_ms: float  # what its tier may have in flight, its own work included
+
+    def message(self) -> str:
+        return (f"server busy: {self.work_ahead_ms:.0f} ms of work in flight plus this request's "
+                f"{self.own_work_ms:.0f} ms exceeds the {self.limit_ms:.0f} ms that still meets the latency SLO; "
+                "retry later")
+
+
+def tier_share(priority: int, default_priority: int) -> float:
+    """Share of the admission budget a tier may fill: the default tier and those above it all of
+    it, each level below the default half of the level above. A bulk tier is then turned away
+    while the tiers above still find room, and its own work can never fill their share."""
+    return 1.0 if priority <= default_priority else 0.5 ** (priority - default_priority)
+
+
+def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, share: float = 1.0) -> AdmissionDecision:
+    """Admit when the work in flight, this request's included, stays within its tier's share of
+    `max_work_ms`. An idle server admits anything, so a request larger than the whole budget is
+    served (late) rather than refused forever."""
+    limit_ms = policy.max_work_ms * share
+    admitted = policy.max_work_ms <= 0 or work_ahead_ms <= 0 or work_ahead_ms + own_work_ms <= limit_ms
+    return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms)
+
+
+def instance_slot(instance_name: str) -> int:
+    """Slot of a Triton instance name such as `embed_0_3` (model, group index, instance index).
+
+    A restarted instance keeps its name, so it takes over its slot (and resets it) rather
+    than leaving the work of its dead predecessor counted forever.
+    """
+    match = re.search(r"_(\d+)_(\d+)$", instance_name)
+    if not match:
+        raise ValueError(f"instance name {instance_name!r} does not end in _<group>_<index>")
+    group, index = int(match.group(1)), int(match.group(2))
+    slot = group * 64 + index
+    if index >= 64 or slot >= MAX_SLOTS:
+        raise ValueError(f"instance {instance_name!r} is beyond the {MAX_SLOTS} admission slots")
+    return slot
+
+
+class SharedWork:
+    """In-flight work of every router instance: one float per instance in a shared file.
+
+    Each instance writes only its own slot (an aligned 8-byte store, no lock needed) and
+    reads the sum of all; a read may miss a store made a microsecond earlier, which moves
+    the admission line by one request at most.
+    """
+
+    def __init__(self, path: Path, slot: int):
+        if not 0 <= slot < MAX_SLOTS:
+            raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
+        size = MAX_SLOTS * _VALUE.size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self.offset = slot * _VALUE.size
+        self._mine = 0.0
+        self._store()
+
+    def _store(self) -> None:
+        _VALUE.pack_into(self._map, self.offset, self._mine)
+
+    def total_ms(self) -> float:
+        return sum(value for (value,) in _VALUE.iter_unpack(self._map))
+
+    def add(self, work_ms: float) -> None:
+        total = self._mine + work_ms
+        self._mine = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
+        self._store()
+
+    def close(self) -> None:
+        self._mine = 0.0
+        self._store()
+        self._map.close()
