@@ -172,6 +172,7 @@ async def search_goodput(target: LoadTarget, options: GoodputOptions, log) -> tu
         steps.append(result)
         verdict = "pass" if search.passes(result) else "FAIL"
         log(f"    {rate:7.1f} rps offered: {result.goodput_fraction:6.1%} within SLO, {result.num_errors} errors, "
+            f"{result.num_rejected} rejected, "
             f"p95 {result.p95_ms:7.1f} ms, {result.throughput_rps:6.1f} rps done  [{verdict}]")
         await asyncio.sleep(1.0)  # let queues drain between steps
     return search.best_rate, steps

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tools.client import Outcome, classify
+
 Mode = Literal["open", "closed"]
 
 # Router models whose work happens in other models (BLS): their stats are collected too.
@@ -108,6 +110,7 @@ class StepResult:
     client_cpu_s: float = 0.0  # CPU seconds the generator process spent in the step (its own cost)
     error_samples: tuple[str, ...] = ()  # the most frequent distinct error messages, with counts
     server: dict[str, ServerTimes] = field(default_factory=dict)  # model -> its server-side times
+    num_rejected: int = 0  # turned away on purpose (server busy, over quota): SLO misses, not failures
 
     @property
     def load(self) -> float:
@@ -126,15 +129,18 @@ def summarize_step(
     send_lags_ms: Sequence[float] = (),
     client_cpu_s: float = 0.0,
     server: Mapping[str, ServerTimes] | None = None,
+    rejections: Sequence[str] = (),
 ) -> StepResult:
     """A StepResult from raw measurements: one latency per successful request, one message
-    per failed (or unsent) request. `load` is the offered rps (open) or concurrency (closed)."""
+    per failed (or unsent) request and per request the server turned away on purpose
+    (`rejections`: admission control or a quota; they count as sent and not within the SLO,
+    but not as errors). `load` is the offered rps (open) or concurrency (closed)."""
     if mode not in ("open", "closed"):
         raise ValueError(f"mode must be 'open' or 'closed', got {mode!r}")
     num_ok = len(latencies_ms)
-    num_sent = num_ok + len(errors)
+    num_sent = num_ok + len(errors) + len(rejections)
     num_within_slo = sum(1 for latency in latencies_ms if latency <= slo_ms)
-    counts = Counter(message[:MAX_ERROR_CHARS] for message in errors)
+    counts = Counter(message[:MAX_ERROR_CHARS] for message in [*errors, *rejections])
     samples = tuple(f"{message} (x{count})" for message, count in counts.most_common(MAX_ERROR_SAMPLES))
     return StepResult(
         mode=mode,
@@ -155,6 +161,7 @@ def summarize_step(
         client_cpu_s=client_cpu_s,
         error_samples=samples,
         server=dict(server or {}),
+        num_rejected=len(rejections),
     )
 
 
@@ -406,6 +413,7 @@ class _Sender:
         self.next_index = 0
         self.latencies_ms: list[float] = []
         self.errors: list[str] = []
+        self.rejections: list[str] = []
         self.send_lags_ms: list[float] = []
 
     def take_inputs(self) -> list[Any]:
@@ -424,7 +432,11 @@ class _Sender:
                 client_timeout=self.target.request_timeout_s,
             )
         except self._exception as err:
-            self.errors.append(f"{err.status() or 'error'}: {err.message()}")
+            message = f"{err.status() or 'error'}: {err.message()}"
+            if classify(err.status(), err.message() or "") is Outcome.REJECTED:
+                self.rejections.append(message)
+            else:
+                self.errors.append(message)
             return
         self.latencies_ms.append((time.perf_counter() - scheduled) * 1e3)
 
@@ -455,7 +467,7 @@ async def _measure(target: LoadTarget, mode: Mode, load: float, drive) -> StepRe
     server = {model: times for model, times in server_times_delta(before, after).items() if model in models}
     return summarize_step(mode=mode, load=load, duration_s=duration_s, latencies_ms=sender.latencies_ms,
                           errors=sender.errors, slo_ms=target.slo_ms, send_lags_ms=sender.send_lags_ms,
-                          client_cpu_s=client_cpu_s, server=server)
+                          client_cpu_s=client_cpu_s, server=server, rejections=sender.rejections)
 
 
 async def run_open_loop(target: LoadTarget, rate_rps: float, duration_s: float, seed: int = 0) -> StepResult:
