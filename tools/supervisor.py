@@ -61,9 +61,11 @@ def scan_stubs(server_pid: int, proc: Path = Path("/proc")) -> dict[int, StubPro
             continue
         try:
             stat = (entry / "stat").read_text()
-            # Field 4 is the parent pid; the command name in field 2 may hold spaces, so split after ')'.
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid != server_pid:
+            # Fields 3 and 4 are the state and the parent pid; the command name in field 2 may
+            # hold spaces, so split after its ')'. A killed stub stays a zombie (Z) until the
+            # server reaps it, seconds later: it is already dead.
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != server_pid or state in ("Z", "X"):
                 continue
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, IndexError, ValueError):
@@ -123,6 +125,7 @@ class Supervisor:
                 if entry.get("state") == "READY"}
 
     def reload(self, model: str, dead: list[StubProcess]) -> dict:
+        detected_at = time.time()
         started = time.monotonic()
         config = requests.get(f"{self.http_url}/v2/models/{model}/config", timeout=30)
         config.raise_for_status()
@@ -130,7 +133,7 @@ class Supervisor:
         response = requests.post(f"{self.http_url}/v2/repository/models/{model}/load",
                                  json={"parameters": {"config": json.dumps(override)}}, timeout=self.timeout_s)
         record = {"model": model, "instances": sorted(f"{s.instance} (pid {s.pid})" for s in dead),
-                  "detected_at": time.time(), "reload_s": round(time.monotonic() - started, 2), "ok": response.ok}
+                  "detected_at": detected_at, "reload_s": round(time.monotonic() - started, 2), "ok": response.ok}
         if not response.ok:
             record["error"] = response.text[:500]
         self.restarts.append(record)
