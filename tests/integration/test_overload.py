@@ -1,0 +1,58 @@
+"""Overload, tenant isolation and crash recovery against the real server: the short form of
+`python -m tools bench overload` (its own tritonserver, explicit mode, supervisor on).
+
+Load figures on a shared 2-core machine move between runs, so the latency assertions leave
+room (the benchmark's figures are in the README); the counts of lost, failed and unserved
+requests are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("overload") / "overload.json"
+    subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
+    run = subprocess.run([sys.executable, "-m", "tools", "bench", "overload", "--quick", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_at_three_times_goodput_every_request_is_answered_and_the_admitted_ones_stay_near_the_slo(report):
+    overload = report["overload"]
+    assert overload["offered_rps"] == pytest.approx(3 * overload["goodput_rps"])
+    assert overload["lost"] == 0 and overload["failed_other"] == 0, overload["error_samples"]
+    assert overload["ok"] + overload["rejected"] == overload["offered"]
+    assert overload["rejected"] > 0  # turned away, not queued
+    assert overload["ok"] >= overload["goodput_rps"] * overload["duration_s"] * 0.5  # still serving at volume
+    assert overload["admitted_p95_ms"] <= 1.5 * overload["slo_ms"], overload  # unbounded queues give seconds
+    assert overload["server_ready_after"] and report["server_healthy_at_end"]
+
+
+def test_a_flooding_tenant_is_turned_away_while_the_premium_tenant_is_never_rejected(report):
+    b, a = report["isolation"]["b"], report["isolation"]["a"]
+    slo_ms = report["isolation"]["slo_ms"]
+    assert b["rejected_with_flood"] == 0, b["with_flood"]["error_samples"]
+    assert b["p95_ms_with_flood"] <= slo_ms
+    assert a["rejected"] > a["ok"] and a["rejected_over_quota"] > 0
+    assert a["ok"] + a["rejected"] == a["summary"]["offered"]
+
+
+def test_a_killed_instance_is_reloaded_and_retrying_clients_see_no_failure(report):
+    crash = report["crash"]
+    for phase in ("without_retries", "with_retries"):
+        assert crash[phase]["supervisor"]["ok"], crash[phase]["supervisor"]
+        assert crash[phase]["seconds_to_recover"] < 20
+        assert crash[phase]["lost"] == 0 and crash[phase]["failed_other"] == 0, crash[phase]["error_samples"]
+    assert crash["without_retries"]["failed_by_crash"] > 0  # the kill really hit requests
+    assert crash["with_retries"]["failed"] <= crash["without_retries"]["failed"]
+    assert crash["with_retries"]["failed_by_crash"] == 0, crash["with_retries"]["error_samples"]
