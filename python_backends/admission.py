@@ -17,6 +17,7 @@ router instance (each its own process) shares.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -119,22 +120,23 @@ def instance_slot(instance_name: str) -> int:
 class SharedWork:
     """In-flight work of every router instance: one float per instance in a shared file.
 
-    Each instance writes only its own slot (an aligned 8-byte store, no lock needed) and
-    reads the sum of all; a read may miss a store made a microsecond earlier, which moves
-    the admission line by one request at most.
+    Each instance writes only its own slot. `admit` reads the total, decides and adds the
+    request's work under an exclusive file lock, so two instances deciding at the same moment
+    cannot both take the last room; releasing work needs no lock (an aligned 8-byte store).
     """
 
     def __init__(self, path: Path, slot: int):
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
         size = MAX_SLOTS * _VALUE.size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)  # the mapping keeps the file
+            if os.fstat(self._fd).st_size < size:
+                os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size)
+        except OSError:
+            os.close(self._fd)
+            raise
         self.offset = slot * _VALUE.size
         self._mine = 0.0
         self._store()
@@ -150,7 +152,19 @@ class SharedWork:
         self._mine = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
         self._store()
 
+    def admit(self, policy: AdmissionPolicy, own_work_ms: float, share: float = 1.0) -> AdmissionDecision:
+        """Decide on a request and, when admitted, count its work, as one step."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            decision = decide(policy, self.total_ms(), own_work_ms, share)
+            if decision.admitted:
+                self.add(own_work_ms)
+            return decision
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
         self._mine = 0.0
         self._store()
         self._map.close()
+        os.close(self._fd)

@@ -330,10 +330,10 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
 
 # Share of the waiting budget W = S - o - c_slowest(1) that admitted work in flight may use;
 # the rest is the wait in the router's own queue before admission. Measured on 2 vCPU at 3x
-# goodput (288 req/s offered, 60 s): 70% (router queue 3) held 94.4% of the admitted
-# requests within the SLO (p95 204 ms); 60% (router queue 4) held 95.8% (p95 194 ms) and
-# served more (135 vs 130 req/s), because fewer requests were admitted only to be late.
-ADMISSION_WORK_SHARE = 0.6
+# goodput (288 req/s offered, 60 s, one run each): 60% (router queue 4) held the admitted
+# requests' p95 at 197 ms and served 139 req/s; 50% (router queue 5) 178 ms and 138 req/s.
+# Runs vary by about 10 ms, so the margin matters more than the last request per second.
+ADMISSION_WORK_SHARE = 0.5
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.admission import SharedWork, decide, instance_slot, tier_share
+from python_backends.admission import SharedWork, instance_slot, tier_share
 from python_backends.buckets import reassemble
 from python_backends.embed import (
     BUCKET_COUNTERS,
@@ -217,13 +217,12 @@ class TritonPythonModel:
         own_work_ms = self.admission.work_ms(prepared.rows_by_bucket()) if self.admission.max_work_ms else 0.0
         tier = self.tenants.tier_of(prepared.options.tenant)
         share = tier_share(tier.priority, self.tenants.tiers[self.tenants.default_tier].priority)
-        admission = decide(self.admission, self.work.total_ms(), own_work_ms, share)
+        admission = self.work.admit(self.admission, own_work_ms, share)
         if not admission.admitted:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 admission.message(), pb_utils.TritonError.UNAVAILABLE))
         outcomes, latency, inflight = self._metrics_of(version)
         inflight.increment(1)
-        self.work.add(own_work_ms)
         try:
             failure, embedding = await self._run_chunks(prepared, version)
         finally:

@@ -143,7 +143,12 @@ def test_concurrent_requests_are_batched_by_the_bucket_model(triton, grpc_client
 
     text = text_with_tokens(12)
     data = np.array([[text.encode()]], dtype=object)
-    num_requests = 32  # one burst, below encoder_16's max_batch_size
+    # One burst of what the router takes in at once: a request per router instance plus its
+    # queue bound (beyond that Triton turns requests away, by design). Below encoder_16's
+    # max_batch_size.
+    router = triton_http(triton).get_model_config("embed")
+    num_requests = (router["instance_group"][0]["count"]
+                    + router["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
     inference_before, exec_before = model_counts(triton_http(triton), "encoder_16")
     done = threading.Semaphore(0)
     results: list = [None] * num_requests
