@@ -1,0 +1,158 @@
+"""The router's admission policy and its derivation: pure, with hand-made numbers."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from python_backends.admission import (
+    ADMIT_ALL,
+    MAX_SLOTS,
+    AdmissionPolicy,
+    SharedWork,
+    decide,
+    instance_slot,
+    tier_share,
+)
+from tools.derivation import ADMISSION_WORK_SHARE, LatencyCurve, derive_admission
+
+POLICY = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0)
+
+
+def test_work_is_rows_times_row_cost_over_lanes():
+    assert POLICY.work_ms({16: 3}) == pytest.approx(6.0)
+    assert POLICY.work_ms({16: 1, 256: 2}) == pytest.approx((4.0 + 160.0) / 2)
+
+
+def test_work_of_a_bucket_without_a_cost_is_an_error():
+    with pytest.raises(ValueError, match=r"no row cost for buckets \[64\]"):
+        POLICY.work_ms({64: 1})
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"lanes": 0}, "lanes must be >= 1"),
+    ({"max_work_ms": -1.0}, "max_work_ms must be >= 0"),
+    ({"row_cost_ms": {16: -2.0}}, "row_cost_ms of bucket 16"),
+])
+def test_policy_rejects_impossible_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdmissionPolicy(**{"row_cost_ms": {16: 1.0}, "lanes": 1, "max_work_ms": 10.0, **kwargs})
+
+
+def test_policy_round_trips_through_json_and_bad_json_names_the_problem():
+    assert AdmissionPolicy.from_json(POLICY.to_json()) == POLICY
+    with pytest.raises(ValueError, match="admission policy is not valid"):
+        AdmissionPolicy.from_json('{"lanes": 2}')
+    with pytest.raises(ValueError, match="admission policy is not valid"):
+        AdmissionPolicy.from_json("not json")
+
+
+def test_a_request_is_admitted_while_the_work_with_its_own_fits():
+    assert decide(POLICY, work_ahead_ms=50.0, own_work_ms=10.0).admitted
+    refused = decide(POLICY, work_ahead_ms=50.0, own_work_ms=10.5)
+    assert not refused.admitted
+    assert "50 ms of work in flight plus this request's 10 ms exceeds the 60 ms" in refused.message()
+
+
+def test_an_idle_server_admits_even_a_request_larger_than_the_budget():
+    assert decide(POLICY, work_ahead_ms=0.0, own_work_ms=500.0).admitted
+
+
+def test_without_a_budget_everything_is_admitted():
+    assert decide(ADMIT_ALL, work_ahead_ms=1e6, own_work_ms=1e6).admitted
+
+
+def test_tiers_below_the_default_get_half_the_room_per_level():
+    assert tier_share(1, default_priority=2) == 1.0
+    assert tier_share(2, default_priority=2) == 1.0
+    assert tier_share(3, default_priority=2) == 0.5
+    assert tier_share(4, default_priority=2) == 0.25
+    # A bulk request is refused where a default-tier one of the same size still fits.
+    assert decide(POLICY, 25.0, 10.0, share=1.0).admitted
+    assert not decide(POLICY, 25.0, 10.0, share=0.5).admitted
+
+
+@pytest.mark.parametrize(("name", "slot"), [("embed_0_0", 0), ("embed_0_15", 15), ("embed_2_3", 131)])
+def test_instance_names_map_to_stable_slots(name, slot):
+    assert instance_slot(name) == slot
+
+
+@pytest.mark.parametrize("name", ["embed", "embed_0_64", "embed_16_0"])
+def test_instance_names_outside_the_slots_are_refused(name):
+    with pytest.raises(ValueError):
+        instance_slot(name)
+
+
+def test_shared_work_sums_every_instance_and_a_restarted_instance_resets_its_slot(tmp_path):
+    path = tmp_path / "work.bin"
+    first, second = SharedWork(path, 0), SharedWork(path, 1)
+    first.add(10.0)
+    second.add(5.0)
+    assert first.total_ms() == pytest.approx(15.0) == second.total_ms()
+    second.add(-5.0)
+    assert first.total_ms() == pytest.approx(10.0)
+    restarted = SharedWork(path, 0)  # same instance name after a crash: its old work is gone
+    assert restarted.total_ms() == pytest.approx(0.0)
+    for work in (first, second, restarted):
+        work.close()
+
+
+def test_shared_admit_counts_the_admitted_work_and_not_the_refused(tmp_path):
+    work = SharedWork(tmp_path / "work.bin", 3)
+    assert work.admit(POLICY, 40.0).admitted
+    assert work.total_ms() == pytest.approx(40.0)
+    assert not work.admit(POLICY, 30.0).admitted
+    assert work.total_ms() == pytest.approx(40.0)
+    work.close()
+
+
+def _admit_many(path, slot, attempts, queue):
+    work = SharedWork(path, slot)
+    admitted = sum(work.admit(POLICY, 1.0).admitted for _ in range(attempts))
+    queue.put(admitted)
+    # Keep the admitted work counted: the processes exit without releasing it.
+
+
+def test_admission_holds_across_processes_deciding_at_once(tmp_path):
+    path = tmp_path / "work.bin"
+    SharedWork(path, MAX_SLOTS - 1).add(1.0)  # not idle, so the idle rule does not apply
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    workers = [context.Process(target=_admit_many, args=(path, slot, 40, queue)) for slot in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+    admitted = sum(queue.get(timeout=5) for _ in workers)
+    # 1 ms already in flight + 59 requests of 1 ms fill the 60 ms exactly, never more.
+    assert admitted == 59
+
+
+CURVES = {16: LatencyCurve({1: 3.0, 4: 12.0}), 256: LatencyCurve({1: 80.0, 2: 150.0})}
+
+
+def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_slowest_row():
+    admission = derive_admission(CURVES, preferred={16: 4, 256: 2}, lanes=2, slo_p95_ms=200.0, overhead_ms=5.0,
+                                 peak_rps=100.0)
+    wait_budget_ms = 200.0 - 5.0 - 80.0
+    assert admission.policy.max_work_ms == pytest.approx(wait_budget_ms * ADMISSION_WORK_SHARE)
+    assert admission.policy.row_cost_ms == {16: pytest.approx(3.0), 256: pytest.approx(75.0)}
+    assert admission.policy.lanes == 2
+    # The rest of the budget is the router queue's, by Little's law at peak.
+    expected_queue = int(100.0 * wait_budget_ms * (1 - ADMISSION_WORK_SHARE) / 1000.0)
+    assert admission.max_queue_size == max(1, expected_queue)
+    assert "c_256(1)" in admission.reasons["admission"] and "Little" not in admission.reasons["admission"]
+    assert "peak 100 req/s" in admission.reasons["max_queue_size"]
+
+
+def test_a_tighter_slo_admits_less_and_queues_less():
+    loose = derive_admission(CURVES, {16: 4, 256: 2}, 2, 400.0, 5.0, 100.0)
+    tight = derive_admission(CURVES, {16: 4, 256: 2}, 2, 150.0, 5.0, 100.0)
+    assert tight.policy.max_work_ms < loose.policy.max_work_ms
+    assert tight.max_queue_size <= loose.max_queue_size
+
+
+def test_an_slo_the_slowest_row_alone_fills_is_an_error_naming_the_bucket():
+    with pytest.raises(ValueError, match="bucket 256"):
+        derive_admission(CURVES, {16: 4, 256: 2}, 2, 80.0, 5.0, 100.0)
