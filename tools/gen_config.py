@@ -404,11 +404,19 @@ def check(files: dict[Path, str], repository: Path) -> list[str]:
     return problems
 
 
+ROUTER_KNOBS = ("tenants", "bucket_max_batch", "instance_count", "admission", "max_queue_size", "version_weights")
+
+
 def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfile) -> str:
     lines = [f"spec {_relative(spec.path)}, profile {profile.hardware.name} "
              f"({profile.hardware.description}, measured {profile.measured_at})"]
     for model in plan:
         if model.knobs is None:
+            # The router: its knobs are explained in its header, one "knob: reason" line each.
+            reasons = [line for line in model.header if line.split(":", 1)[0] in ROUTER_KNOBS]
+            if reasons:
+                lines.append(f"\n{model.name}")
+                lines += [f"  {line}" for line in reasons]
             continue
         k = model.knobs
         lines.append(f"\n{model.name}")
