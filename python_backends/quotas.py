@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,7 +135,7 @@ def charge(state: BucketState | None, cost: float, rate_per_s: float, burst: flo
     """Take `cost` tokens whatever the level (the bucket may go negative): for work already done,
     such as tokens generated, which later admissions then wait to pay back."""
     refilled, _ = take(state, 0.0, rate_per_s, burst, now_s)
-    return BucketState(refilled.tokens - cost, now_s)
+    return BucketState(min(burst, refilled.tokens - cost), now_s)  # a refund (cost < 0) never overfills it
 
 
 @dataclass(frozen=True)
@@ -144,25 +145,34 @@ class QuotaDecision:
     allowed: bool
     retry_after_s: float  # when refused: seconds until the tenant has quota again
     tier: TierPolicy
+    unit: str = "requests"  # what the quota counts: "requests", or "generated tokens" (LLM)
+    cost: float = 1.0  # what this request takes from the bucket
 
     def message(self, tenant: str) -> str:
-        return (f"tenant '{tenant}' is over its quota of {self.tier.requests_per_s:g} requests/s "
-                f"(tier {self.tier.name}, burst {self.tier.burst:g}); retry after {self.retry_after_s:.3f} s")
+        if self.unit == "requests":
+            rate, burst = self.tier.requests_per_s, self.tier.burst
+        else:
+            rate, burst = self.tier.llm_tokens_per_s, self.tier.llm_token_burst
+        return (f"tenant '{tenant}' is over its quota of {rate:g} {self.unit}/s (tier {self.tier.name}, "
+                f"burst {burst:g}; this request needs {self.cost:g}); retry after {self.retry_after_s:.3f} s")
 
 
 class LocalBuckets:
-    """Token buckets of one process."""
+    """Token buckets of one process (its threads may share them)."""
 
     def __init__(self) -> None:
         self._states: dict[str, BucketState] = {}
+        self._lock = threading.Lock()
 
     def take(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> float:
-        state, wait_s = take(self._states.get(key), cost, rate_per_s, burst, now_s)
-        self._states[key] = state
-        return wait_s
+        with self._lock:
+            state, wait_s = take(self._states.get(key), cost, rate_per_s, burst, now_s)
+            self._states[key] = state
+            return wait_s
 
     def charge(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> None:
-        self._states[key] = charge(self._states.get(key), cost, rate_per_s, burst, now_s)
+        with self._lock:
+            self._states[key] = charge(self._states.get(key), cost, rate_per_s, burst, now_s)
 
 
 # Slot layout of the shared file: key hash (u64, 0 = empty), tokens (f64), updated (f64).
@@ -238,3 +248,39 @@ def admit(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, tenant: s
         return QuotaDecision(True, 0.0, tier)
     wait_s = buckets.take(f"req:{tenant}", 1.0, tier.requests_per_s, tier.burst, now_s)
     return QuotaDecision(wait_s == 0.0, wait_s, tier)
+
+
+def token_cost(tier: TierPolicy, max_tokens: int) -> float:
+    """What an LLM request reserves: its `max_tokens`, at most the burst (a request larger
+    than the burst would never fit; it takes the whole bucket instead)."""
+    return float(min(max_tokens, tier.llm_token_burst))
+
+
+def admit_tokens(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, tenant: str, max_tokens: int,
+                 now_s: float) -> QuotaDecision:
+    """An LLM request of `tenant` reserves `token_cost` generated tokens from its bucket; what it
+    does not generate is given back by `refund_tokens` when it finishes."""
+    tier = policy.tier_of(tenant)
+    if tier.llm_tokens_per_s <= 0:
+        return QuotaDecision(True, 0.0, tier, "generated tokens", 0.0)
+    cost = token_cost(tier, max_tokens)
+    wait_s = buckets.take(f"tok:{tenant}", cost, tier.llm_tokens_per_s, tier.llm_token_burst, now_s)
+    return QuotaDecision(wait_s == 0.0, wait_s, tier, "generated tokens", cost)
+
+
+def refund_tokens(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, tenant: str, reserved: float,
+                  generated: int, now_s: float) -> None:
+    """Give back the part of a reservation the request did not generate (never more than the bucket holds)."""
+    tier = policy.tier_of(tenant)
+    unused = reserved - min(float(generated), reserved)
+    if tier.llm_tokens_per_s > 0 and unused > 0:
+        buckets.charge(f"tok:{tenant}", -unused, tier.llm_tokens_per_s, tier.llm_token_burst, now_s)
+
+
+def parse_tenant(params: Mapping[str, object]) -> str:
+    """The tenant a request names (`tenant` parameter, or a forwarded `tenant` header in any
+    case); `default` when it names none. ValueError says what is wrong with a bad one."""
+    tenant = next((value for key, value in params.items() if key.lower() == "tenant"), "default")
+    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+        raise ValueError("parameter 'tenant' must be 1-64 letters, digits, '.', '_' or '-'")
+    return tenant

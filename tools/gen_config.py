@@ -190,7 +190,7 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     return config
 
 
-def llm_config(model: LLMModelSpec) -> mc.ModelConfig:
+def llm_config(model: LLMModelSpec, tenant_json: str) -> mc.ModelConfig:
     """The decoupled `llm` model: one engine instance that batches per iteration itself, so
     Triton's own batcher stays off (max_batch_size 0) and every request goes straight in."""
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=0)
@@ -210,6 +210,7 @@ def llm_config(model: LLMModelSpec) -> mc.ModelConfig:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
         params[name].string_value = str(getattr(model, name))
     params["num_threads"].string_value = str(model.threads)
+    params["tenants"].string_value = tenant_json
     return config
 
 
@@ -239,11 +240,15 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
     else:
         policy = (f"Static batching (the benchmark baseline): batches of up to {model.max_num_seqs} sequences",
                   "form when the last batch has finished and run to completion")
-    header = (*provenance(spec, profile), "", *policy)
+    tiers = "; ".join(f"{t.name}: {t.llm_tokens_per_s:g} tokens/s, burst {t.llm_token_burst:g}"
+                      if t.llm_tokens_per_s else f"{t.name}: no quota" for t in spec.tiers)
+    header = (*provenance(spec, profile), "", *policy,
+              f"tenants: generated-token quota of each tenant by tier ({tiers}); a request reserves its max_tokens",
+              "(at most the burst) and gets back what it did not generate when it finishes.")
     infer_header = (*provenance(spec, profile), "",
                     f"Plain (unary) infer for {model.name!r}: forwards each request to its engine and answers once")
-    return [GeneratedModel(name=model.name, config=llm_config(model), header=header, adapter="llm_model",
-                           versions=model.versions),
+    return [GeneratedModel(name=model.name, config=llm_config(model, spec.tenant_policy().to_json()), header=header,
+                           adapter="llm_model", versions=model.versions),
             GeneratedModel(name=f"{model.name}{LLM_INFER_SUFFIX}", config=llm_infer_config(model),
                            header=infer_header, adapter="llm_infer_model", versions=(1,))]
 

@@ -91,14 +91,15 @@ class LLMStream:
         self._ids = itertools.count()
         self.client.start_stream(callback=self._on_response)
 
-    def submit(self, **request) -> Generation:
-        """Send one request (keywords of `llm_inputs`); the Generation fills in as responses arrive."""
+    def submit(self, parameters: dict | None = None, **request) -> Generation:
+        """Send one request (keywords of `llm_inputs`; `parameters` such as the tenant); the
+        Generation fills in as responses arrive."""
         with self._lock:
             request_id = str(next(self._ids))
             generation = Generation(request_id=request_id, sent_s=time.monotonic())
             self._pending[request_id] = generation
         self.client.async_stream_infer(self.model, llm_inputs(**request), request_id=request_id,
-                                       enable_empty_final_response=False)
+                                       parameters=parameters, enable_empty_final_response=False)
         return generation
 
     def _on_response(self, result, error) -> None:

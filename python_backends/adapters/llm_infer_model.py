@@ -34,13 +34,15 @@ class TritonPythonModel:
             inputs = [tensor for name in INPUT_NAMES if name != "stream"
                       if (tensor := pb_utils.get_input_tensor_by_name(request, name)) is not None]
             inputs.append(pb_utils.Tensor("stream", np.array([False])))
-            self.pool.submit(self._forward, request.get_response_sender(), inputs)
+            # The request parameters (the tenant above all) travel with it to the engine.
+            parameters = json.loads(request.parameters() or "{}")
+            self.pool.submit(self._forward, request.get_response_sender(), inputs, parameters)
         return None
 
-    def _forward(self, sender, inputs):
+    def _forward(self, sender, inputs, parameters):
         try:
             bls = pb_utils.InferenceRequest(model_name=self.target, inputs=inputs,
-                                            requested_output_names=OUTPUT_NAMES)
+                                            requested_output_names=OUTPUT_NAMES, parameters=parameters)
             answer = None
             for response in bls.exec(decoupled=True):
                 if response.has_error() or response.output_tensors():

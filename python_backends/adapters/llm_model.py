@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from python_backends.llm_engine import (
     inputs_from_arrays,
     parse_engine_config,
 )
+from python_backends.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, parse_tenant, refund_tokens
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 TTFT_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0]
@@ -46,16 +48,23 @@ def _response(text: str, output: StepOutput) -> pb_utils.InferenceResponse:
 class TritonSink:
     """One request's response sender, as the engine loop's `RequestSink`."""
 
-    def __init__(self, sender, stream: bool, metrics: LLMMetrics):
+    def __init__(self, sender, stream: bool, metrics: LLMMetrics, on_done=None):
         self.sender = sender
         self.stream = stream
         self.metrics = metrics
+        self.on_done = on_done  # called once with the tokens generated (the quota refund)
         self.text: list[str] = []  # the whole text, when not streaming
+
+    def _finish(self, generated: int) -> None:
+        if self.on_done is not None:
+            self.on_done(generated)
+            self.on_done = None
 
     def send(self, output: StepOutput) -> None:
         done = output.finish_reason is not None
         if done:
             self.metrics.finished(output)
+            self._finish(output.num_output_tokens)
         if self.stream:
             self.sender.send(_response(output.text_delta, output), flags=FINAL if done else 0)
         else:
@@ -64,6 +73,7 @@ class TritonSink:
                 self.sender.send(_response("".join(self.text), output), flags=FINAL)
 
     def fail(self, message: str) -> None:
+        self._finish(0)
         error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
         self.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
@@ -133,6 +143,11 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"model {name!r}: {version_dir / 'model.safetensors'} is missing; run `python -m tools build-models`")
         self.engine = LLMEngine.from_dir(version_dir, config)
+        try:
+            self.tenants = TenantPolicy.from_json(params["tenants"]) if params.get("tenants") else UNLIMITED
+        except ValueError as err:
+            raise pb_utils.TritonModelException(f"model {name!r}: parameter tenants: {err}") from None
+        self.token_buckets = LocalBuckets()  # one instance owns the engine, so its buckets are local
         self.metrics = LLMMetrics(name)
         self.ids = itertools.count()
         self.loop = EngineLoop(self.engine, on_step=self.metrics.step).start()
@@ -152,7 +167,8 @@ class TritonPythonModel:
                         arrays[input_name] = tensor.as_numpy()
                 inputs = inputs_from_arrays(arrays)
                 prompt, params = self.engine.prepare(inputs)
-            except InvalidInput as err:
+                tenant = parse_tenant(json.loads(request.parameters() or "{}"))
+            except (InvalidInput, ValueError) as err:
                 error = pb_utils.TritonError(f"{INVALID_REQUEST}{err}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 continue
@@ -165,7 +181,17 @@ class TritonPythonModel:
                 error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 continue
-            self.loop.submit(str(next(self.ids)), prompt, params, TritonSink(sender, inputs.stream, self.metrics))
+            quota = admit_tokens(self.tenants, self.token_buckets, tenant, params.max_tokens, time.monotonic())
+            if not quota.allowed:
+                error = pb_utils.TritonError(quota.message(tenant), pb_utils.TritonError.UNAVAILABLE)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
+
+            def refund(generated, tenant=tenant, reserved=quota.cost):
+                refund_tokens(self.tenants, self.token_buckets, tenant, reserved, generated, time.monotonic())
+
+            self.loop.submit(str(next(self.ids)), prompt, params,
+                             TritonSink(sender, inputs.stream, self.metrics, on_done=refund))
         return None
 
     def finalize(self):

@@ -190,3 +190,28 @@ def test_an_http_client_that_disconnects_mid_stream_frees_its_sequence(triton):
     assert wait_for(lambda: metric(triton, "llm_requests_finished_total", finish_reason="cancelled")
                     == cancelled_before + 1)
     assert wait_for(lambda: metric(triton, "llm_running_sequences") == 0 and metric(triton, "llm_kv_blocks_used") == 0)
+
+
+def test_a_tenant_over_its_generated_token_quota_is_refused_while_others_generate(triton, http_client):
+    """serving.toml: the batch tier (nightly-backfill) may take 500 generated tokens at once,
+    50/s after that; a request reserves its max_tokens and gets back what it did not use."""
+    stream = LLMStream(triton.grpc_url)
+    try:
+        first = stream.submit(text_input="Count from 1 to 500, separated by commas:", max_tokens=500,
+                              parameters={"tenant": "nightly-backfill"})
+        assert wait_for(lambda: len(first.deltas) >= 2), first.error
+        second = llm_inputs(text_input="Hi", max_tokens=200, infer_input=httpclient.InferInput)
+        with pytest.raises(InferenceServerException, match="over its quota of 50 generated tokens/s") as refused:
+            http_client.infer("llm_infer", second, parameters={"tenant": "nightly-backfill"})
+        assert refused.value.status() == "503" and "retry after" in refused.value.message()
+        other = http_client.infer("llm_infer", llm_inputs(messages=chat(QUESTIONS[0]), max_tokens=20,
+                                                          infer_input=httpclient.InferInput),
+                                  parameters={"tenant": "search-frontend"})
+        assert other.as_numpy("text_output")[0].decode() == "The capital of France is Paris."
+    finally:
+        stream.close(cancel=True)
+    # Cancelling gave back the reservation it did not use: the tenant is served again.
+    assert wait_for(lambda: metric(triton, "llm_running_sequences") == 0)
+    again = http_client.infer("llm_infer", llm_inputs(text_input="Hi", max_tokens=8, infer_input=httpclient.InferInput),
+                              parameters={"tenant": "nightly-backfill"})
+    assert again.as_numpy("finish_reason")[0].decode() in ("stop", "length")
