@@ -26,7 +26,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
 from tools import bench_llm, bench_overload
-from tools.gen_config import LLM_INFER_SUFFIX, GeneratedModel, expected_files, plan_all
+from tools.gen_config import LLM_INFER_SUFFIX, ROUTER_VERSIONS, GeneratedModel, expected_files, plan_all
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
 from tools.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
 from tools.profiler import detect_hardware
@@ -72,9 +72,12 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool)
         encoder.max_batch_size = 1
     router.parameters["bucket_lens"].string_value = str(largest)
     router.parameters["bucket_max_batch"].string_value = f"{largest}:{encoder.max_batch_size}"
+    # Without this project's admission control too: a baseline serves late rather than refusing.
+    del router.parameters["admission"]
+    router.dynamic_batching.ClearField("default_queue_policy")
     header = ("Benchmark baseline written by `python -m tools bench goodput`.",)
     return [
-        GeneratedModel(model.name, router, header, "embed_model", model.versions),
+        GeneratedModel(model.name, router, header, "embed_model", ROUTER_VERSIONS),
         GeneratedModel(model.encoder_name(largest), encoder, header, "encoder_model", model.versions),
     ]
 
