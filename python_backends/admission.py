@@ -37,16 +37,26 @@ class AdmissionPolicy:
 
     row_cost_ms: Mapping[int, float]  # bucket length -> device ms per row (at its preferred batch)
     lanes: int  # executions the device runs side by side
-    max_work_ms: float  # admit while in-flight work (ms of device time per lane) stays within this; 0: admit all
+    max_work_ms: float  # starting bound on in-flight work (ms of device time per lane); 0: admit all
+    target_ms: float = 0.0  # router-side latency an admitted request should stay within; 0: fixed bound
+    min_work_ms: float = 0.0  # the adaptive bound never goes below this
+    max_limit_ms: float = 0.0  # ... nor above this
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         if not self.max_work_ms >= 0:
             raise ValueError(f"max_work_ms must be >= 0, got {self.max_work_ms}")
+        if self.adaptive and not 0 < self.min_work_ms <= self.max_work_ms <= self.max_limit_ms:
+            raise ValueError(f"need 0 < min_work_ms <= max_work_ms <= max_limit_ms, got {self.min_work_ms}, "
+                             f"{self.max_work_ms}, {self.max_limit_ms}")
         for bucket, cost in self.row_cost_ms.items():
             if not cost >= 0:
                 raise ValueError(f"row_cost_ms of bucket {bucket} must be >= 0, got {cost}")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_work_ms > 0 and self.target_ms > 0
 
     def work_ms(self, rows_by_bucket: Mapping[int, int]) -> float:
         """Device time (per lane) that these rows take."""
@@ -57,14 +67,19 @@ class AdmissionPolicy:
 
     def to_json(self) -> str:
         return json.dumps({"row_cost_ms": {str(b): round(c, 4) for b, c in sorted(self.row_cost_ms.items())},
-                           "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3)}, sort_keys=True)
+                           "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3),
+                           "target_ms": round(self.target_ms, 3), "min_work_ms": round(self.min_work_ms, 3),
+                           "max_limit_ms": round(self.max_limit_ms, 3)},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> AdmissionPolicy:
         try:
             data = json.loads(text)
             return cls(row_cost_ms={int(b): float(c) for b, c in data["row_cost_ms"].items()},
-                       lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]))
+                       lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]),
+                       target_ms=float(data.get("target_ms", 0.0)), min_work_ms=float(data.get("min_work_ms", 0.0)),
+                       max_limit_ms=float(data.get("max_limit_ms", 0.0)))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"admission policy is not valid: {err}") from None
 
@@ -92,13 +107,35 @@ def tier_share(priority: int, default_priority: int) -> float:
     return 1.0 if priority <= default_priority else 0.5 ** (priority - default_priority)
 
 
-def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, share: float = 1.0) -> AdmissionDecision:
+def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, share: float = 1.0,
+           bound_ms: float | None = None) -> AdmissionDecision:
     """Admit when the work in flight, this request's included, stays within its tier's share of
-    `max_work_ms`. An idle server admits anything, so a request larger than the whole budget is
-    served (late) rather than refused forever."""
-    limit_ms = policy.max_work_ms * share
+    the bound (`bound_ms`, the adaptive bound now; `max_work_ms` when None). An idle server
+    admits anything, so a request larger than the whole bound is served (late) rather than
+    refused forever."""
+    limit_ms = (policy.max_work_ms if bound_ms is None else bound_ms) * share
     admitted = policy.max_work_ms <= 0 or work_ahead_ms <= 0 or work_ahead_ms + own_work_ms <= limit_ms
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms)
+
+
+STEP = 0.05  # relative change of the bound per late answer
+LATE_SHARE = 0.05  # answers allowed past the target: the SLO is a p95
+
+
+def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float) -> float:
+    """The bound after an admitted request came back in `latency_ms`.
+
+    It tracks the largest bound at which no more than `LATE_SHARE` of the answers are later
+    than the target: each late answer shrinks it by `STEP`, each one on time grows it by the
+    factor that makes one late answer and 19 on time cancel, so it settles where 5% are late. At
+    light load it climbs until nothing is refused; under overload it shrinks until what is
+    admitted is on time again. The work estimate only has to be proportional to the truth.
+    """
+    if latency_ms > policy.target_ms:
+        bound_ms *= 1.0 - STEP
+    else:
+        bound_ms *= (1.0 / (1.0 - STEP)) ** (LATE_SHARE / (1.0 - LATE_SHARE))
+    return min(policy.max_limit_ms, max(policy.min_work_ms, bound_ms))
 
 
 def instance_slot(instance_name: str) -> int:
@@ -128,7 +165,7 @@ class SharedWork:
     def __init__(self, path: Path, slot: int):
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
-        size = MAX_SLOTS * _VALUE.size
+        size = (MAX_SLOTS + 1) * _VALUE.size  # a slot per instance, then the adaptive bound
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(self._fd).st_size < size:
@@ -145,7 +182,30 @@ class SharedWork:
         _VALUE.pack_into(self._map, self.offset, self._mine)
 
     def total_ms(self) -> float:
-        return sum(value for (value,) in _VALUE.iter_unpack(self._map))
+        return sum(value for (value,) in _VALUE.iter_unpack(self._map[:MAX_SLOTS * _VALUE.size]))
+
+    def _shared(self, index: int) -> float:
+        return _VALUE.unpack_from(self._map, (MAX_SLOTS + index) * _VALUE.size)[0]
+
+    def _set_shared(self, index: int, value: float) -> None:
+        _VALUE.pack_into(self._map, (MAX_SLOTS + index) * _VALUE.size, value)
+
+    def bound_ms(self, policy: AdmissionPolicy) -> float:
+        """The adaptive bound now (the policy's starting bound until a request has adjusted it)."""
+        if not policy.adaptive:
+            return policy.max_work_ms
+        bound = self._shared(0)
+        return bound if bound > 0 else policy.max_work_ms
+
+    def record_latency(self, policy: AdmissionPolicy, latency_ms: float) -> None:
+        """Feed an admitted request's latency back into the shared bound."""
+        if not policy.adaptive:
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            self._set_shared(0, adjust_bound(policy, self.bound_ms(policy), latency_ms))
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def add(self, work_ms: float) -> None:
         total = self._mine + work_ms
@@ -156,7 +216,7 @@ class SharedWork:
         """Decide on a request and, when admitted, count its work, as one step."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            decision = decide(policy, self.total_ms(), own_work_ms, share)
+            decision = decide(policy, self.total_ms(), own_work_ms, share, self.bound_ms(policy))
             if decision.admitted:
                 self.add(own_work_ms)
             return decision

@@ -228,6 +228,7 @@ class TritonPythonModel:
         finally:
             inflight.increment(-1)
             self.work.add(-own_work_ms)
+            self.work.record_latency(self.admission, (time.monotonic() - started) * 1000.0)
         if failure is not None:
             model_name, error = failure
             response = self._bucket_error(model_name, version, error, pinned is not None)

@@ -11,6 +11,7 @@ from python_backends.admission import (
     MAX_SLOTS,
     AdmissionPolicy,
     SharedWork,
+    adjust_bound,
     decide,
     instance_slot,
     tier_share,
@@ -139,6 +140,9 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.max_work_ms == pytest.approx(wait_budget_ms * ADMISSION_WORK_SHARE)
     assert admission.policy.row_cost_ms == {16: pytest.approx(3.0), 256: pytest.approx(75.0)}
     assert admission.policy.lanes == 2
+    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
+    assert admission.policy.max_limit_ms == pytest.approx(195.0)
+    assert admission.policy.target_ms < 195.0
     # The rest of the budget is the router queue's, by Little's law at peak.
     expected_queue = int(100.0 * wait_budget_ms * (1 - ADMISSION_WORK_SHARE) / 1000.0)
     assert admission.max_queue_size == max(1, expected_queue)
@@ -156,3 +160,43 @@ def test_a_tighter_slo_admits_less_and_queues_less():
 def test_an_slo_the_slowest_row_alone_fills_is_an_error_naming_the_bucket():
     with pytest.raises(ValueError, match="bucket 256"):
         derive_admission(CURVES, {16: 4, 256: 2}, 2, 80.0, 5.0, 100.0)
+
+
+ADAPTIVE = AdmissionPolicy(row_cost_ms={16: 4.0}, lanes=2, max_work_ms=60.0, target_ms=150.0, min_work_ms=20.0,
+                           max_limit_ms=190.0)
+
+
+def test_the_bound_shrinks_on_a_late_answer_and_grows_slowly_on_time_ones():
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=151.0) == pytest.approx(95.0)
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=149.0) == pytest.approx(100.0 * (1 / 0.95) ** (1 / 19))
+
+
+def test_the_bound_settles_where_one_answer_in_twenty_is_late():
+    bound = 100.0
+    for index in range(20_000):
+        bound = adjust_bound(ADAPTIVE, bound, latency_ms=200.0 if index % 20 == 0 else 100.0)
+    assert bound == pytest.approx(100.0, rel=0.05)  # 5% late: neither grows nor shrinks
+
+
+def test_the_bound_stays_between_its_limits():
+    low = high = 60.0
+    for _ in range(1000):
+        low = adjust_bound(ADAPTIVE, low, latency_ms=1000.0)
+        high = adjust_bound(ADAPTIVE, high, latency_ms=1.0)
+    assert low == ADAPTIVE.min_work_ms and high == ADAPTIVE.max_limit_ms
+
+
+def test_the_shared_bound_starts_at_the_policy_and_follows_the_answers(tmp_path):
+    work = SharedWork(tmp_path / "work.bin", 0)
+    assert work.bound_ms(ADAPTIVE) == 60.0
+    work.record_latency(ADAPTIVE, 500.0)
+    assert work.bound_ms(ADAPTIVE) == pytest.approx(57.0)
+    assert SharedWork(tmp_path / "work.bin", 1).bound_ms(ADAPTIVE) == pytest.approx(57.0)  # every instance sees it
+    work.record_latency(POLICY, 500.0)  # a fixed policy ignores answers
+    assert work.bound_ms(POLICY) == POLICY.max_work_ms
+
+
+def test_an_adaptive_policy_needs_ordered_limits():
+    with pytest.raises(ValueError, match="min_work_ms <= max_work_ms <= max_limit_ms"):
+        AdmissionPolicy(row_cost_ms={16: 1.0}, lanes=1, max_work_ms=60.0, target_ms=100.0, min_work_ms=80.0,
+                        max_limit_ms=190.0)
