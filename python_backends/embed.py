@@ -16,7 +16,7 @@ import numpy as np
 from python_backends.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
 from python_backends.errors import InvalidInput
-from python_backends.quotas import UNLIMITED, TenantPolicy
+from python_backends.quotas import TENANT_PATTERN, UNLIMITED, TenantPolicy
 from python_backends.routing import RoutingTable, parse_weights, pinned_version
 from python_backends.tokenization import TextTokenizer
 
@@ -182,7 +182,7 @@ def parse_request_options(parameters_json: str | None) -> RequestOptions:
     tenant = next((value for key, value in params.items() if key.lower() == "tenant"), "default")
     if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
         raise InvalidInput(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
-    if not tenant.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if not TENANT_PATTERN.match(tenant):  # ASCII only: str.isalnum() would let any script's letters in
         raise InvalidInput("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
 
     truncate = params.get("truncate", True)

@@ -59,6 +59,7 @@ def test_options_carry_the_pinned_version(params, version):
         (json.dumps({"tenant": ""}), "'tenant' must be a non-empty string"),
         (json.dumps({"tenant": "x" * 65}), "at most 64"),
         (json.dumps({"tenant": "a b"}), "only letters"),
+        (json.dumps({"tenant": "ünïcode"}), "only letters"),  # ASCII: ids go into metric labels and file keys
         (json.dumps({"tenant": 5}), "'tenant' must be"),
         (json.dumps({"truncate": "maybe"}), "'truncate' must be true or false"),
         (json.dumps({"version": "latest"}), "'version' must be a version number"),
