@@ -46,7 +46,12 @@ def test_served_configs_hold_the_derived_values(tmp_path):
             if model.knobs is None:
                 assert served["parameters"]["bucket_max_batch"]["string_value"] == \
                     model.config.parameters["bucket_max_batch"].string_value
-                assert served["dynamic_batching"]["priority_levels"] == 2
+                assert served["dynamic_batching"]["priority_levels"] == model.config.dynamic_batching.priority_levels
+                served_policy = served["dynamic_batching"]["default_queue_policy"]
+                assert int(served_policy["max_queue_size"]) == \
+                    model.config.dynamic_batching.default_queue_policy.max_queue_size > 0
+                assert served["parameters"]["admission"]["string_value"] == \
+                    model.config.parameters["admission"].string_value
                 continue
             knobs = model.knobs
             batching = served["dynamic_batching"]
