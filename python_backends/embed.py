@@ -16,7 +16,7 @@ import numpy as np
 from python_backends.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
 from python_backends.errors import InvalidInput
-from python_backends.quotas import TENANT_PATTERN, UNLIMITED, TenantPolicy
+from python_backends.quotas import UNLIMITED, TenantPolicy, parse_tenant
 from python_backends.routing import RoutingTable, parse_weights, pinned_version
 from python_backends.tokenization import TextTokenizer
 
@@ -163,9 +163,6 @@ class RequestOptions:
     version: int | None = None  # encoder version the request pins; None: the routing table decides
 
 
-MAX_TENANT_LEN = 64
-
-
 def parse_request_options(parameters_json: str | None) -> RequestOptions:
     """Parse the request's parameters (Triton hands them over as a JSON object)."""
     if not parameters_json:
@@ -177,13 +174,10 @@ def parse_request_options(parameters_json: str | None) -> RequestOptions:
     if not isinstance(params, dict):
         raise InvalidInput("request parameters must be a JSON object")
 
-    # Over HTTP and gRPC the tenant may also come as a `tenant` header, which the server
-    # forwards as a parameter under the header's own spelling.
-    tenant = next((value for key, value in params.items() if key.lower() == "tenant"), "default")
-    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
-        raise InvalidInput(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
-    if not TENANT_PATTERN.match(tenant):  # ASCII only: str.isalnum() would let any script's letters in
-        raise InvalidInput("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
+    try:
+        tenant = parse_tenant(params)
+    except ValueError as err:
+        raise InvalidInput(str(err)) from None
 
     truncate = params.get("truncate", True)
     if isinstance(truncate, str) and truncate.lower() in ("true", "false"):

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+MAX_TENANT_LEN = 64
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 OTHER_TENANTS = "other"  # metric label of tenants the spec does not name (keeps label sets bounded)
 
@@ -278,9 +279,12 @@ def refund_tokens(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, t
 
 
 def parse_tenant(params: Mapping[str, object]) -> str:
-    """The tenant a request names (`tenant` parameter, or a forwarded `tenant` header in any
-    case); `default` when it names none. ValueError says what is wrong with a bad one."""
+    """The tenant a request names (`tenant` parameter, or a `tenant` header the server forwards
+    under the header's own spelling); `default` when it names none. ValueError says what is
+    wrong with a bad one."""
     tenant = next((value for key, value in params.items() if key.lower() == "tenant"), "default")
-    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
-        raise ValueError("parameter 'tenant' must be 1-64 letters, digits, '.', '_' or '-'")
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
+        raise ValueError(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
+    if not TENANT_PATTERN.match(tenant):  # ASCII only: str.isalnum() would let any script's letters in
+        raise ValueError("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
     return tenant

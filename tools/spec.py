@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends.buckets import validate_buckets
-from python_backends.quotas import TENANT_PATTERN, TenantPolicy, TierPolicy
+from python_backends.quotas import TENANT_PATTERN, TenantPolicy
+from python_backends.quotas import TierPolicy as TenantTier  # a tier of the spec is the policy's tier
 from tools.triton_server import REPO_ROOT
 
 DEFAULT_SPEC = REPO_ROOT / "serving.toml"
@@ -25,18 +26,6 @@ ENCODER_PRECISIONS = ("fp32", "int8")  # what build-models can make of an encode
 
 class SpecError(ValueError):
     """The serving spec is invalid; the message names the file and the field."""
-
-
-@dataclass(frozen=True)
-class TenantTier:
-    """A class of tenants served at one Triton priority level."""
-
-    name: str  # tier name used in the spec and metrics
-    priority: int  # Triton priority level; 1 is served first
-    requests_per_s: float = 0.0  # quota of each tenant in the tier, requests/s; 0: none
-    burst: float = 0.0  # requests a tenant may send at once (token bucket size)
-    llm_tokens_per_s: float = 0.0  # quota of generated LLM tokens/s per tenant; 0: none
-    llm_token_burst: float = 0.0  # generated tokens a tenant may take at once
 
 
 @dataclass(frozen=True)
@@ -124,10 +113,8 @@ class ServingSpec:
 
     def tenant_policy(self) -> TenantPolicy:
         """Tiers, members and quotas as the router and the LLM engine enforce them."""
-        return TenantPolicy(
-            tiers={t.name: TierPolicy(t.name, t.priority, t.requests_per_s, t.burst, t.llm_tokens_per_s,
-                                      t.llm_token_burst) for t in self.tiers},
-            default_tier=self.default_tier, members=dict(self.tenant_members))
+        return TenantPolicy(tiers={t.name: t for t in self.tiers}, default_tier=self.default_tier,
+                            members=dict(self.tenant_members))
 
 
 def _positive(table: dict, key: str, where: str, kind=float, allow_zero: bool = False):
@@ -157,8 +144,7 @@ def _tier(name: str, raw: dict, where: str) -> TenantTier:
                       requests_per_s=quota("requests_per_s"), burst=quota("burst"),
                       llm_tokens_per_s=quota("llm_tokens_per_s"), llm_token_burst=quota("llm_token_burst"))
     try:
-        TierPolicy(tier.name, tier.priority, tier.requests_per_s, tier.burst, tier.llm_tokens_per_s,
-                   tier.llm_token_burst).verify()
+        tier.verify()
     except ValueError as err:
         raise SpecError(f"{where}: {err}") from None
     return tier
