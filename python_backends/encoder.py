@@ -17,6 +17,9 @@ import numpy as np
 ONNX_INPUTS = ("input_ids", "attention_mask")
 ONNX_OUTPUT = "embedding"
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+# Rows in each batch Triton formed (label model): the batch sizes a bucket really runs at,
+# which Triton's own counters give only as a mean (inference_count / execution_count).
+BATCH_ROWS_HISTOGRAM = ("embed_bucket_batch_rows", "Rows in each batch Triton formed for a bucket model")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,15 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
         providers=providers,
         allow_spinning=spinning == "1",
     )
+
+
+def batch_rows_buckets(max_batch_size: int) -> list[float]:
+    """Histogram edges for formed batch sizes: powers of two below `max_batch_size`, then
+    the limit itself, so a full batch lands in a bucket of its own."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    edges = [float(1 << i) for i in range(max_batch_size.bit_length()) if (1 << i) < max_batch_size]
+    return [*edges, float(max_batch_size)]
 
 
 def pick_providers(wanted: Sequence[str], available: Sequence[str]) -> list[str]:

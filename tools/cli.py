@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tools import bench, build_models, gen_config, profiler, rollout, serve, sweep
+from tools import autoscale, bench, build_models, explain, gen_config, profiler, rollout, serve, sweep, top
 
 COMMANDS = {
     "serve": serve,
@@ -16,6 +16,9 @@ COMMANDS = {
     "sweep": sweep,
     "bench": bench,
     "rollout": rollout,
+    "top": top,
+    "explain": explain,
+    "autoscale": autoscale,
 }
 
 

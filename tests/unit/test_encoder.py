@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from python_backends.encoder import EncoderConfig, parse_encoder_config, pick_providers, split_rows
+from python_backends.encoder import (
+    EncoderConfig,
+    batch_rows_buckets,
+    parse_encoder_config,
+    pick_providers,
+    split_rows,
+)
 
 
 def config(**overrides):
@@ -55,3 +61,14 @@ def test_split_rows():
     assert [p.ravel().tolist() for p in parts] == [[0], [1, 2, 3], [4, 5]]
     with pytest.raises(ValueError, match="batch has 6 rows but requests sum to 5"):
         split_rows(stacked, [2, 3])
+
+
+def test_batch_rows_buckets_are_powers_of_two_then_the_batch_limit():
+    assert batch_rows_buckets(22) == [1, 2, 4, 8, 16, 22]
+    assert batch_rows_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_rows_buckets(1) == [1]
+
+
+def test_batch_rows_buckets_rejects_a_limit_below_one():
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        batch_rows_buckets(0)
