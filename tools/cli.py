@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tools import autoscale, bench, build_models, explain, gen_config, profiler, rollout, serve, sweep, top
+from tools import autoscale, bench, build_models, capacity, explain, gen_config, profiler, rollout, serve, sweep, top
 
 COMMANDS = {
     "serve": serve,
@@ -19,6 +19,7 @@ COMMANDS = {
     "top": top,
     "explain": explain,
     "autoscale": autoscale,
+    "capacity": capacity,
 }
 
 
