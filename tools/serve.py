@@ -19,6 +19,7 @@ from tools.triton_server import (
     ServerConfig,
     ServerError,
     TritonServer,
+    find_distribution,
     model_names,
 )
 
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-supervisor", dest="supervise", action="store_false",
                         help="do not reload a model whose Python backend instance died (by default, in explicit "
                              "mode, a watcher reloads it within about a second; Triton itself never restarts one)")
+    parser.add_argument("--triton-home", type=Path, default=None, metavar="DIR",
+                        help="run the tritonserver of this Triton installation (e.g. /opt/tritonserver in the "
+                             "nvcr.io 24.10 container, the same 2.51 release) instead of the nvidia-pytriton wheel's; "
+                             "the wheel still provides the Python backend stub for this interpreter")
+    parser.add_argument("--pinned-memory-mb", type=int, default=0, metavar="MB",
+                        help="CUDA pinned host memory pool: 0 without a GPU (default), e.g. 256 on GPU nodes")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the models are not ready within this time (default: %(default)s)")
 
@@ -78,12 +85,16 @@ def run(args: argparse.Namespace) -> int:
         model_control_mode=args.model_control_mode,
         load_models=load_models,
         log_verbose=args.log_verbose,
+        pinned_memory_bytes=args.pinned_memory_mb * 1024 * 1024,
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        server = TritonServer(config, log_path=args.log_file)
+        if args.pinned_memory_mb < 0:
+            raise ServerError(f"--pinned-memory-mb must be >= 0, got {args.pinned_memory_mb}")
+        dist = find_distribution(triton_home=args.triton_home) if args.triton_home else None
+        server = TritonServer(config, log_path=args.log_file, dist=dist)
         server.start()
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -51,8 +51,11 @@ class TritonDistribution:
     stub: Path  # triton_python_backend_stub for this Python version
 
 
-def find_distribution(python_version: str | None = None) -> TritonDistribution:
-    """Locate tritonserver inside the installed `nvidia-pytriton` wheel."""
+def find_distribution(python_version: str | None = None, triton_home: Path | None = None) -> TritonDistribution:
+    """Locate tritonserver inside the installed `nvidia-pytriton` wheel, or the server of a
+    Triton installation at `triton_home` (the 24.10 container's /opt/tritonserver, the same
+    2.51 release) with the wheel's Python backend stub for this interpreter: the container's
+    own stub embeds its Python 3.10."""
     version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     try:
         import pytriton
@@ -76,7 +79,16 @@ def find_distribution(python_version: str | None = None) -> TritonDistribution:
     if not dist.stub.is_file():
         available = sorted(p.name for p in (dist_dir / "python_backend_stubs").iterdir())
         raise ServerError(f"no Python backend stub for Python {version} in the wheel (it has {available})")
-    return dist
+    if triton_home is None:
+        return dist
+    home = Path(triton_home)
+    installed = TritonDistribution(binary=home / "bin" / "tritonserver", libs_dir=home / "lib",
+                                   backends_dir=home / "backends", stub=dist.stub)
+    for what, path in (("tritonserver binary", installed.binary),
+                       ("Python backend", installed.backends_dir / "python")):
+        if not path.exists():
+            raise ServerError(f"{what} not found at {path}: is {home} a Triton installation (e.g. /opt/tritonserver)?")
+    return installed
 
 
 def prepare_backends(dist: TritonDistribution, build_dir: Path = DEFAULT_BUILD_DIR) -> Path:
@@ -117,6 +129,7 @@ class ServerConfig:
     # Python backend shared memory per stub process (it grows on demand). Small, because
     # containers often give /dev/shm only 64 MB and every model instance takes a region.
     python_shm_default_bytes: int = 4 * 1024 * 1024
+    pinned_memory_bytes: int = 0  # CUDA pinned host memory pool; 0 where there is no GPU
     extra_args: tuple[str, ...] = field(default=())  # passed through verbatim
 
     @property
@@ -142,8 +155,8 @@ def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: 
         f"--log-verbose={config.log_verbose}",
         f"--exit-timeout-secs={config.exit_timeout_s}",
         f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
-        # No GPU on the host: skip the pinned-memory pool instead of warning about it.
-        "--pinned-memory-pool-byte-size=0",
+        # 0 without a GPU: skip the pinned-memory pool instead of warning about it.
+        f"--pinned-memory-pool-byte-size={config.pinned_memory_bytes}",
         # A `tenant` header reaches the models as the `tenant` request parameter.
         f"--http-header-forward-pattern={TENANT_HEADER_PATTERN}",
         f"--grpc-header-forward-pattern={TENANT_HEADER_PATTERN}",

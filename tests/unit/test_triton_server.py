@@ -149,3 +149,24 @@ def test_process_group_cpu_seconds_sums_the_group_only(tmp_path):
     (tmp_path / "self").mkdir()
     assert process_group_cpu_seconds(100, proc=tmp_path) == pytest.approx(5.0)
     assert process_group_cpu_seconds(999, proc=tmp_path) == 0.0
+
+
+def test_find_distribution_with_a_triton_home_runs_its_server_with_the_wheels_stub(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tritonserver").write_text("")
+    (tmp_path / "backends" / "python").mkdir(parents=True)
+    dist = find_distribution(triton_home=tmp_path)
+    assert dist.binary == tmp_path / "bin" / "tritonserver"
+    assert dist.backends_dir == tmp_path / "backends" and dist.libs_dir == tmp_path / "lib"
+    assert dist.stub == find_distribution().stub  # the container's stub embeds Python 3.10, not this one
+
+
+def test_find_distribution_says_when_a_triton_home_is_not_one(tmp_path):
+    with pytest.raises(ServerError, match=r"tritonserver binary not found at .*is .* a Triton installation"):
+        find_distribution(triton_home=tmp_path)
+
+
+def test_pinned_memory_pool_is_off_by_default_and_settable_for_gpu_nodes():
+    assert "--pinned-memory-pool-byte-size=0" in build_command(ServerConfig(), FAKE, Path("/b"))
+    gpu = ServerConfig(pinned_memory_bytes=256 * 1024 * 1024)
+    assert "--pinned-memory-pool-byte-size=268435456" in build_command(gpu, FAKE, Path("/b"))
