@@ -109,7 +109,7 @@ def candidates(demand: Demand, curve: LatencyCurve, instances: int = 1,
         try:
             out.append(plan(demand, batch, curve.at(batch), instances, gpu_hour_usd))
         except ValueError as err:
-            out.append(f"batch {batch}: {err}")
+            out.append(str(err))
     return out
 
 

@@ -72,7 +72,7 @@ CURVE = LatencyCurve({1: 10.0, 2: 12.0, 4: 16.0, 8: 40.0, 16: 120.0})
 def test_the_best_batch_needs_fewest_replicas_and_ties_go_to_the_smaller_batch():
     table = candidates(Demand(30_000, slo_p95_ms=200.0, overhead_ms=5.0), CURVE)
     refused = [entry for entry in table if isinstance(entry, str)]
-    assert refused and refused[0].startswith("batch 16: ")  # 5 + 2 x 120 > 200
+    assert refused and refused[0].startswith("batch 16 cannot meet the SLO")  # 5 + 2 x 120 > 200
     chosen = best(table)
     # 500 rows/s: batch 4 gives 250 rows/s -> ceil(500 / 175) = 3; batch 8 gives 200 -> 4; batch 2: 166.7 -> 5
     assert (chosen.batch, chosen.replicas) == (4, 3)
