@@ -10,6 +10,13 @@ within the SLO: o + 2 X <= S, the rule gen-config uses for max_batch_size.
   python -m tools capacity --rpm 60000 --latency-ms 12 --batch 32 --instances 2
   python -m tools capacity --rpm 6000 --profile profiles/cpu.json --model encoder_64           # best batch
   python -m tools capacity --rpm 6000 --profile profiles/cpu.json --model encoder_64 --batch 8 --json
+  python -m tools capacity --replay run.jsonl.gz --model encoder_16    # the batches traffic really formed
+
+With --replay, X and Y are what a recording of /metrics shows (`python -m tools top --record`):
+the mean rows per batch the bucket model formed and the mean compute time of those
+batches, and N is the rate it carried unless --rpm says otherwise. Beside it, the plan at
+the preferred batch size of the served config, with the profile's c(b): the gap is what
+thin batches cost, e.g. traffic fragmented over versions during a rollout.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ class Demand:
 class Plan:
     """The answer for one batch size, with every number that set it."""
 
-    batch: int  # Y
+    batch: float  # Y (a mean when it is what traffic formed)
     latency_ms: float  # X: one batch of Y rows
     instances: int  # batches one replica runs side by side
     rows_per_s_needed: float  # R
@@ -69,12 +76,13 @@ class Plan:
 
     def formula(self, demand: Demand) -> str:
         return (f"replicas = ceil(R / (T x u)) = ceil({self.rows_per_s_needed:,.1f} rows/s / "
-                f"({self.instances} x {self.batch} rows / {self.latency_ms / 1000:.4f} s x {demand.utilization:.2f})) "
+                f"({self.instances} x {self.batch:g} rows / {self.latency_ms / 1000:.4f} s "
+                f"x {demand.utilization:.2f})) "
                 f"= ceil({self.rows_per_s_needed / (self.rows_per_s_per_replica * demand.utilization):.2f}) "
                 f"= {self.replicas}")
 
 
-def plan(demand: Demand, batch: int, latency_ms: float, instances: int = 1,
+def plan(demand: Demand, batch: float, latency_ms: float, instances: int = 1,
          gpu_hour_usd: float | None = None) -> Plan:
     """Replicas for the demand at one batch size (pure); ValueError when it cannot meet the SLO."""
     if batch < 1:
@@ -125,7 +133,8 @@ def best(plans: Sequence[Plan | str]) -> Plan:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rpm", type=float, required=True, help="demand N: requests per minute")
+    parser.add_argument("--rpm", type=float, default=None,
+                        help="demand N: requests per minute (required unless --replay gives the recorded rate)")
     parser.add_argument("--rows-per-request", type=float, default=1.0, help="rows one request carries (default 1)")
     parser.add_argument("--latency-ms", type=float, default=None,
                         help="X: milliseconds one batch of --batch rows takes (without --profile)")
@@ -144,6 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-ms", type=float, default=None,
                         help="o: ms outside the model (default: the profile's router overhead p95, else 0)")
     parser.add_argument("--gpu-hour-cost", type=float, default=None, help="USD per replica-hour: adds cost per 1M")
+    parser.add_argument("--replay", type=Path, default=None,
+                        help="a /metrics recording: X and Y as the --model's batches really were over its last "
+                             "--window seconds, N its rate (unless --rpm)")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of the recording to read (default 20)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -169,7 +182,7 @@ def _profile_inputs(args: argparse.Namespace) -> tuple[LatencyCurve, float | Non
 def _print_plan(chosen: Plan, demand: Demand, table: Sequence[Plan | str], source: str) -> None:
     print(f"demand: N = {demand.requests_per_min:,.0f} requests/min x {demand.rows_per_request:g} rows "
           f"= R = {chosen.rows_per_s_needed:,.1f} rows/s; plan each replica at u = {demand.utilization:.0%} busy")
-    print(f"per replica: T = instances x Y / X = {chosen.instances} x {chosen.batch} rows / "
+    print(f"per replica: T = instances x Y / X = {chosen.instances} x {chosen.batch:g} rows / "
           f"{chosen.latency_ms:.1f} ms = {chosen.rows_per_s_per_replica:,.1f} rows/s ({source})")
     print(chosen.formula(demand))
     plural = "" if chosen.replicas == 1 else "s"
@@ -191,7 +204,77 @@ def _print_plan(chosen: Plan, demand: Demand, table: Sequence[Plan | str], sourc
                 print(f"  {entry}")
 
 
+@dataclass(frozen=True)
+class Observed:
+    """One bucket model's batches over a recorded window."""
+
+    model: str
+    requests_per_min: float  # requests (rows, for bucket models) it carried
+    mean_batch_rows: float  # Y as formed
+    batch_ms: float  # X: mean compute time of those batches, as measured (contention included)
+    preferred_batch: int | None  # the served config's preferred size, if known
+
+
+def observed_plans(observed: Observed, demand: Demand, instances: int, curve: LatencyCurve | None,
+                   gpu_hour_usd: float | None = None) -> tuple[Plan, Plan | None]:
+    """The plan at the batches traffic formed, and at the preferred size with the profile's
+    c(b) when both are known (pure)."""
+    as_formed = plan(demand, round(observed.mean_batch_rows, 2), observed.batch_ms, instances, gpu_hour_usd)
+    preferred = None
+    if curve is not None and observed.preferred_batch and observed.preferred_batch <= curve.max_measured:
+        preferred = plan(demand, observed.preferred_batch, curve.at(observed.preferred_batch), instances,
+                         gpu_hour_usd)
+    return as_formed, preferred
+
+
+def observe(window, model: str, preferred_batch: int | None = None) -> Observed:
+    """What one bucket model's batches were over a window of /metrics (pure)."""
+    from tools.metrics import queue_stats
+
+    queues = queue_stats(window, {model})
+    requests = sum(q.num_requests for q in queues)
+    batches = sum(q.num_batches for q in queues)
+    if not requests or not batches:
+        raise ValueError(f"the recording shows no traffic at {model} in the {window.duration_s:.0f} s read")
+    rows = sum(q.num_rows for q in queues)
+    return Observed(model=model, requests_per_min=rows / window.duration_s * 60, mean_batch_rows=rows / batches,
+                    batch_ms=sum(q.compute_ms * q.num_requests for q in queues) / requests,
+                    preferred_batch=preferred_batch)
+
+
+def _observe(args: argparse.Namespace) -> tuple[Observed, LatencyCurve | None, float | None, float]:
+    from tools.explain import REPO_ROOT, knobs_from_repository, service_layout
+    from tools.latency_profile import load_profile
+    from tools.metrics import Window, read_recording
+    from tools.spec import load_spec
+
+    if not args.model:
+        raise ValueError("--replay needs --model (a bucket model, e.g. encoder_16)")
+    snapshots = read_recording(args.replay)
+    end = snapshots[-1]
+    start = next((s for s in reversed(snapshots) if end.at_s - s.at_s >= args.window), snapshots[0])
+    knobs = knobs_from_repository([args.model], REPO_ROOT / "model_repository").get(args.model)
+    observed = observe(Window(start, end), args.model, knobs.preferred_batch if knobs else None)
+    spec = load_spec()
+    layout = service_layout(args.model)
+    curve, overhead = None, 0.0
+    profile_path = args.profile or spec.profile
+    if profile_path is not None and Path(profile_path).is_file():
+        profile = load_profile(profile_path)
+        curve = profile.models[args.model].curve if args.model in profile.models else None
+        routers = [m.name for m in spec.models if args.model in {m.encoder_name(b) for b in m.bucket_lens}]
+        if routers and routers[0] in profile.overhead:
+            overhead = profile.overhead_for(routers[0]).p95_ms
+    slo = args.slo_ms if args.slo_ms is not None else layout.slo_p95_ms
+    return observed, curve, slo, args.overhead_ms if args.overhead_ms is not None else overhead
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.rpm is None and args.replay is None:
+        print("error: give --rpm (or --replay, whose recorded rate is the demand)", file=sys.stderr)
+        return 2
+    if args.replay is not None:
+        return _run_replay(args)
     try:
         if args.profile is not None:
             curve, slo, overhead = _profile_inputs(args)
@@ -222,4 +305,31 @@ def run(args: argparse.Namespace) -> int:
                           "candidates": [asdict(p) if isinstance(p, Plan) else p for p in table]}, indent=2))
     else:
         _print_plan(chosen, demand, table, source)
+    return 0
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    try:
+        observed, curve, slo, overhead = _observe(args)
+        demand = Demand(args.rpm or observed.requests_per_min, args.rows_per_request, args.utilization, None, overhead)
+        as_formed, preferred = observed_plans(observed, demand, args.instances, curve, args.gpu_hour_cost)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"observed": asdict(observed), "demand": asdict(demand), "as_formed": asdict(as_formed),
+                          "at_preferred": asdict(preferred) if preferred else None,
+                          "formula": as_formed.formula(demand)}, indent=2))
+        return 0
+    print(f"{observed.model} in {args.replay}: {observed.requests_per_min / 60:,.1f} rows/s in batches of "
+          f"{observed.mean_batch_rows:.2f} rows taking {observed.batch_ms:.1f} ms"
+          + (f" (SLO {slo:.0f} ms)" if slo else ""))
+    _print_plan(as_formed, demand, [as_formed], "as the recording shows them")
+    if preferred is not None:
+        extra = as_formed.replicas - preferred.replicas
+        print(f"\nat the preferred batch of {preferred.batch} (profile c({preferred.batch}) = "
+              f"{preferred.latency_ms:.1f} ms): {preferred.formula(demand)}")
+        if extra > 0:
+            print(f"thin batches cost {extra} replica{'' if extra == 1 else 's'}; python -m tools explain on the "
+                  "router says why they are thin")
     return 0

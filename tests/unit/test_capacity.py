@@ -117,3 +117,18 @@ def test_cli_errors_are_messages_not_tracebacks(capsys):
     assert "--profile needs --model" in capsys.readouterr().err
     assert run_cli("--rpm", "-5", "--latency-ms", "1", "--batch", "1") == 1
     assert "requests per minute must be > 0" in capsys.readouterr().err
+
+
+def test_cli_replay_plans_at_the_recorded_batches_and_at_the_preferred_size(capsys):
+    recording = "tests/data/metrics/steady.jsonl.gz"
+    assert run_cli("--replay", recording, "--model", "encoder_16", "--rpm", "30000") == 0
+    out = capsys.readouterr().out
+    assert "encoder_16 in tests/data/metrics/steady.jsonl.gz" in out and "as the recording shows them" in out
+    assert "at the preferred batch of 4" in out
+    assert run_cli("--replay", recording, "--model", "encoder_16", "--json") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["as_formed"]["replicas"] == 1  # the rate it carried fits the replica that carried it
+    assert run_cli("--replay", recording) == 1
+    assert "--replay needs --model" in capsys.readouterr().err
+    assert run_cli("--replay", recording, "--model", "llm") == 1
+    assert "shows no traffic at llm" in capsys.readouterr().err

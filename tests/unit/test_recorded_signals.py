@@ -143,3 +143,33 @@ def test_signals_from_a_recorded_window_carry_the_linger_budget_of_the_queues_us
     snapshots = recording("fragmented")
     signals = signals_from(view(window_at(snapshots, 10, 28)), replicas=1, at_s=0.0)
     assert signals.linger_ms == pytest.approx(KNOBS["encoder_16"].max_queue_delay_ms)
+
+
+def test_capacity_from_the_batches_traffic_formed():
+    from tools.capacity import Demand, observe, observed_plans
+
+    snapshots = recording("fragmented")
+    one_queue = observe(window_at(snapshots, 10, 28), "encoder_16", KNOBS["encoder_16"].preferred_batch)
+    spread = observe(window_at(snapshots, 45, 68), "encoder_16", KNOBS["encoder_16"].preferred_batch)
+    # One queue filled its preferred batches; split over versions, the same bucket's batches thinned.
+    assert spread.mean_batch_rows < one_queue.mean_batch_rows
+    assert one_queue.requests_per_min == pytest.approx(90 * 60, rel=0.2)
+    demand = Demand(30_000)
+    as_one, _ = observed_plans(one_queue, demand, 1, None)
+    as_spread, _ = observed_plans(spread, demand, 1, None)
+    assert as_spread.rows_per_s_per_replica < as_one.rows_per_s_per_replica
+    assert as_spread.replicas >= as_one.replicas
+    # The recorded rate itself fits on the one replica that served it.
+    carried = Demand(spread.requests_per_min)
+    assert observed_plans(spread, carried, 1, None)[0].replicas == 1
+
+
+def test_capacity_names_the_gap_to_the_preferred_batch():
+    from tools.capacity import Demand, observe, observed_plans
+    from tools.derivation import LatencyCurve
+
+    spread = observe(window_at(recording("fragmented"), 45, 68), "encoder_16", 4)
+    curve = LatencyCurve({1: 6.7, 2: 11.2, 4: 18.9, 8: 34.8})
+    as_formed, at_preferred = observed_plans(spread, Demand(30_000), 1, curve)
+    assert at_preferred is not None and at_preferred.batch == 4
+    assert at_preferred.replicas <= as_formed.replicas
