@@ -210,6 +210,8 @@ class SharedBuckets:
         self._fd = fd
 
     def _slot_of(self, key_hash: int) -> int:
+        """The key's slot, or the first empty one on its probe path, or (table full) the slot
+        its hash lands on, whose bucket it then shares."""
         start = key_hash % self.num_slots
         for probe in range(self.num_slots):
             slot = (start + probe) % self.num_slots
@@ -224,9 +226,11 @@ class SharedBuckets:
         try:
             slot = self._slot_of(key_hash)
             stored, tokens, updated_s = _SLOT.unpack_from(self._map, slot * _SLOT.size)
-            state = BucketState(tokens, updated_s) if stored == key_hash else None
+            # An empty slot starts a full bucket; a shared one (full table) keeps its owner's
+            # hash and level, so neither tenant is handed a fresh bucket.
+            state = None if stored == 0 else BucketState(tokens, updated_s)
             new_state, wait_s = step(state)
-            _SLOT.pack_into(self._map, slot * _SLOT.size, key_hash, new_state.tokens, new_state.updated_s)
+            _SLOT.pack_into(self._map, slot * _SLOT.size, stored or key_hash, new_state.tokens, new_state.updated_s)
             return wait_s
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
