@@ -1,0 +1,114 @@
+"""The crash supervisor's pure parts on a fake /proc, and one poll with its I/O replaced."""
+
+from pathlib import Path
+
+import pytest
+
+from tools import supervisor
+from tools.supervisor import (
+    RESTART_PARAMETER,
+    StubProcess,
+    Supervisor,
+    crashed_models,
+    parse_stub_cmdline,
+    scan_stubs,
+    with_restart_marker,
+)
+
+SERVER_PID = 4242
+
+
+def stub_argv(model: str, version: str = "1", instance: str | None = None) -> list[str]:
+    return ["/x/backends/python/triton_python_backend_stub", f"/repo/{model}/{version}/model.py",
+            "triton_python_backend_shm_region_1", "1048576", "1048576", str(SERVER_PID), "/x/backends/python",
+            "1048576", instance or f"{model}_0_0", "DEFAULT"]
+
+
+def fake_process(proc: Path, pid: int, argv: list[str], ppid: int = SERVER_PID, state: str = "S",
+                 comm: str = "triton_python_b") -> None:
+    entry = proc / str(pid)
+    entry.mkdir(parents=True)
+    (entry / "stat").write_text(f"{pid} ({comm}) {state} {ppid} 1 1 0 -1\n")
+    (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+
+def test_a_stub_command_line_names_model_version_and_instance():
+    stub = parse_stub_cmdline(7, stub_argv("encoder_256", "2", "encoder_256_1_0"))
+    assert stub == StubProcess(pid=7, model="encoder_256", version="2", instance="encoder_256_1_0")
+    assert stub.key == ("encoder_256", "2", "encoder_256_1_0")
+
+
+@pytest.mark.parametrize("argv", [[], ["/usr/bin/python3", "x.py"], stub_argv("m")[:5],
+                                  ["/x/triton_python_backend_stub", "model.py", *["a"] * 8]])
+def test_anything_else_is_not_a_stub(argv):
+    assert parse_stub_cmdline(1, argv) is None
+
+
+def test_scan_finds_the_servers_live_stubs_only(tmp_path):
+    fake_process(tmp_path, 100, stub_argv("encoder_16", instance="encoder_16_0_0"))
+    fake_process(tmp_path, 101, stub_argv("encoder_16", instance="encoder_16_0_1"), comm="weird ) name")
+    fake_process(tmp_path, 102, stub_argv("encoder_32"), state="Z")  # killed, not yet reaped: dead
+    fake_process(tmp_path, 103, stub_argv("encoder_64"), ppid=1)  # another server's stub
+    fake_process(tmp_path, 104, ["/usr/bin/sleep", "100"])  # not a stub
+    (tmp_path / "105").mkdir()  # vanished while scanned: no stat file
+    (tmp_path / "self").mkdir()
+    stubs = scan_stubs(SERVER_PID, proc=tmp_path)
+    assert sorted(stubs) == [100, 101]
+    assert stubs[101].instance == "encoder_16_0_1"
+
+
+def stubs(*entries: tuple[int, str, str]) -> dict[int, StubProcess]:
+    return {pid: StubProcess(pid, model, "1", instance) for pid, model, instance in entries}
+
+
+def test_a_vanished_stub_of_a_ready_model_is_a_crash():
+    before = stubs((1, "encoder_16", "encoder_16_0_0"), (2, "encoder_16", "encoder_16_0_1"),
+                   (3, "embed", "embed_0_0"))
+    after = stubs((2, "encoder_16", "encoder_16_0_1"), (3, "embed", "embed_0_0"))
+    dead = crashed_models(before, after, ready=[("encoder_16", "1"), ("embed", "1")])
+    assert dead == {"encoder_16": [before[1]]}
+
+
+def test_a_reload_or_an_unload_is_not_a_crash():
+    before = stubs((1, "encoder_16", "encoder_16_0_0"), (2, "encoder_32", "encoder_32_0_0"))
+    # encoder_16's instance came back under the same name (a reload); encoder_32 was unloaded.
+    after = stubs((9, "encoder_16", "encoder_16_0_0"))
+    assert crashed_models(before, after, ready=[("encoder_16", "1")]) == {}
+
+
+def test_the_restart_marker_changes_the_config_and_leaves_the_original_alone():
+    config = {"name": "encoder_16", "parameters": {"intra_op_threads": {"string_value": "1"}}}
+    changed = with_restart_marker(config, 3)
+    assert changed["parameters"][RESTART_PARAMETER] == {"string_value": "3"}
+    assert changed["parameters"]["intra_op_threads"] == {"string_value": "1"}
+    assert RESTART_PARAMETER not in config["parameters"]
+    assert with_restart_marker({"name": "m"}, 1)["parameters"] == {RESTART_PARAMETER: {"string_value": "1"}}
+
+
+def test_one_poll_reloads_each_crashed_model_once_and_logs_it(monkeypatch):
+    before = stubs((1, "encoder_16", "encoder_16_0_0"), (2, "encoder_16", "encoder_16_0_1"),
+                   (3, "encoder_32", "encoder_32_0_0"))
+    after = stubs((3, "encoder_32", "encoder_32_0_0"))
+    scans = iter([after, after])
+    monkeypatch.setattr(supervisor, "scan_stubs", lambda pid: next(scans))
+    lines, reloads = [], []
+    watcher = Supervisor("http://localhost:1", SERVER_PID, log=lines.append)
+    monkeypatch.setattr(watcher, "ready_versions", lambda: {("encoder_16", "1"), ("encoder_32", "1")})
+
+    def reload(model, dead):
+        reloads.append((model, sorted(s.pid for s in dead)))
+        return {"ok": True, "reload_s": 1.5}
+
+    monkeypatch.setattr(watcher, "reload", reload)
+    assert watcher.check(before) == after
+    assert reloads == [("encoder_16", [1, 2])]
+    assert lines == ["supervisor: encoder_16: instance encoder_16_0_0 (pid 1), encoder_16_0_1 (pid 2) died; "
+                     "reloading the model", "supervisor: encoder_16: back after 1.5 s"]
+
+
+def test_a_poll_with_every_stub_alive_asks_the_server_nothing(monkeypatch):
+    alive = stubs((1, "encoder_16", "encoder_16_0_0"))
+    monkeypatch.setattr(supervisor, "scan_stubs", lambda pid: alive)
+    watcher = Supervisor("http://localhost:1", SERVER_PID)
+    monkeypatch.setattr(watcher, "ready_versions", lambda: pytest.fail("no stub died: nothing to ask"))
+    assert watcher.check(alive) == alive
