@@ -99,6 +99,7 @@ class Thresholds:
     low_utilization: float = 0.5  # device busy below this share: capacity is not the problem
     min_fragment_queues: int = 3  # bucket models lingering at once that count as a split (two versions of one do)
     lingering_share: float = 0.5  # share of requests in lingering queues that makes a split fragmentation
+    headroom_share: float = 0.8  # p95 under this share of the SLO: waiting to batch needs no change
     min_requests: float = 5.0  # fewer requests in a queue than this say nothing
 
 
@@ -176,8 +177,9 @@ def _lingers(q: QueueStats, knobs: QueueKnobs | None, limits: Thresholds) -> boo
 
 
 def diagnose_queue(q: QueueStats, knobs: QueueKnobs | None, curve: LatencyCurve | None,
-                   limits: Thresholds = Thresholds()) -> list[Finding]:
-    """Findings for one bucket queue (pure)."""
+                   limits: Thresholds = Thresholds(), latency_headroom: bool = False) -> list[Finding]:
+    """Findings for one bucket queue (pure). `latency_headroom`: p95 is well inside the SLO,
+    so waiting to batch is the planned linger doing its job, not something to fix."""
     if q.num_requests < limits.min_requests or knobs is None:
         return []
     findings = []
@@ -194,12 +196,17 @@ def diagnose_queue(q: QueueStats, knobs: QueueKnobs | None, curve: LatencyCurve 
             f"{knobs.instances} if the device has idle lanes"))
     elif _lingers(q, knobs, limits):
         fill_s = knobs.preferred_batch / max(_fill_rows_per_s(q), 1e-9)
+        if latency_headroom:
+            knob = (f"none while p95 has headroom: the {delay:.0f} ms linger is what gen-config planned for peak "
+                    "traffic; if this traffic is the normal one, set the router's expected_rps in serving.toml to "
+                    "it and regenerate (python -m tools gen-config)")
+        else:
+            knob = (f"lower max_queue_delay_microseconds on {q.model} (now {delay * 1000:.0f}), or regenerate with "
+                    "the measured rate: set expected_rps in serving.toml and run python -m tools gen-config")
         findings.append(Finding(
             Cause.BATCH_WAIT, _subject(q),
             f"{where}: batches close on the timer at {batch:.1f} rows; at {_fill_rows_per_s(q):.1f} rows/s a "
-            f"batch of {knobs.preferred_batch} takes {fill_s * 1000:.0f} ms to fill",
-            f"lower max_queue_delay_microseconds on {q.model} (now {delay * 1000:.0f}), or regenerate with the "
-            f"measured rate: set expected_rps in serving.toml and run python -m tools gen-config"))
+            f"batch of {knobs.preferred_batch} takes {fill_s * 1000:.0f} ms to fill", knob))
     if curve is not None and batch >= 1:
         size = min(batch, float(curve.max_measured))  # c(b) between measured sizes is interpolated
         expected = curve.at(size)
@@ -271,8 +278,10 @@ def diagnose(view: ServiceWindow, limits: Thresholds = Thresholds()) -> Diagnosi
             "do not add replicas (they split the traffic further): finish or roll back the rollout so one "
             "version takes the traffic (python -m tools rollout), merge thin buckets in serving.toml, or lower "
             "max_queue_delay_microseconds on the lingering queues"))
+    headroom = (view.p95_ms is not None and view.slo_p95_ms is not None
+                and view.p95_ms <= limits.headroom_share * view.slo_p95_ms)
     for q in view.queues:
-        findings.extend(diagnose_queue(q, view.knobs.get(q.model), view.curves.get(q.model), limits))
+        findings.extend(diagnose_queue(q, view.knobs.get(q.model), view.curves.get(q.model), limits, headroom))
     if not findings:
         findings.append(Finding(Cause.HEALTHY, view.name, "no queue waits past its budget and compute matches "
                                 "the profile", "nothing to change"))
@@ -514,6 +523,31 @@ def _replay_windows(snapshots: list[Snapshot], window_s: float) -> tuple[Window,
     return Window(start, end), (Window(before, start) if before is not None else None)
 
 
+def _max_num_seqs(args: argparse.Namespace) -> int | None:
+    """The LLM engine's batch limit from its served config (or the repository's, in replay);
+    None when it cannot be read: it only sharpens the diagnosis."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        if args.replay is not None:
+            path = args.repository / args.model / "config.pbtxt"
+            config = json_format.MessageToDict(text_format.Parse(path.read_text(), mc.ModelConfig()),
+                                               preserving_proto_field_name=True)
+        else:
+            import tritonclient.http as httpclient
+
+            client = httpclient.InferenceServerClient(args.http_url)
+            try:
+                config = client.get_model_config(args.model)
+            finally:
+                client.close()
+        return int(config["parameters"]["max_num_seqs"]["string_value"])
+    except (OSError, KeyError, ValueError, text_format.ParseError, InferenceServerException):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.window > 0:
         print("error: --window must be > 0 seconds", file=sys.stderr)
@@ -533,7 +567,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.model == "llm" or args.model.startswith("llm"):
-        diagnosis = diagnose_llm(llm_window(window, args.model))
+        if args.model not in window.label_values(LLM_BLOCKS_TOTAL, "model"):
+            print(f"error: the metrics show no LLM engine {args.model!r}; is it loaded?", file=sys.stderr)
+            return 1
+        diagnosis = diagnose_llm(llm_window(window, args.model, _max_num_seqs(args)))
     else:
         try:
             if args.replay is not None:

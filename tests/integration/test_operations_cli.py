@@ -105,3 +105,11 @@ def test_tools_say_what_is_wrong_when_no_server_answers():
     assert "Traceback" not in result.stderr
     result = run_tool("top", "--once", "--metrics-url", "http://127.0.0.1:9/metrics")
     assert result.returncode == 1 and "is the server running" in result.stderr
+
+
+def test_explain_the_llm_engine(triton):
+    result = run_tool("explain", "llm", "--window", "2", "--metrics-url", triton.metrics_url,
+                      "--http-url", triton.http_url, "--json")
+    assert result.returncode == 0, result.stderr
+    diagnosis = json.loads(result.stdout)
+    assert "KV blocks" in diagnosis["summary"] and diagnosis["findings"]

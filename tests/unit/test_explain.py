@@ -174,3 +174,13 @@ def test_formed_batches_are_the_statistics_api_difference_per_size():
     assert delta == {"encoder_16": {1: 15, 2: 3}}
     # A reload resets the counters: what is there now counts from zero.
     assert formed_batches(stats({1: 10}), stats({1: 4}), ["encoder_16"]) == {"encoder_16": {1: 4}}
+
+
+def test_waiting_to_batch_with_p95_headroom_asks_for_no_change():
+    view = fragmented_view(p99_ms=100.0, earlier_p99_ms=None)
+    single = ServiceWindow(**{**view.__dict__, "queues": view.queues[:1], "p95_ms": 90.0})
+    (finding,) = [f for f in diagnose(single).findings if f.cause is Cause.BATCH_WAIT]
+    assert finding.knob.startswith("none while p95 has headroom")
+    tight = ServiceWindow(**{**single.__dict__, "p95_ms": 190.0})
+    (finding,) = [f for f in diagnose(tight).findings if f.cause is Cause.BATCH_WAIT]
+    assert finding.knob.startswith("lower max_queue_delay_microseconds on encoder_16")
