@@ -57,6 +57,7 @@ class EngineConfig:
     default_max_tokens: int = 128  # output tokens when a request does not say
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS  # continuous, or the static baseline
     num_threads: int = 0  # torch intra-op threads; 0: every core
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -69,7 +70,8 @@ class EngineConfig:
     def scheduler_config(self, kv: KVCacheSpec) -> SchedulerConfig:
         return SchedulerConfig(num_blocks=num_blocks_for_budget(kv, self.kv_cache_bytes), block_size=self.block_size,
                                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, policy=self.policy)
+                               max_model_len=self.max_model_len, policy=self.policy,
+                               prefix_caching=self.prefix_caching)
 
 
 def parse_engine_config(model_name: str, params: Mapping[str, str]) -> EngineConfig:
@@ -81,8 +83,12 @@ def parse_engine_config(model_name: str, params: Mapping[str, str]) -> EngineCon
         if "kv_cache_mb" not in params:
             raise ValueError("missing parameter kv_cache_mb (the KV-cache memory budget)")
         values = {field_name: int(params[key]) for key, field_name in ints.items() if key in params}
+        caching = params.get("prefix_caching", "1")
+        if caching not in ("0", "1"):
+            raise ValueError(f"parameter prefix_caching must be 0 or 1, got {caching!r}")
         return EngineConfig(kv_cache_bytes=int(float(params["kv_cache_mb"]) * (1 << 20)),
-                            policy=BatchingPolicy.parse(params.get("batching", "continuous")), **values)
+                            policy=BatchingPolicy.parse(params.get("batching", "continuous")),
+                            prefix_caching=caching == "1", **values)
     except ValueError as err:
         raise ValueError(f"model {model_name!r}: bad config parameters: {err}") from None
 
@@ -391,7 +397,8 @@ class LLMEngine:
         sched = self.scheduler
         return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                            num_blocks_used=sched.blocks.num_used, num_blocks=sched.blocks.num_blocks,
-                           num_preemptions=sched.num_preemptions, num_generated_tokens=self.num_generated_tokens)
+                           num_preemptions=sched.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+                           num_cached_prompt_tokens=sched.blocks.num_hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -404,6 +411,7 @@ class EngineStats:
     num_blocks: int  # KV blocks in the pool
     num_preemptions: int  # since start
     num_generated_tokens: int  # since start
+    num_cached_prompt_tokens: int = 0  # since start: prompt tokens taken from the prefix cache, not computed
 
 
 class RequestSink(Protocol):

@@ -11,7 +11,9 @@ One step:
    are freed and it goes back to the head of the waiting queue to be recomputed later
    (prompt + the tokens it already produced), so memory never runs out mid-step.
 2. Then waiting sequences, first come first served, while the step's token budget, the
-   sequence limit and free blocks allow. A prompt longer than what the budget leaves is
+   sequence limit and free blocks allow. A sequence starts from the cached KV blocks of
+   the longest prefix of its tokens already computed (the shared system turn of a chat;
+   its own blocks, after a preemption) and computes only the rest. A prompt longer than what the budget leaves is
    prefilled in chunks over several steps, so running sequences keep decoding meanwhile.
    No new sequence is admitted in a step that had to preempt: the cache is full.
 
@@ -80,6 +82,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 128  # tokens computed per step: prefill chunks plus one per decoding sequence
     max_model_len: int = 2048  # context limit: prompt plus output tokens
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS  # how sequences join the running batch
+    prefix_caching: bool = True  # reuse computed KV blocks of identical prompt prefixes
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -153,7 +156,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # admission order: oldest first, youngest last
         self.sequences: dict[str, SequenceState] = {}  # every unfinished sequence by id
@@ -248,8 +251,10 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            self._match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_hold(seq.seq_id, seq.num_computed_tokens + num_new):
+                self._release(seq)
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -269,6 +274,7 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_tokens
+            self.blocks.register(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
             if not chunk.samples:
                 continue  # mid-prefill: nothing sampled yet
             if chunk.seq_id not in sampled:
@@ -295,7 +301,9 @@ class Scheduler:
         else:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
+                self._match_prefix(seq)
                 if not self.blocks.can_hold(seq.seq_id, len(seq.prompt_token_ids) + seq.params.max_tokens):
+                    self._release(seq)
                     break
                 self.blocks.allocate(seq.seq_id, len(seq.prompt_token_ids) + seq.params.max_tokens)
                 self.waiting.popleft()
@@ -311,6 +319,17 @@ class Scheduler:
         assert added is not None, "checked with can_hold first"
         return ScheduledChunk(seq_id=seq.seq_id, start=seq.num_computed_tokens, num_tokens=num_new,
                               samples=end == seq.num_tokens)
+
+    def _match_prefix(self, seq: SequenceState) -> None:
+        """Start a sequence that has nothing computed from the cached blocks of its prefix;
+        its last token is always computed, for the logits it samples from."""
+        if seq.num_computed_tokens == 0:
+            seq.num_computed_tokens = self.blocks.match_prefix(seq.seq_id, seq.token_ids(), seq.num_tokens - 1)
+
+    def _release(self, seq: SequenceState) -> None:
+        """Undo `_match_prefix` for a sequence that stays waiting: it holds no blocks meanwhile."""
+        self.blocks.free(seq.seq_id)
+        seq.num_computed_tokens = 0
 
     def _preempt(self, seq: SequenceState) -> None:
         # Recompute, not swap: the blocks go back now and the sequence re-prefills prompt +

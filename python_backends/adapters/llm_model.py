@@ -99,8 +99,10 @@ class LLMMetrics:
             family("llm_preemptions_total", "Sequences evicted for KV blocks and recomputed", family.COUNTER),
             family("llm_generated_tokens_total", "Output tokens generated", family.COUNTER),
             family("llm_requests_finished_total", "Finished requests by finish reason", family.COUNTER),
+            family("llm_prefix_cache_hit_tokens_total", "Prompt tokens taken from the prefix cache, not computed",
+                   family.COUNTER),
         ]
-        (ttft, tpot, running, waiting, used, total, preemptions, tokens, finished) = self.families
+        (ttft, tpot, running, waiting, used, total, preemptions, tokens, finished, cached) = self.families
         self.ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS_S)
         self.tpot = tpot.Metric(labels=labels, buckets=TPOT_BUCKETS_S)
         self.running = running.Metric(labels=labels)
@@ -109,6 +111,7 @@ class LLMMetrics:
         self.blocks_total = total.Metric(labels=labels)
         self.preemptions = preemptions.Metric(labels=labels)
         self.tokens = tokens.Metric(labels=labels)
+        self.cached_tokens = cached.Metric(labels=labels)
         self.finished_by_reason = {reason: finished.Metric(labels={**labels, "finish_reason": reason})
                                    for reason in ("stop", "length", "cancelled")}
         self._last = EngineStats(0, 0, 0, 0, 0, 0)
@@ -120,6 +123,7 @@ class LLMMetrics:
         self.blocks_total.set(stats.num_blocks)
         self.preemptions.increment(stats.num_preemptions - self._last.num_preemptions)
         self.tokens.increment(stats.num_generated_tokens - self._last.num_generated_tokens)
+        self.cached_tokens.increment(stats.num_cached_prompt_tokens - self._last.num_cached_prompt_tokens)
         self._last = stats
 
     def finished(self, output: StepOutput) -> None:

@@ -55,8 +55,22 @@ def generate(llm: LLMEngine, requests: dict[str, object]) -> dict[str, tuple[str
 
 @pytest.fixture(scope="module")
 def alone() -> dict[int, str]:
-    llm = engine()
+    llm = engine(prefix_caching=False)  # every prompt computed in full: the reference
     return {i: generate(llm, {"r": chat(q)})["r"][0] for i, q in enumerate(QUESTIONS)}
+
+
+def test_prompts_served_from_the_prefix_cache_give_the_same_output(alone):
+    llm = engine()
+    # One after another: each reuses the chat template's system turn the first computed.
+    one_by_one = {i: generate(llm, {"r": chat(q)})["r"][0] for i, q in enumerate(QUESTIONS)}
+    after_system_turn = llm.stats().num_cached_prompt_tokens
+    # Again, together: now whole prompts (all but their last block) come from the cache.
+    together = generate(llm, {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS)})
+    assert one_by_one == alone
+    assert {i: together[f"r{i}"][0] for i in range(len(QUESTIONS))} == alone
+    assert after_system_turn >= 16 * (len(QUESTIONS) - 1)  # at least one block each after the first
+    assert llm.stats().num_cached_prompt_tokens > after_system_turn + 16 * len(QUESTIONS)
+    assert llm.scheduler.blocks.num_used == 0
 
 
 def test_greedy_output_is_transformers_generate(alone):

@@ -109,6 +109,8 @@ def test_engine_config_from_model_parameters():
     assert config.kv_cache_bytes == int(1.5 * (1 << 20)) and config.block_size == 8
     assert config.max_num_seqs == 4 and config.policy is BatchingPolicy.STATIC
     assert config.max_num_batched_tokens == EngineConfig(kv_cache_bytes=1).max_num_batched_tokens  # default kept
+    assert config.prefix_caching  # on unless the config turns it off
+    assert not parse_engine_config("llm", {"kv_cache_mb": "1", "prefix_caching": "0"}).prefix_caching
 
 
 @pytest.mark.parametrize(("params", "message"), [
@@ -116,6 +118,7 @@ def test_engine_config_from_model_parameters():
     ({"kv_cache_mb": "lots"}, "could not convert"),
     ({"kv_cache_mb": "64", "max_num_seqs": "0"}, "max_num_seqs must be >= 1"),
     ({"kv_cache_mb": "64", "batching": "eager"}, "unknown batching policy 'eager'"),
+    ({"kv_cache_mb": "64", "prefix_caching": "yes"}, "prefix_caching must be 0 or 1, got 'yes'"),
 ])
 def test_bad_engine_parameters_name_the_model(params, message):
     with pytest.raises(ValueError, match=f"model 'llm': bad config parameters: .*{message}"):

@@ -32,11 +32,15 @@ def next_token(prefix: list[int]) -> int:
 
 
 class FakeRunner:
-    """Checks that each step computes exactly the tokens not yet in the cache, then samples."""
+    """Checks that each step computes exactly the tokens not yet in the cache, then samples.
+
+    A sequence may start past zero only from a prefix whose blocks some sequence computed
+    before (prefix caching): the fake remembers every computed block-aligned prefix."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.computed: dict[str, int] = {}  # seq_id -> tokens the fake cache holds
+        self.prefixes: set[tuple[int, ...]] = set()  # block-aligned token prefixes computed so far
         self.steps: list[SchedulerOutput] = []
 
     def step(self, now: float = 0.0):
@@ -47,8 +51,16 @@ class FakeRunner:
         sampled = {}
         for chunk in output.chunks:
             seq = self.scheduler.sequences[chunk.seq_id]
-            assert chunk.start == self.computed.get(chunk.seq_id, 0), "a step must continue where the cache ends"
+            held = self.computed.get(chunk.seq_id, 0)
+            if held == 0 and chunk.start > 0:
+                assert tuple(seq.token_ids()[:chunk.start]) in self.prefixes, "skipped tokens nobody computed"
+            else:
+                assert chunk.start == held, "a step must continue where the cache ends"
             self.computed[chunk.seq_id] = chunk.start + chunk.num_tokens
+            size = self.scheduler.config.block_size
+            tokens = seq.token_ids()
+            for end in range(size, chunk.start + chunk.num_tokens + 1, size):
+                self.prefixes.add(tuple(tokens[:end]))
             table = self.scheduler.blocks.block_table(chunk.seq_id)
             assert len(table) * self.scheduler.config.block_size >= chunk.start + chunk.num_tokens
             if chunk.samples:
@@ -355,3 +367,109 @@ def test_unknown_batching_policy_is_named():
     assert BatchingPolicy.parse("static") is BatchingPolicy.STATIC
     with pytest.raises(ValueError, match="unknown batching policy 'greedy'"):
         BatchingPolicy.parse("greedy")
+
+
+# --- prefix caching ----------------------------------------------------------------------
+
+
+def test_a_computed_prefix_is_found_again_after_its_sequence_finished():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    tokens = list(range(1, 11))  # 10 tokens: 2 full blocks and a partial one
+    blocks.allocate("a", 10)
+    blocks.register("a", tokens, num_computed=10)
+    assert blocks.num_cached == 2  # the partial third block is not registered
+    blocks.free("a")
+    assert blocks.num_free == 6 and blocks.num_used == 0  # cached blocks are reclaimable
+    assert blocks.match_prefix("b", tokens, max_tokens=9) == 8
+    assert blocks.block_table("b") == [0, 1] and blocks.num_used == 2 and blocks.num_hit_tokens == 8
+    assert blocks.allocate("b", 10) == [2]
+
+
+def test_the_match_stops_at_the_first_different_block_and_leaves_the_last_token():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(1, 13))
+    blocks.allocate("a", 12)
+    blocks.register("a", tokens, num_computed=12)
+    blocks.free("a")
+    # The same second block after a different first one is a different chain: no match past block 0.
+    assert blocks.match_prefix("b", [1, 2, 3, 4, 99, 6, 7, 8, 9], max_tokens=8) == 4
+    # A prompt of exactly 12 known tokens keeps its last one to compute: 2 blocks, not 3.
+    assert blocks.match_prefix("c", tokens, max_tokens=11) == 8
+
+
+def test_shared_blocks_are_held_once_and_freed_when_the_last_holder_goes():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(1, 9))
+    blocks.allocate("a", 8)
+    blocks.register("a", tokens, num_computed=8)
+    assert blocks.match_prefix("b", [*tokens, 9], max_tokens=8) == 8
+    assert blocks.num_used == 2  # a and b share both blocks
+    blocks.free("a")
+    assert blocks.num_used == 2
+    blocks.free("b")
+    assert blocks.num_used == 0 and blocks.num_cached == 2
+
+
+def test_cached_blocks_are_evicted_last_and_least_recently_released_first():
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    blocks.allocate("a", 4)
+    blocks.register("a", [1, 2, 3, 4], num_computed=4)
+    blocks.free("a")  # blocks 0, 1 cached; 2, 3 never used
+    assert blocks.allocate("b", 4) == [2, 3]  # never-registered blocks go first
+    assert blocks.allocate("c", 2) == [1]  # then the tail of a's prefix, before its head
+    assert blocks.num_cached == 1
+    assert blocks.match_prefix("d", [1, 2, 3, 4, 5], max_tokens=4) == 2  # only the head is left
+
+
+def test_the_same_contents_computed_twice_register_once():
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    for seq in ("a", "b"):
+        blocks.allocate(seq, 2)
+        blocks.register(seq, [5, 6], num_computed=2)
+    assert blocks.num_cached == 1
+    blocks.free("a")
+    blocks.free("b")
+    assert blocks.num_free == 4
+
+
+def test_prefix_caching_can_be_turned_off():
+    blocks = BlockManager(num_blocks=4, block_size=2, prefix_caching=False)
+    blocks.allocate("a", 4)
+    blocks.register("a", [1, 2, 3, 4], num_computed=4)
+    blocks.free("a")
+    assert blocks.num_cached == 0 and blocks.match_prefix("b", [1, 2, 3, 4, 5], max_tokens=4) == 0
+
+
+def test_a_second_request_with_the_same_prompt_computes_only_what_is_not_cached():
+    sched = scheduler()
+    shared = prompt(14, seed=3)
+    sched.add("first", shared, SamplingParams(max_tokens=3), now=0.0)
+    runner = FakeRunner(sched)
+    first = runner.run()
+    sched.add("second", shared, SamplingParams(max_tokens=3), now=1.0)
+    output, events = runner.step()
+    (chunk,) = output.chunks
+    assert (chunk.start, chunk.num_tokens) == (12, 2)  # 3 cached blocks of 4; the last 2 prompt tokens computed
+    second = [e.token_id for e in events] + runner.run()["second"]
+    assert second == first["first"] == reference(shared, 3)
+
+
+def test_a_preempted_sequence_recomputes_from_its_own_cached_blocks():
+    sched = scheduler(num_blocks=8, max_num_seqs=2)
+    sched.add("older", prompt(10, seed=1), SamplingParams(max_tokens=16), now=0.0)
+    sched.add("younger", prompt(10, seed=2), SamplingParams(max_tokens=16), now=0.0)
+    outputs = FakeRunner(sched).run()
+    assert sched.num_preemptions > 0 and sched.blocks.num_hit_tokens > 0
+    assert outputs["younger"] == reference(prompt(10, seed=2), 16)
+
+
+def test_static_batches_use_the_cache_too():
+    sched = scheduler(policy=BatchingPolicy.STATIC)
+    shared = prompt(9, seed=4)
+    sched.add("a", shared, SamplingParams(max_tokens=2), now=0.0)
+    runner = FakeRunner(sched)
+    runner.run()
+    sched.add("b", shared, SamplingParams(max_tokens=2), now=1.0)
+    output, events = runner.step()
+    assert output.chunks[0].start == 8
+    assert [e.token_id for e in events] + runner.run()["b"] == reference(shared, 2)
