@@ -28,6 +28,7 @@ from tools.gen_config import plan_llm_model
 from tools.latency_profile import ProfileError, load_profile
 from tools.llm_client import Generation, LLMStream
 from tools.loadgen import percentile, poisson_arrival_times
+from tools.metrics import fetch_text, parse_exposition
 from tools.spec import DEFAULT_SPEC, REPO_ROOT, SpecError, load_spec
 from tools.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 
@@ -189,7 +190,12 @@ def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], w
             raise ServerError(f"{setup}: warm-up request failed: {warm[0].error}")
         log(f"  {setup}: {len(planned)} requests over {window_s:.0f} s ...")
         generations, start = drive(server.grpc_url, planned, drain_timeout_s, log)
+        served = parse_exposition(fetch_text(server.metrics_url), keep=lambda name: name.startswith("llm_"))
     result = summarise(generations, start, window_s)
+    # How much prefill the prefix cache saved: the engine's count over the prompts' tokens.
+    result["prompt_tokens"] = sum(g.prompt_tokens or 0 for g in generations)
+    result["prefix_cache_hit_tokens"] = int(sum(v for (name, _), v in served.items()
+                                                if name == "llm_prefix_cache_hit_tokens_total"))
     log(f"  {setup}: {result['tokens_per_s']} tokens/s, TTFT p50 {result['ttft_p50_s']} s "
         f"p95 {result['ttft_p95_s']} s, "
         f"TPOT p95 {result['tpot_p95_s']} s, {result['failed']} failed")
