@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup models serve test unit lint clean
+.PHONY: setup models serve test unit lint loadtest clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ lint: $(STAMP)
 
 test: models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# A headless Locust run against the server `make serve` started; exits non-zero on an SLO miss.
+LOADTEST_ARGS ?=
+loadtest: $(STAMP)
+	@mkdir -p build/loadtest
+	$(PY) -m locust --config loadtest/locust.conf $(LOADTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

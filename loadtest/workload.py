@@ -8,6 +8,7 @@ counts plus [CLS] and [SEP].
 
 from __future__ import annotations
 
+import math
 import random
 import tomllib
 from collections.abc import Sequence
@@ -153,3 +154,81 @@ class TextFactory:
         """`count` texts following the workload's length mix (deterministic)."""
         rng = random.Random((workload.seed if seed is None else seed) + 1)
         return [self.text(n, rng) for n in workload.sample_lengths(count, seed)]
+
+
+# Chat workloads (the LLM): kinds of requests, their prompts and output budgets.
+
+@dataclass(frozen=True)
+class ChatKind:
+    """One kind of chat request and its share of traffic."""
+
+    name: str
+    share: float  # fraction of requests, > 0 (shares are normalised)
+    prompts: tuple[str, ...]  # questions drawn uniformly
+    max_tokens: tuple[int, int]  # output budget, drawn log-uniformly in [low, high]
+    context_words: tuple[int, int] | None  # words of the corpus pasted before the question
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    name: str
+    kinds: tuple[ChatKind, ...]
+    corpus_words: tuple[str, ...]  # the text long-context prompts are cut from
+
+
+def _bounds(raw, where: str) -> tuple[int, int]:
+    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(v, int) for v in raw) and 1 <= raw[0] <= raw[1]):
+        raise ValueError(f"{where} must be [low, high] integers with 1 <= low <= high, got {raw!r}")
+    return raw[0], raw[1]
+
+
+def load_chat_workload(path: Path) -> ChatWorkload:
+    """Read and check a chat workload file; ValueError names the problem."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"chat workload {path}: {err}") from None
+    corpus_path = Path(path).parent / data.get("corpus", "corpus.txt")
+    words = tuple(corpus_path.read_text().split()) if corpus_path.is_file() else ()
+    kinds = []
+    for index, raw in enumerate(data.get("kinds", [])):
+        where = f"{path}: kinds[{index}]"
+        share = raw.get("share")
+        if not isinstance(share, int | float) or share <= 0:
+            raise ValueError(f"{where}.share must be a number > 0, got {share!r}")
+        prompts = raw.get("prompts")
+        if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+            raise ValueError(f"{where}.prompts must be a non-empty list of non-empty strings")
+        context = _bounds(raw["context_words"], f"{where}.context_words") if "context_words" in raw else None
+        if context and len(words) == 0:
+            raise ValueError(f"{where} needs context words but the corpus {corpus_path} is missing or empty")
+        kinds.append(ChatKind(name=str(raw.get("name", f"kind{index}")), share=float(share), prompts=tuple(prompts),
+                              max_tokens=_bounds(raw.get("max_tokens"), f"{where}.max_tokens"),
+                              context_words=context))
+    if not kinds:
+        raise ValueError(f"{path}: needs at least one [[kinds]] table")
+    return ChatWorkload(name=str(data.get("name", Path(path).stem)), kinds=tuple(kinds), corpus_words=words)
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One chat request drawn from a ChatWorkload."""
+
+    kind: str  # the ChatKind it came from
+    messages: tuple[dict[str, str], ...]  # the conversation sent
+    max_tokens: int  # its output budget
+
+
+def draw_chat(workload: ChatWorkload, rng: random.Random) -> Chat:
+    """A chat: a kind by share, one of its prompts (after a slice of the corpus for
+    long-context kinds), and an output budget drawn log-uniformly from the kind's bounds."""
+    kind = rng.choices(workload.kinds, [k.share for k in workload.kinds])[0]
+    question = rng.choice(kind.prompts)
+    if kind.context_words:
+        count = rng.randint(*kind.context_words)
+        start = rng.randrange(len(workload.corpus_words))
+        words = [workload.corpus_words[(start + i) % len(workload.corpus_words)] for i in range(count)]
+        question = " ".join(words) + "\n\n" + question
+    low, high = kind.max_tokens
+    max_tokens = round(math.exp(rng.uniform(math.log(low), math.log(high))))
+    return Chat(kind=kind.name, messages=({"role": "user", "content": question},), max_tokens=max_tokens)

@@ -15,15 +15,14 @@ inflated by waiting for the whole answer: it only pays for waiting for a batch.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from loadtest.workload import ChatWorkload, draw_chat, load_chat_workload
 from tools.gen_config import plan_llm_model
 from tools.latency_profile import ProfileError, load_profile
 from tools.llm_client import Generation, LLMStream
@@ -37,24 +36,6 @@ SETUPS = ("static", "continuous")
 
 
 @dataclass(frozen=True)
-class ChatKind:
-    """One kind of chat request and its share of traffic."""
-
-    name: str
-    share: float  # fraction of requests, > 0 (shares are normalised)
-    prompts: tuple[str, ...]  # questions drawn uniformly
-    max_tokens: tuple[int, int]  # output budget, drawn log-uniformly in [low, high]
-    context_words: tuple[int, int] | None  # words of the corpus pasted before the question
-
-
-@dataclass(frozen=True)
-class ChatWorkload:
-    name: str
-    kinds: tuple[ChatKind, ...]
-    corpus_words: tuple[str, ...]  # the text long-context prompts are cut from
-
-
-@dataclass(frozen=True)
 class PlannedRequest:
     """One request of the benchmark, fixed before the run (open loop)."""
 
@@ -64,57 +45,13 @@ class PlannedRequest:
     max_tokens: int  # its output budget
 
 
-def _bounds(raw, where: str) -> tuple[int, int]:
-    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(v, int) for v in raw) and 1 <= raw[0] <= raw[1]):
-        raise ValueError(f"{where} must be [low, high] integers with 1 <= low <= high, got {raw!r}")
-    return raw[0], raw[1]
-
-
-def load_chat_workload(path: Path) -> ChatWorkload:
-    """Read and check a chat workload file; ValueError names the problem."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as err:
-        raise ValueError(f"chat workload {path}: {err}") from None
-    corpus_path = Path(path).parent / data.get("corpus", "corpus.txt")
-    words = tuple(corpus_path.read_text().split()) if corpus_path.is_file() else ()
-    kinds = []
-    for index, raw in enumerate(data.get("kinds", [])):
-        where = f"{path}: kinds[{index}]"
-        share = raw.get("share")
-        if not isinstance(share, int | float) or share <= 0:
-            raise ValueError(f"{where}.share must be a number > 0, got {share!r}")
-        prompts = raw.get("prompts")
-        if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
-            raise ValueError(f"{where}.prompts must be a non-empty list of non-empty strings")
-        context = _bounds(raw["context_words"], f"{where}.context_words") if "context_words" in raw else None
-        if context and len(words) == 0:
-            raise ValueError(f"{where} needs context words but the corpus {corpus_path} is missing or empty")
-        kinds.append(ChatKind(name=str(raw.get("name", f"kind{index}")), share=float(share), prompts=tuple(prompts),
-                              max_tokens=_bounds(raw.get("max_tokens"), f"{where}.max_tokens"),
-                              context_words=context))
-    if not kinds:
-        raise ValueError(f"{path}: needs at least one [[kinds]] table")
-    return ChatWorkload(name=str(data.get("name", Path(path).stem)), kinds=tuple(kinds), corpus_words=words)
-
-
 def plan_requests(workload: ChatWorkload, rate_rps: float, duration_s: float, seed: int = 0) -> list[PlannedRequest]:
     """Poisson arrivals over `duration_s`, each a chat drawn from the workload's kinds."""
     rng = random.Random(seed)
-    weights = [k.share for k in workload.kinds]
     planned = []
     for at_s in poisson_arrival_times(rate_rps, duration_s, rng):
-        kind = rng.choices(workload.kinds, weights)[0]
-        question = rng.choice(kind.prompts)
-        if kind.context_words:
-            count = rng.randint(*kind.context_words)
-            start = rng.randrange(len(workload.corpus_words))
-            words = [workload.corpus_words[(start + i) % len(workload.corpus_words)] for i in range(count)]
-            question = " ".join(words) + "\n\n" + question
-        low, high = kind.max_tokens
-        max_tokens = round(math.exp(rng.uniform(math.log(low), math.log(high))))
-        planned.append(PlannedRequest(at_s=at_s, kind=kind.name,
-                                      messages=({"role": "user", "content": question},), max_tokens=max_tokens))
+        chat = draw_chat(workload, rng)
+        planned.append(PlannedRequest(at_s=at_s, kind=chat.kind, messages=chat.messages, max_tokens=chat.max_tokens))
     return planned
 
 
