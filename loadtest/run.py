@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from locust import constant_throughput
-from locust.runners import MasterRunner, WorkerRunner
+from locust.runners import WorkerRunner
 
 from loadtest import triton_users
 from loadtest.mix import LoadMix, Protocol, load_mix
@@ -33,7 +33,7 @@ class RunState:
     start_s: float | None = None  # wall clock when the test started (master or lone process)
     targets: dict | None = None  # model -> Target
     spec_path: Path = DEFAULT_SPEC
-    exit_code: int | None = None  # set when the run could not even start
+    workers: set[str] = field(default_factory=set)  # master: the workers that reported samples
 
 
 STATE = RunState()
@@ -160,7 +160,14 @@ def on_report_to_master(client_id, data) -> None:
 
 def on_worker_report(client_id, data) -> None:
     """Master: keep the samples a worker sent."""
+    STATE.workers.add(client_id)
     triton_users.CONTEXT.samples.extend(Sample.from_row(row) for row in data.get(SAMPLES_KEY, ()))
+
+
+def on_test_stop(environment, **_kwargs) -> None:
+    """Every process: close what the users left open (a worker exits right after)."""
+    if triton_users.CONTEXT is not None:
+        triton_users.CONTEXT.close_clients()
 
 
 def on_quitting(environment, **_kwargs) -> None:
@@ -176,7 +183,7 @@ def on_quitting(environment, **_kwargs) -> None:
         rows = stage_rows(samples, STATE.shape, STATE.start_s, STATE.targets, context.mix.max_error_rate,
                           settle_s=min(options.settle_s, min(s.duration_s for s in STATE.shape.stages) / 2),
                           tenant_error_rates=context.mix.tenant_error_rates())
-    workers = len(environment.runner.clients) if isinstance(environment.runner, MasterRunner) else 0
+    workers = len(STATE.workers)
     duration_s = time.time() - STATE.start_s if STATE.start_s else 0.0
     info = {
         "mix": f"{context.mix.name} ({context.mix.description})" if context.mix.description else context.mix.name,
@@ -186,7 +193,8 @@ def on_quitting(environment, **_kwargs) -> None:
         "spec": str(STATE.spec_path),
         "duration": f"{duration_s:.0f} s",
         "load generators": f"master + {workers} workers" if workers else "one process",
-        "max error rate": f"{context.mix.max_error_rate:.1%}",
+        "max error rate": f"{context.mix.max_error_rate:.1%}" + "".join(
+            f", {tenant} {rate:.0%}" for tenant, rate in sorted(context.mix.tenant_error_rates().items())),
     }
     markdown = render_markdown(verdict, info, rows)
     for path, text in ((options.slo_report, markdown),
@@ -203,6 +211,7 @@ def register(events) -> None:
     events.init_command_line_parser.add_listener(add_options)
     events.init.add_listener(on_init)
     events.test_start.add_listener(on_test_start)
+    events.test_stop.add_listener(on_test_stop)
     events.report_to_master.add_listener(on_report_to_master)
     events.worker_report.add_listener(on_worker_report)
     events.quitting.add_listener(on_quitting)

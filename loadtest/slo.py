@@ -235,13 +235,14 @@ def render_markdown(verdict: Verdict, info: Mapping[str, object], rows: Sequence
     """The short report written at the end of a run."""
     lines = [f"# Load run: {'PASS' if verdict.passed else 'FAIL'}", ""]
     lines += [f"- {key}: {value}" for key, value in info.items()]
-    lines += ["", "| model | tenant | requests | errors | p95 (ms) | target (ms) | verdict |",
-              "|---|---|---:|---:|---:|---:|---|"]
+    lines += ["", "| model | tenant | requests | errors | allowed | p95 (ms) | target (ms) | verdict |",
+              "|---|---|---:|---:|---:|---:|---:|---|"]
     for check in verdict.checks:
         tenant = "all" if check.tenant is None else (check.tenant or "(none)")
         outcome = "pass" if check.passed else "FAIL: " + "; ".join(check.reasons)
         lines.append(f"| {check.model} | {tenant} | {check.requests} | {check.errors} ({check.error_rate:.1%}) | "
-                     f"{_ms(check.p95_ms)} {check.metric} | {check.target_ms:.0f} | {outcome} |")
+                     f"{check.max_error_rate:.1%} | {_ms(check.p95_ms)} {check.metric} | {check.target_ms:.0f} | "
+                     f"{outcome} |")
     if verdict.error_kinds:
         lines += ["", "Failed requests by kind: " + ", ".join(f"{kind} {count}" for kind, count
                                                                in sorted(verdict.error_kinds.items()))]

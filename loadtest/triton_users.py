@@ -13,6 +13,7 @@ gRPC has been told to cooperate with it.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
@@ -41,6 +42,7 @@ class RunContext:
     samples: list[Sample] = field(default_factory=list)  # recorded here, shipped to the master on a worker
     texts: dict[Path, list[list[str]]] = field(default_factory=dict)  # embedding workload -> request rows
     chats: dict[Path, ChatWorkload] = field(default_factory=dict)  # chat workload file -> its kinds
+    clients: list = field(default_factory=list)  # the users' open tritonclient clients and streams
 
     def prepare(self) -> None:
         """Make every request body the mix can send: a pool of texts per embedding workload,
@@ -62,6 +64,16 @@ class RunContext:
 
     def chat_workload(self, path: Path) -> ChatWorkload:
         return self.chats[path]
+
+    def close_clients(self) -> None:
+        """Close every client still open. A user killed when the run stops skips its on_stop,
+        and a gRPC channel left to the interpreter's exit can hang it once gevent's hub is gone."""
+        while self.clients:
+            client = self.clients.pop()
+            try:
+                client.close()
+            except Exception as err:  # closing is best effort: the run's results are already in
+                logging.getLogger("loadtest").debug("closing a client failed: %s", err)
 
 
 CONTEXT: RunContext | None = None  # set by the locustfile's init listener
@@ -126,11 +138,22 @@ class TritonUser(User):
         self.client = None
 
     def on_start(self) -> None:
-        self.client = self.make_client()
+        self.client = self.open_client()
 
     def on_stop(self) -> None:
+        self.close_client()
+
+    def open_client(self):
+        client = self.make_client()
+        self.context.clients.append(client)
+        return client
+
+    def close_client(self, **kwargs) -> None:
         if self.client is not None:
-            self.client.close()
+            if self.client in self.context.clients:
+                self.context.clients.remove(self.client)
+            self.client.close(**kwargs)
+            self.client = None
 
     def make_client(self):
         timeout_s = self.context.mix.request_timeout_s
@@ -221,8 +244,8 @@ class LLMStreamUser(TritonUser):
         error: Exception | None = None
         if not finished:
             error = TimeoutError(f"no final response within {self.context.mix.request_timeout_s:g} s")
-            self.client.close(cancel=True)  # frees its sequence on the server; a fresh stream next time
-            self.client = self.make_client()
+            self.close_client(cancel=True)  # frees its sequence on the server; a fresh stream next time
+            self.client = self.open_client()
         elif generation.error is not None:
             from tritonclient.utils import InferenceServerException
 

@@ -120,19 +120,28 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
 
 STEP = 0.05  # relative change of the bound per late answer
 LATE_SHARE = 0.05  # answers allowed past the target: the SLO is a p95
+PROBE_STEP = 0.02  # growth per on-time answer until the first late one
 
 
-def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float) -> float:
+def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, probing: bool = False) -> float:
     """The bound after an admitted request came back in `latency_ms`.
 
     It tracks the largest bound at which no more than `LATE_SHARE` of the answers are later
     than the target: each late answer shrinks it by `STEP`, each one on time grows it by the
-    factor that makes one late answer and 19 on time cancel, so it settles where 5% are late. At
-    light load it climbs until nothing is refused; under overload it shrinks until what is
-    admitted is on time again. The work estimate only has to be proportional to the truth.
+    factor that makes one late answer and 19 on time cancel, so it settles where 5% are late.
+    Under overload it shrinks until what is admitted is on time again. The work estimate only
+    has to be proportional to the truth.
+
+    The starting bound is a guess from the profile, and at that pace an on-time server would
+    take hundreds of answers to climb from it, refusing requests at light load meanwhile. So
+    while `probing` (no answer has been late yet, like TCP's slow start) each on-time answer
+    grows it by `PROBE_STEP`: about 60 answers span the whole range, and the first late answer
+    ends the probing where the edge is.
     """
     if latency_ms > policy.target_ms:
         bound_ms *= 1.0 - STEP
+    elif probing:
+        bound_ms *= 1.0 + PROBE_STEP
     else:
         bound_ms *= (1.0 / (1.0 - STEP)) ** (LATE_SHARE / (1.0 - LATE_SHARE))
     return min(policy.max_limit_ms, max(policy.min_work_ms, bound_ms))
@@ -165,7 +174,8 @@ class SharedWork:
     def __init__(self, path: Path, slot: int):
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
-        size = (MAX_SLOTS + 1) * _VALUE.size  # a slot per instance, then the adaptive bound
+        # A slot per instance, then the adaptive bound and whether an answer was ever late.
+        size = (MAX_SLOTS + 2) * _VALUE.size
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(self._fd).st_size < size:
@@ -203,7 +213,10 @@ class SharedWork:
             return
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            self._set_shared(0, adjust_bound(policy, self.bound_ms(policy), latency_ms))
+            probing = self._shared(1) == 0.0
+            self._set_shared(0, adjust_bound(policy, self.bound_ms(policy), latency_ms, probing))
+            if latency_ms > policy.target_ms:
+                self._set_shared(1, 1.0)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 

@@ -384,8 +384,9 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                           f"{budget}: {max_work_ms:.1f} ms per lane ({lanes} lanes), halved for each tenant tier "
                           f"below the default; row cost ms by bucket (c(p)/p): {costs}"),
             "admission_bound": (f"adapts to the answers so that 5% come back later than S - o - (the router queue's "
-                                f"wait) x 3/4 = {target_ms:.1f} ms (-5% per late one, +0.27% per one on time); between "
-                                f"one row of bucket {slowest_bucket} ({min_work_ms:.1f} ms per lane) and "
+                                f"wait) x 3/4 = {target_ms:.1f} ms (-5% per late one, +0.27% per one on time, "
+                                f"+2% until the first late one); between one row of bucket {slowest_bucket} "
+                                f"({min_work_ms:.1f} ms per lane) and "
                                 f"S - o = {max_limit_ms:.1f} ms"),
             "max_queue_size": (f"the rest of W, {queue_wait_ms:.1f} ms, is the router queue's: peak "
                                f"{peak_rps:.0f} req/s x {queue_wait_ms:.1f} ms = {max_queue_size} (at least 1)"),

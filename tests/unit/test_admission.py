@@ -171,6 +171,15 @@ def test_the_bound_shrinks_on_a_late_answer_and_grows_slowly_on_time_ones():
     assert adjust_bound(ADAPTIVE, 100.0, latency_ms=149.0) == pytest.approx(100.0 * (1 / 0.95) ** (1 / 19))
 
 
+def test_while_probing_the_bound_climbs_fast_on_time_answers_and_still_shrinks_on_a_late_one():
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=149.0, probing=True) == pytest.approx(102.0)
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=151.0, probing=True) == pytest.approx(95.0)
+    bound, answers = ADAPTIVE.max_work_ms, 0
+    while bound < ADAPTIVE.max_limit_ms:
+        bound, answers = adjust_bound(ADAPTIVE, bound, latency_ms=100.0, probing=True), answers + 1
+    assert answers < 100  # from the starting guess to the ceiling within a few seconds of traffic
+
+
 def test_the_bound_settles_where_one_answer_in_twenty_is_late():
     bound = 100.0
     for index in range(20_000):
@@ -194,6 +203,17 @@ def test_the_shared_bound_starts_at_the_policy_and_follows_the_answers(tmp_path)
     assert SharedWork(tmp_path / "work.bin", 1).bound_ms(ADAPTIVE) == pytest.approx(57.0)  # every instance sees it
     work.record_latency(POLICY, 500.0)  # a fixed policy ignores answers
     assert work.bound_ms(POLICY) == POLICY.max_work_ms
+
+
+def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance(tmp_path):
+    first, second = SharedWork(tmp_path / "work.bin", 0), SharedWork(tmp_path / "work.bin", 1)
+    first.record_latency(ADAPTIVE, 100.0)
+    assert first.bound_ms(ADAPTIVE) == pytest.approx(60.0 * 1.02)  # probing: fast growth
+    second.record_latency(ADAPTIVE, 500.0)  # late, on another instance: probing ends for all
+    after_late = first.bound_ms(ADAPTIVE)
+    assert after_late == pytest.approx(60.0 * 1.02 * 0.95)
+    first.record_latency(ADAPTIVE, 100.0)
+    assert first.bound_ms(ADAPTIVE) == pytest.approx(after_late * (1 / 0.95) ** (1 / 19))
 
 
 def test_an_adaptive_policy_needs_ordered_limits():

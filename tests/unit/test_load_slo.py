@@ -106,7 +106,7 @@ def test_the_markdown_report_says_pass_or_fail_with_the_numbers():
     rows = stage_rows(requests("embed", "a", [50] * 10, at_s=1), STEP, 0, {"embed": EMBED}, 0.01)
     text = render_markdown(verdict, {"mix": "t"}, rows)
     assert text.startswith("# Load run: FAIL")
-    assert "| embed | b | 10 | 0 (0.0%) | 300 latency | 200 | FAIL: p95 latency 300 ms > 200 ms |" in text
+    assert "| embed | b | 10 | 0 (0.0%) | 1.0% | 300 latency | 200 | FAIL: p95 latency 300 ms > 200 ms |" in text
     assert "Knee: stage 0, 2 users, 1.0 req/s within every SLO." in text
     passing = judge(requests("embed", "", [50] * 10), {"embed": EMBED}, 0.01)
     assert render_markdown(passing, {}).startswith("# Load run: PASS")
