@@ -166,6 +166,23 @@ def test_compose_builds_the_image_and_mounts_only_files_that_exist():
     assert services["locust"]["profiles"] == ["load"]  # `up` without the profile needs no locustfile
 
 
+def test_the_locust_service_runs_this_kits_locustfile_against_the_server_service():
+    services = compose()["services"]
+    locust = services["locust"]
+    assert locust["image"] == services["tritonserver"]["image"]  # locust and tritonclient are in the lock
+    entrypoint = locust["entrypoint"]
+    assert entrypoint[:3] == ["python", "-m", "locust"]
+    assert (REPO / entrypoint[entrypoint.index("-f") + 1]).is_file()
+    command = locust["command"]
+    assert command[command.index("--triton-grpc") + 1] == "tritonserver:8001"
+    assert command[command.index("--triton-http") + 1] == "tritonserver:8000"
+    mix = command[command.index("--mix") + 1]
+    assert (REPO / "loadtest" / "mixes" / f"{mix}.toml").is_file()
+    assert "COPY loadtest ./loadtest" in (DOCKER / "Dockerfile").read_text()
+    lock = (REPO / "requirements.lock").read_text()
+    assert "\nlocust==" in lock and "\ntritonclient" in lock
+
+
 def test_prometheus_scrapes_the_servers_metrics_port_and_loads_the_rules():
     services = compose()["services"]
     config = load_yaml(DOCKER / "prometheus" / "prometheus.yml")
