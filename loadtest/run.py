@@ -164,6 +164,14 @@ def on_worker_report(client_id, data) -> None:
     triton_users.CONTEXT.samples.extend(Sample.from_row(row) for row in data.get(SAMPLES_KEY, ()))
 
 
+def _shown(path: Path) -> str:
+    """A path as the report shows it: relative to where the run started, when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def on_test_stop(environment, **_kwargs) -> None:
     """Every process: close what the users left open (a worker exits right after)."""
     if triton_users.CONTEXT is not None:
@@ -190,7 +198,7 @@ def on_quitting(environment, **_kwargs) -> None:
         "shape": f"{STATE.shape.name}, {STATE.shape.duration_s:.0f} s, up to {STATE.shape.peak_users} users"
                  if STATE.shape else f"{options.num_users} users for {options.run_time or '?'} s",
         "server": f"gRPC {options.triton_grpc}, HTTP {options.triton_http}",
-        "spec": str(STATE.spec_path),
+        "spec": _shown(STATE.spec_path),
         "duration": f"{duration_s:.0f} s",
         "load generators": f"master + {workers} workers" if workers else "one process",
         "max error rate": f"{context.mix.max_error_rate:.1%}" + "".join(

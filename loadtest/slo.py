@@ -254,6 +254,12 @@ def render_markdown(verdict: Verdict, info: Mapping[str, object], rows: Sequence
             lines.append(f"| {row.index} | {row.users} | {row.throughput_rps:.1f} | {row.errors} | "
                          + " | ".join(_ms(row.p95_ms[m]) for m in models) + f" | {'yes' if row.within_slo else 'no'} |")
         best = knee(rows)
-        lines += ["", f"Knee: stage {best.index}, {best.users} users, {best.throughput_rps:.1f} req/s within every SLO."
-                  if best else "Knee: no stage met every SLO."]
+        if best is None:
+            lines += ["", "Knee: no stage met every SLO."]
+        elif best.index == rows[-1].index:
+            lines += ["", f"Knee not reached: the last stage ({best.users} users, {best.throughput_rps:.1f} req/s) "
+                          "still met every SLO; a larger shape (--shape-user-scale) finds it."]
+        else:
+            lines += ["", f"Knee: stage {best.index}, {best.users} users, {best.throughput_rps:.1f} req/s "
+                          "within every SLO."]
     return "\n".join(lines) + "\n"

@@ -140,7 +140,7 @@ def test_a_compressed_step_ramp_reports_every_stage_and_the_knee(triton, tmp_pat
     assert [s["users"] for s in stages] == sorted(s["users"] for s in stages)
     assert all(s["throughput_rps"] > 0 for s in stages[:4])
     summary = (tmp_path / "summary.md").read_text()
-    assert "| stage | users | ok req/s |" in summary and "Knee:" in summary
+    assert "| stage | users | ok req/s |" in summary and "Knee" in summary
     assert "shape: step, 32 s" in summary
 
 
@@ -177,10 +177,11 @@ def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path
 
 
 @pytest.mark.slow
-def test_the_full_step_ramp_finds_a_knee_within_slo(triton, tmp_path):
-    """The step shape as written (4 minutes), scaled to this host: some stage meets every SLO."""
-    result = run_locust(triton, tmp_path, "--mix", "embed", "--shape", "step", "--shape-user-scale", "0.5",
-                        timeout_s=420)
+def test_the_full_step_ramp_reports_every_stage_against_the_slo(triton, tmp_path):
+    """The step shape as written (4 minutes, up to 96 req/s): the form whose figures the README quotes."""
+    result = run_locust(triton, tmp_path, "--mix", "embed", "--shape", "step", timeout_s=420)
     assert result.returncode in (0, 1), explain(result)
-    summary = (tmp_path / "summary.md").read_text()
-    assert "Knee: stage" in summary, summary
+    report = verdict(tmp_path)
+    assert len(report["stages"]) == 8 and report["stages"][0]["within_slo"]
+    assert result.returncode == (0 if report["passed"] else 1)
+    assert "Knee" in (tmp_path / "summary.md").read_text()

@@ -112,6 +112,15 @@ def test_the_markdown_report_says_pass_or_fail_with_the_numbers():
     assert render_markdown(passing, {}).startswith("# Load run: PASS")
 
 
+def test_a_ramp_whose_last_stage_still_passes_says_the_knee_was_not_reached():
+    samples = [s for index in range(len(STEP.stages))
+               for s in requests("embed", "a", [50] * 4 * (index + 1), at_s=index * 10 + 1)]
+    rows = stage_rows(samples, STEP, 0, {"embed": EMBED}, 0.01)
+    assert all(row.within_slo for row in rows)
+    text = render_markdown(judge(samples, {"embed": EMBED}, 0.01), {}, rows)
+    assert "Knee not reached: the last stage" in text and "Knee: stage" not in text
+
+
 def test_a_tenant_with_its_own_error_allowance_is_judged_by_it_and_weighs_in_the_model_line():
     samples = (requests("embed", "a", [50] * 90) + requests("embed", "bulk", [50] * 5)
                + requests("embed", "bulk", [5] * 5, error="rejected"))
