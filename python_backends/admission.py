@@ -134,9 +134,9 @@ def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, pr
 
     The starting bound is a guess from the profile, and at that pace an on-time server would
     take hundreds of answers to climb from it, refusing requests at light load meanwhile. So
-    while `probing` (no answer has been late yet, like TCP's slow start) each on-time answer
-    grows it by `PROBE_STEP`: about 60 answers span the whole range, and the first late answer
-    ends the probing where the edge is.
+    while `probing` (no answer has been late since the server last drained, like TCP's slow
+    start) each on-time answer grows it by `PROBE_STEP`: about 60 answers span the whole range,
+    and the first late answer ends the probing where the edge is.
     """
     if latency_ms > policy.target_ms:
         bound_ms *= 1.0 - STEP
@@ -215,7 +215,12 @@ class SharedWork:
         try:
             probing = self._shared(1) == 0.0
             self._set_shared(0, adjust_bound(policy, self.bound_ms(policy), latency_ms, probing))
-            if latency_ms > policy.target_ms:
+            if self.total_ms() <= 0.0:
+                # Drained: the late answers were about a queue that is gone, so the next
+                # traffic probes again (TCP restarts its slow start after idle, too).
+                # Under sustained overload the server never drains and this never fires.
+                self._set_shared(1, 0.0)
+            elif latency_ms > policy.target_ms:
                 self._set_shared(1, 1.0)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

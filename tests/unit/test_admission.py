@@ -205,15 +205,21 @@ def test_the_shared_bound_starts_at_the_policy_and_follows_the_answers(tmp_path)
     assert work.bound_ms(POLICY) == POLICY.max_work_ms
 
 
-def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance(tmp_path):
+def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and_again_once_drained(tmp_path):
     first, second = SharedWork(tmp_path / "work.bin", 0), SharedWork(tmp_path / "work.bin", 1)
+    first.add(10.0)  # work in flight all along: the server never drains
     first.record_latency(ADAPTIVE, 100.0)
     assert first.bound_ms(ADAPTIVE) == pytest.approx(60.0 * 1.02)  # probing: fast growth
     second.record_latency(ADAPTIVE, 500.0)  # late, on another instance: probing ends for all
     after_late = first.bound_ms(ADAPTIVE)
     assert after_late == pytest.approx(60.0 * 1.02 * 0.95)
     first.record_latency(ADAPTIVE, 100.0)
-    assert first.bound_ms(ADAPTIVE) == pytest.approx(after_late * (1 / 0.95) ** (1 / 19))
+    slow = after_late * (1 / 0.95) ** (1 / 19)
+    assert first.bound_ms(ADAPTIVE) == pytest.approx(slow)
+    first.add(-10.0)  # the last request in flight comes back: drained
+    first.record_latency(ADAPTIVE, 100.0)
+    first.record_latency(ADAPTIVE, 100.0)
+    assert first.bound_ms(ADAPTIVE) == pytest.approx(slow * (1 / 0.95) ** (1 / 19) * 1.02)  # probing again
 
 
 def test_an_adaptive_policy_needs_ordered_limits():
