@@ -17,5 +17,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="slow load run: pass --run-slow (or set RUN_SLOW=1) to run it")
     for item in items:
-        if "slow" in item.keywords:
+        if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
