@@ -6,7 +6,20 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tools import autoscale, bench, build_models, capacity, explain, gen_config, profiler, rollout, serve, sweep, top
+from tools import (
+    autoscale,
+    batch_cli,
+    bench,
+    build_models,
+    capacity,
+    explain,
+    gen_config,
+    profiler,
+    rollout,
+    serve,
+    sweep,
+    top,
+)
 
 COMMANDS = {
     "serve": serve,
@@ -20,6 +33,7 @@ COMMANDS = {
     "explain": explain,
     "autoscale": autoscale,
     "capacity": capacity,
+    "batch": batch_cli,
 }
 
 
