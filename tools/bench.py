@@ -25,7 +25,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
-from tools import bench_llm, bench_overload, record_signals
+from tools import bench_batch, bench_llm, bench_overload, record_signals
 from tools.gen_config import LLM_INFER_SUFFIX, ROUTER_VERSIONS, GeneratedModel, expected_files, plan_all
 from tools.latency_profile import LatencyProfile, ProfileError, load_profile
 from tools.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
@@ -243,6 +243,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_overload.add_arguments(overload)
     overload.set_defaults(benchmark_run=bench_overload.run)
+    batch = sub.add_parser("batch", help="batch API items/s against direct tritonclient calls",
+                           description=bench_batch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_batch.add_arguments(batch)
+    batch.set_defaults(benchmark_run=bench_batch.run)
     signals = sub.add_parser("signals", help="record /metrics under steady, overload and fragmented traffic",
                              description=record_signals.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     record_signals.add_arguments(signals)

@@ -80,11 +80,8 @@ def create_app(db_path: Path, limits: BatchLimits | None = None, clock: Callable
         finally:
             opened.pop("store").close()
 
-    class _Store:
-        def __getattr__(self, name: str):
-            return getattr(opened["store"], name)
-
-    store = _Store()
+    def store() -> BatchStore:
+        return opened["store"]
 
     app = FastAPI(title="triton-slo-kit batch inference API", version="1.0", lifespan=lifespan,
                   description="Submit many items at once; every item gets exactly one result, in input order.")
@@ -119,15 +116,15 @@ def create_app(db_path: Path, limits: BatchLimits | None = None, clock: Callable
             status = 413 if "more than the" in str(err) else 422  # too many items, or too many bytes
             return error(status, str(err), field=err.field)
         try:
-            batch_id, created = store.submit(submission, clock())
+            batch_id, created = store().submit(submission, clock())
         except IdempotencyConflict as err:
             return error(409, str(err), batch_id=err.batch_id)
-        return JSONResponse(batch_json(store.get_batch(batch_id)), status_code=201 if created else 200)
+        return JSONResponse(batch_json(store().get_batch(batch_id)), status_code=201 if created else 200)
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str):
         try:
-            return batch_json(store.get_batch(batch_id))
+            return batch_json(store().get_batch(batch_id))
         except BatchNotFound:
             return error(404, f"no batch {batch_id!r}")
 
@@ -135,8 +132,8 @@ def create_app(db_path: Path, limits: BatchLimits | None = None, clock: Callable
     async def results(batch_id: str, offset: int = Query(0, ge=0),
                       limit: int = Query(1000, ge=1, le=MAX_RESULTS_PAGE)):
         try:
-            view = store.get_batch(batch_id)
-            page = store.results(batch_id, offset, limit)
+            view = store().get_batch(batch_id)
+            page = store().results(batch_id, offset, limit)
         except BatchNotFound:
             return error(404, f"no batch {batch_id!r}")
         end = offset + len(page)
@@ -153,15 +150,15 @@ def create_app(db_path: Path, limits: BatchLimits | None = None, clock: Callable
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(batch_id: str):
         try:
-            store.cancel(batch_id, clock())
-            return batch_json(store.get_batch(batch_id))
+            store().cancel(batch_id, clock())
+            return batch_json(store().get_batch(batch_id))
         except BatchNotFound:
             return error(404, f"no batch {batch_id!r}")
 
     @app.get("/healthz")
     async def healthz():
         with contextlib.suppress(BatchNotFound):
-            store.get_batch("")  # one query against the file: it answers, or this raises (500)
+            store().get_batch("")  # one query against the file: it answers, or this raises (500)
         return {"status": "ok"}
 
     return app
