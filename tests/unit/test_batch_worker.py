@@ -111,3 +111,23 @@ def test_items_of_a_model_the_worker_does_not_serve_fail_with_a_clear_error(tmp_
         run_until_done(store, worker, batch_id)
         (result,) = store.results(batch_id)
     assert result.status == "failed" and "serves no model 'embed'" in result.error
+
+
+def test_a_stopped_worker_sends_what_it_holds_before_it_returns(tmp_path):
+    with BatchStore(tmp_path / "q.db") as store:
+        batch_id = submit(store, [f"t{i}" for i in range(12)])
+        caller = FakeCaller()
+        worker = BatchWorker(store, fast(max_batch_items=20, max_in_flight=1, max_wait_s=60.0), {"embed": caller})
+
+        async def main():
+            task = asyncio.create_task(worker.run())
+            while not worker.num_held:  # it has leased items and is waiting for a fuller request
+                await asyncio.sleep(0.005)
+            held = worker.num_held
+            worker.stop()
+            await task
+            return held
+
+        held = asyncio.run(main())
+        counts = store.get_batch(batch_id).counts
+    assert held == 12 and counts.num_leased == 0 and counts.num_ok == 12  # not left to a lease expiry

@@ -105,7 +105,11 @@ class BatchWorker:
                 if not claimed and not self._pending:
                     wait_s = self.config.poll_s
                 await self._sleep(wait_s)
-            self._dispatch_ready(flush=True)
+            # Stopping: send what is already leased (the window still applies), then wait.
+            while self._pending:
+                self._dispatch_ready(flush=True)
+                if self._in_flight:
+                    await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
             if self._in_flight:
                 await asyncio.gather(*self._in_flight, return_exceptions=True)
         finally:
