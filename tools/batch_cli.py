@@ -94,6 +94,20 @@ def worker_command(args: argparse.Namespace, worker_id: str) -> list[str]:
             "--lease-s", str(args.lease_s), "--max-attempts", str(args.max_attempts)]
 
 
+def _die_with_parent() -> None:
+    """Runs in a worker child before exec: SIGTERM when `serve` dies, even by SIGKILL, so no
+    worker is left claiming items for a service that is gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def start_worker(args: argparse.Namespace, worker_id: str) -> subprocess.Popen:
+    return subprocess.Popen(worker_command(args, worker_id), preexec_fn=_die_with_parent)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """The API here, the workers as children restarted when they die."""
     import threading
@@ -107,14 +121,14 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     stopping = threading.Event()
     names = [f"{socket.gethostname()}-{os.getpid()}-w{index}" for index in range(args.workers)]
-    children = {name: subprocess.Popen(worker_command(args, name)) for name in names}
+    children = {name: start_worker(args, name) for name in names}
 
     def watch() -> None:
         while not stopping.wait(1.0):
             for name, child in list(children.items()):
                 if child.poll() is not None and not stopping.is_set():
                     log.warning("worker %s exited with %s; starting it again", name, child.returncode)
-                    children[name] = subprocess.Popen(worker_command(args, name))
+                    children[name] = start_worker(args, name)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
