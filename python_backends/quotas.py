@@ -282,13 +282,21 @@ def refund_tokens(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, t
         buckets.charge(f"tok:{tenant}", -unused, tier.llm_tokens_per_s, tier.llm_token_burst, now_s)
 
 
-def parse_tenant(params: Mapping[str, object]) -> str:
+def parse_tenant_claim(params: Mapping[str, object]) -> str | None:
     """The tenant a request names (`tenant` parameter, or a `tenant` header the server forwards
-    under the header's own spelling); `default` when it names none. ValueError says what is
-    wrong with a bad one."""
-    tenant = next((value for key, value in params.items() if key.lower() == "tenant"), "default")
+    under the header's own spelling), or None when it names none. ValueError says what is
+    wrong with a bad one. A claim only: with tenant authentication on, a token must prove it."""
+    names = [key for key in params if key.lower() == "tenant"]
+    if not names:
+        return None
+    tenant = params[names[0]]
     if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
         raise ValueError(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
     if not TENANT_PATTERN.match(tenant):  # ASCII only: str.isalnum() would let any script's letters in
         raise ValueError("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
     return tenant
+
+
+def parse_tenant(params: Mapping[str, object]) -> str:
+    """The tenant a request names, trusted as sent (tenant authentication off); `default` when it names none."""
+    return parse_tenant_claim(params) or "default"
