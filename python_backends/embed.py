@@ -8,7 +8,7 @@ passes the outputs to `buckets.reassemble`. Everything here is free of Triton im
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +18,7 @@ from python_backends.buckets import Chunk, pad_rows, plan_chunks, truncate_token
 from python_backends.errors import InvalidInput
 from python_backends.quotas import UNLIMITED, TenantPolicy, parse_tenant
 from python_backends.routing import RoutingTable, parse_weights, pinned_version
+from python_backends.tenant_auth import AUTH_OFF, AuthConfig, parse_auth_parameter
 from python_backends.tokenization import TextTokenizer
 
 EMBEDDING_DIM = 384
@@ -36,8 +37,14 @@ VERSION_INFLIGHT = ("embed_inflight_requests", "Requests the router is serving o
 SHADOW_COSINE = ("embed_shadow_cosine", "Cosine between the candidate's and the baseline's embedding of shadowed rows")
 # Per tenant (labels model, tenant, tier, outcome): who is served and who is turned away.
 TENANT_COUNTER = ("embed_tenant_requests_total",
-                  "Requests by tenant, tier and outcome (ok, error, rejected: server busy, over_quota)")
-TENANT_OUTCOMES = ("ok", "error", "rejected", "over_quota")
+                  "Requests by tenant, tier and outcome (ok, error, rejected: server busy, over_quota, "
+                  "unauthenticated)")
+TENANT_OUTCOMES = ("ok", "error", "rejected", "over_quota", "unauthenticated")
+# A request that failed authentication has no tenant the router can trust: it is counted
+# under these labels, and by reason (labels model, reason) in the failure counter.
+UNAUTHENTICATED_LABELS = {"tenant": "unknown", "tier": "none", "outcome": "unauthenticated"}
+AUTH_FAILURE_COUNTER = ("embed_auth_failures_total",
+                        "Requests refused before any model ran because their tenant credential failed, by reason")
 # Histogram bucket edges: latency in seconds (fine around a 200 ms SLO), cosine near 1.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4,
                      0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -58,6 +65,7 @@ class RouterConfig:
     routing_file: str = "routing.json"  # the live split, relative to the model's folder unless absolute
     tenants: TenantPolicy = UNLIMITED  # tiers and quotas of tenants (spec [tenants])
     admission: AdmissionPolicy = ADMIT_ALL  # how much work may be in flight (derived from the profile)
+    auth: AuthConfig = AUTH_OFF  # how a request proves its tenant (spec [tenants.auth])
 
     @property
     def max_tokens(self) -> int:
@@ -99,6 +107,7 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
         routing_file=parameters.get("routing_file", "routing.json") or "routing.json",
         tenants=parse_tenant_policy(model_name, parameters.get("tenants", "")),
         admission=parse_admission(model_name, parameters.get("admission", ""), bucket_lens),
+        auth=parse_auth_parameter(model_name, parameters.get("tenant_auth", "")),
     )
 
 
@@ -163,19 +172,24 @@ class RequestOptions:
     version: int | None = None  # encoder version the request pins; None: the routing table decides
 
 
-def parse_request_options(parameters_json: str | None) -> RequestOptions:
-    """Parse the request's parameters (Triton hands them over as a JSON object)."""
-    if not parameters_json:
-        return RequestOptions()
-    try:
-        params = json.loads(parameters_json)
-    except json.JSONDecodeError as err:
-        raise InvalidInput(f"request parameters are not valid JSON: {err}") from None
+def parse_request_options(parameters_json: str | None,
+                          tenant_of: Callable[[Mapping[str, object]], str] = parse_tenant) -> RequestOptions:
+    """Parse the request's parameters (Triton hands them over as a JSON object).
+
+    `tenant_of` says who the request is from; with tenant authentication on it checks the
+    token, and its `AuthError` passes through to the caller untouched.
+    """
+    params: object = {}
+    if parameters_json:
+        try:
+            params = json.loads(parameters_json)
+        except json.JSONDecodeError as err:
+            raise InvalidInput(f"request parameters are not valid JSON: {err}") from None
     if not isinstance(params, dict):
         raise InvalidInput("request parameters must be a JSON object")
 
     try:
-        tenant = parse_tenant(params)
+        tenant = tenant_of(params)
     except ValueError as err:
         raise InvalidInput(str(err)) from None
 

@@ -63,6 +63,10 @@ ANONYMOUS_TENANT = "anonymous"  # who a request without a token is, in `anonymou
 TOKEN_PARAMETER = "tenant_token"
 TOKEN_HEADER = "tenant-token"
 AUTH_FAILED = "authentication failed: "  # starts every AuthError message; clients and BLS callers match on it
+# The kit's root: the folder holding python_backends/ and serving.toml. A relative keys file
+# is found from here, not from the model's folder, so a copied or relocated model repository
+# (the benchmarks build their own) still reads the same keys.
+KIT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class AuthMode(StrEnum):
@@ -302,7 +306,7 @@ class AuthConfig:
     """How a model authenticates tenants (spec `[tenants.auth]`, a model config parameter)."""
 
     mode: AuthMode = AuthMode.OFF
-    keys_file: str = ""  # the keys file; a relative path is relative to the model's folder
+    keys_file: str = ""  # the keys file; a relative path is relative to the kit's root (KIT_ROOT)
     max_clock_skew_s: float = 30.0  # a token is taken this long past its expiry
 
     def __post_init__(self) -> None:
@@ -313,8 +317,9 @@ class AuthConfig:
         if not 0.0 <= self.max_clock_skew_s <= MAX_CLOCK_SKEW_S:
             raise ValueError(f"max_clock_skew_s must be within [0, {MAX_CLOCK_SKEW_S:g}], got {self.max_clock_skew_s}")
 
-    def keys_path(self, model_dir: Path) -> Path:
-        return Path(model_dir) / self.keys_file
+    def keys_path(self, root: Path = KIT_ROOT) -> Path:
+        path = Path(self.keys_file)
+        return path if path.is_absolute() else root / path
 
     def to_json(self) -> str:
         return json.dumps({"mode": self.mode.value, "keys_file": self.keys_file,

@@ -20,6 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from loadtest.workload import load_workload
 from python_backends.embed import EMBEDDING_DIM
 from python_backends.routing import format_weights
+from python_backends.tenant_auth import AuthMode
 from tools.derivation import (
     Admission,
     BatchingKnobs,
@@ -187,10 +188,11 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     params["routing_file"].string_value = ROUTING_FILE
     params["tenants"].string_value = spec.tenant_policy().to_json()
     params["admission"].string_value = admission.policy.to_json()
+    params["tenant_auth"].string_value = spec.auth_config().to_json()
     return config
 
 
-def llm_config(model: LLMModelSpec, tenant_json: str) -> mc.ModelConfig:
+def llm_config(model: LLMModelSpec, tenant_json: str, auth_json: str) -> mc.ModelConfig:
     """The decoupled `llm` model: one engine instance that batches per iteration itself, so
     Triton's own batcher stays off (max_batch_size 0) and every request goes straight in."""
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=0)
@@ -211,6 +213,7 @@ def llm_config(model: LLMModelSpec, tenant_json: str) -> mc.ModelConfig:
         params[name].string_value = str(getattr(model, name))
     params["num_threads"].string_value = str(model.threads)
     params["tenants"].string_value = tenant_json
+    params["tenant_auth"].string_value = auth_json
     return config
 
 
@@ -232,6 +235,17 @@ def llm_infer_config(model: LLMModelSpec) -> mc.ModelConfig:
     return config
 
 
+def auth_header(spec: ServingSpec) -> str:
+    """One line for a config header: how this model learns who a request is from."""
+    auth = spec.tenant_auth
+    if auth is None:
+        return "tenant_auth: off: the `tenant` parameter is trusted as sent (spec [tenants.auth] mode = \"off\")"
+    who = (f"a request without one is the tenant `anonymous`, tier {auth.anonymous_tier}"
+           if auth.mode is AuthMode.ANONYMOUS else "a request without one is refused")
+    return (f"tenant_auth: {auth.mode.value}: a tenant token (HMAC-signed, keys in {_relative(auth.keys_file)}, "
+            f"re-read within 1 s of a change) names the tenant; {who}")
+
+
 def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
     if model.batching == "continuous":
         policy = (f"Continuous batching: up to {model.max_num_seqs} sequences and {model.max_num_batched_tokens} "
@@ -244,11 +258,12 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
                       if t.llm_tokens_per_s else f"{t.name}: no quota" for t in spec.tiers)
     header = (*provenance(spec, profile), "", *policy,
               f"tenants: generated-token quota of each tenant by tier ({tiers}); a request reserves its max_tokens",
-              "(at most the burst) and gets back what it did not generate when it finishes.")
+              "(at most the burst) and gets back what it did not generate when it finishes.",
+              auth_header(spec))
     infer_header = (*provenance(spec, profile), "",
                     f"Plain (unary) infer for {model.name!r}: forwards each request to its engine and answers once")
-    return [GeneratedModel(name=model.name, config=llm_config(model, spec.tenant_policy().to_json()), header=header,
-                           adapter="llm_model", versions=model.versions),
+    config = llm_config(model, spec.tenant_policy().to_json(), spec.auth_config().to_json())
+    return [GeneratedModel(name=model.name, config=config, header=header, adapter="llm_model", versions=model.versions),
             GeneratedModel(name=f"{model.name}{LLM_INFER_SUFFIX}", config=llm_infer_config(model),
                            header=infer_header, adapter="llm_infer_model", versions=(1,))]
 
@@ -357,6 +372,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         "tenants: each tenant's quota by tier (" + "; ".join(
             f"{t.name}: {t.requests_per_s:g} req/s, burst {t.burst:g}" if t.requests_per_s else f"{t.name}: no quota"
             for t in spec.tiers) + "), enforced across the router's instances before tokenizing.",
+        auth_header(spec),
         "bucket_max_batch: each bucket's derived max_batch_size; larger requests are sent in chunks.",
         "preferred_batch_size 1: the router's queue orders by priority but never batches, so a request",
         "never waits for another request's slower bucket.",
@@ -409,7 +425,8 @@ def check(files: dict[Path, str], repository: Path) -> list[str]:
     return problems
 
 
-ROUTER_KNOBS = ("tenants", "bucket_max_batch", "instance_count", "admission", "max_queue_size", "version_weights")
+ROUTER_KNOBS = ("tenants", "tenant_auth", "bucket_max_batch", "instance_count", "admission", "max_queue_size",
+                "version_weights")
 
 
 def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfile) -> str:

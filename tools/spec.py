@@ -16,6 +16,7 @@ from pathlib import Path
 from python_backends.buckets import validate_buckets
 from python_backends.quotas import TENANT_PATTERN, TenantPolicy
 from python_backends.quotas import TierPolicy as TenantTier  # a tier of the spec is the policy's tier
+from python_backends.tenant_auth import ANONYMOUS_TENANT, MAX_CLOCK_SKEW_S, AuthConfig, AuthMode
 from tools.triton_server import REPO_ROOT
 
 DEFAULT_SPEC = REPO_ROOT / "serving.toml"
@@ -49,6 +50,29 @@ class HardwareLimits:
         if self.kind != "cpu" or self.intra_op_threads == 0:
             return 1
         return max(1, cpu_count // self.intra_op_threads)
+
+
+DEFAULT_KEYS_FILE = "build/tenant_keys.json"  # relative to the spec; build/ is never committed
+
+
+@dataclass(frozen=True)
+class TenantAuthSpec:
+    """How a request proves which tenant it is (spec `[tenants.auth]`)."""
+
+    mode: AuthMode  # off: trust the `tenant` parameter; anonymous: no token = tenant `anonymous`; required
+    keys_file: Path  # the keys that verify tenant tokens (absolute; the spec gives it relative to itself)
+    anonymous_tier: str  # tier of the `anonymous` tenant in anonymous mode
+    max_clock_skew_s: float = 30.0  # a token is still taken this long past its expiry
+
+    def config(self) -> AuthConfig:
+        """The models' `tenant_auth` parameter. A keys file inside the kit is written relative to
+        the kit's root (where the models resolve it), so a generated config holds no absolute
+        path and serves from any checkout or copy of the model repository."""
+        try:
+            keys_file = str(self.keys_file.relative_to(REPO_ROOT))
+        except ValueError:
+            keys_file = str(self.keys_file)
+        return AuthConfig(mode=self.mode, keys_file=keys_file, max_clock_skew_s=self.max_clock_skew_s)
 
 
 @dataclass(frozen=True)
@@ -107,14 +131,22 @@ class ServingSpec:
     hardware: dict[str, HardwareLimits]  # by hardware kind
     llm_models: tuple[LLMModelSpec, ...] = ()  # generative models
     tenant_members: dict[str, str] = field(default_factory=dict)  # tenant id -> tier name
+    tenant_auth: TenantAuthSpec | None = None  # None: authentication off (the `tenant` parameter is trusted)
 
     def tier(self, name: str) -> TenantTier:
         return next(t for t in self.tiers if t.name == name)
 
     def tenant_policy(self) -> TenantPolicy:
-        """Tiers, members and quotas as the router and the LLM engine enforce them."""
-        return TenantPolicy(tiers={t.name: t for t in self.tiers}, default_tier=self.default_tier,
-                            members=dict(self.tenant_members))
+        """Tiers, members and quotas as the router and the LLM engine enforce them. In anonymous
+        mode the `anonymous` tenant is a member of its tier, so it has a tier and a metric label."""
+        members = dict(self.tenant_members)
+        if self.tenant_auth is not None and self.tenant_auth.mode is AuthMode.ANONYMOUS:
+            members[ANONYMOUS_TENANT] = self.tenant_auth.anonymous_tier
+        return TenantPolicy(tiers={t.name: t for t in self.tiers}, default_tier=self.default_tier, members=members)
+
+    def auth_config(self) -> AuthConfig:
+        """The models' `tenant_auth` parameter (mode off when the spec turns authentication off)."""
+        return self.tenant_auth.config() if self.tenant_auth is not None else AuthConfig()
 
 
 def _positive(table: dict, key: str, where: str, kind=float, allow_zero: bool = False):
@@ -170,6 +202,9 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         if tier not in {t.name for t in tiers}:
             raise SpecError(f"{where} [tenants.members]: tenant {tenant!r} is in tier {tier!r}, which is not "
                             f"one of {[t.name for t in tiers]}")
+
+    tenant_auth = parse_tenant_auth(data.get("tenants", {}).get("auth", {}), tiers, members, root,
+                                    f"{where} [tenants.auth]")
 
     hardware = {}
     for kind, raw in data.get("hardware", {}).items():
@@ -239,7 +274,45 @@ def parse_spec(data: dict, path: Path) -> ServingSpec:
         hardware=hardware,
         llm_models=llm_models,
         tenant_members=dict(members),
+        tenant_auth=tenant_auth,
     )
+
+
+AUTH_KEYS = ("mode", "keys_file", "anonymous_tier", "max_clock_skew_s")
+
+
+def parse_tenant_auth(raw: object, tiers: tuple[TenantTier, ...], members: dict, root: Path,
+                      at: str) -> TenantAuthSpec | None:
+    """`[tenants.auth]`. Without the table tenants authenticate in anonymous mode: a bare
+    `tenant` parameter is never trusted unless the spec says `mode = "off"`."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{at}: must be a table")
+    unknown = sorted(set(raw) - set(AUTH_KEYS))
+    if unknown:  # a misspelt key in a security setting must not fall back to a default silently
+        raise SpecError(f"{at}: unknown key(s) {unknown}; the keys are {list(AUTH_KEYS)}")
+    modes = [m.value for m in AuthMode]
+    mode_name = raw.get("mode", AuthMode.ANONYMOUS.value)
+    if mode_name not in modes:
+        raise SpecError(f"{at}: mode must be one of {modes}, got {mode_name!r}")
+    mode = AuthMode(mode_name)
+    if mode is AuthMode.OFF:
+        return None
+    keys_file = raw.get("keys_file", DEFAULT_KEYS_FILE)
+    if not isinstance(keys_file, str) or not keys_file.strip():
+        raise SpecError(f"{at}: keys_file must be a path (relative to the spec), got {keys_file!r}")
+    lowest = max(tiers, key=lambda tier: tier.priority).name
+    anonymous_tier = raw.get("anonymous_tier", lowest)
+    if anonymous_tier not in {t.name for t in tiers}:
+        raise SpecError(f"{at}: anonymous_tier {anonymous_tier!r} is not one of {[t.name for t in tiers]}")
+    if ANONYMOUS_TENANT in members:
+        raise SpecError(f"{at}: the tenant id {ANONYMOUS_TENANT!r} is reserved for requests without a token; "
+                        "remove it from [tenants.members]")
+    skew = raw.get("max_clock_skew_s", 30.0)
+    if isinstance(skew, bool) or not isinstance(skew, int | float) or not 0 <= skew <= MAX_CLOCK_SKEW_S:
+        raise SpecError(f"{at}: max_clock_skew_s must be a number of seconds within [0, {MAX_CLOCK_SKEW_S:g}], "
+                        f"got {skew!r}")
+    return TenantAuthSpec(mode=mode, keys_file=(root / keys_file).resolve(), anonymous_tier=anonymous_tier,
+                          max_clock_skew_s=float(skew))
 
 
 def _version_tables(raw: dict, versions: tuple[int, ...], at: str) -> tuple[dict[int, str], dict[int, float]]:

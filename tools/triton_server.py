@@ -28,7 +28,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
-TENANT_HEADER_PATTERN = "(?i)^tenant$"  # RE2, matched against header names
+# RE2, matched against header names: `tenant` and `tenant-token` reach the models as request
+# parameters of the same names. Nothing else is forwarded (an `authorization` header belongs
+# to whatever proxy sits in front, not to the tenant).
+TENANT_HEADER_PATTERN = "(?i)^tenant(-token)?$"
 
 
 class ServerError(RuntimeError):
@@ -157,7 +160,7 @@ def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: 
         f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
         # 0 without a GPU: skip the pinned-memory pool instead of warning about it.
         f"--pinned-memory-pool-byte-size={config.pinned_memory_bytes}",
-        # A `tenant` header reaches the models as the `tenant` request parameter.
+        # `tenant` and `tenant-token` headers reach the models as request parameters.
         f"--http-header-forward-pattern={TENANT_HEADER_PATTERN}",
         f"--grpc-header-forward-pattern={TENANT_HEADER_PATTERN}",
     ]

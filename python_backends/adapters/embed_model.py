@@ -21,12 +21,14 @@ import triton_python_backend_utils as pb_utils
 from python_backends.admission import SharedWork, instance_slot, tier_share
 from python_backends.buckets import reassemble
 from python_backends.embed import (
+    AUTH_FAILURE_COUNTER,
     BUCKET_COUNTERS,
     COSINE_BUCKETS,
     LATENCY_BUCKETS_S,
     ROUTER_COUNTERS,
     SHADOW_COSINE,
     TENANT_COUNTER,
+    UNAUTHENTICATED_LABELS,
     VERSION_COUNTER,
     VERSION_INFLIGHT,
     VERSION_LATENCY,
@@ -40,6 +42,7 @@ from python_backends.embed import (
 from python_backends.errors import InvalidInput
 from python_backends.quotas import SharedBuckets, admit
 from python_backends.routing import RoutingSource
+from python_backends.tenant_auth import AuthError, AuthFailure, AuthMode, KeySource, resolve_tenant
 from python_backends.tokenization import TextTokenizer
 
 MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load on a busy server
@@ -68,7 +71,8 @@ class TritonPythonModel:
             for name, text in ROUTER_COUNTERS.items()
         }
         for (name, text), kind in ((VERSION_COUNTER, counter), (TENANT_COUNTER, counter), (VERSION_INFLIGHT, gauge),
-                                   (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram)):
+                                   (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram),
+                                   (AUTH_FAILURE_COUNTER, counter)):
             self.metric_families[name] = pb_utils.MetricFamily(name=name, description=text, kind=kind)
         self.truncated = self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": self.model})
         self.bucket_metrics = {
@@ -82,6 +86,18 @@ class TritonPythonModel:
         self.shadow_metrics = {}
         self.tenant_metrics = {}
         self.shadow_tasks = set()
+        # Tenant authentication: each instance reads the keys file itself (a stat a second at
+        # most), so a rotated key reaches every instance without a restart.
+        self.auth = config.auth
+        self.key_source = (KeySource(config.auth.keys_path())
+                           if config.auth.mode is not AuthMode.OFF else None)
+        self.unauthenticated = self.metric_families[TENANT_COUNTER[0]].Metric(
+            labels={"model": self.model, **UNAUTHENTICATED_LABELS})
+        self.auth_failures = {
+            reason: self.metric_families[AUTH_FAILURE_COUNTER[0]].Metric(
+                labels={"model": self.model, "reason": reason.value})
+            for reason in AuthFailure
+        }
         # Quotas hold across every instance of the router (each its own process) of this
         # server (the stub's parent), so the buckets live in one shared file.
         self.tenants = config.tenants
@@ -184,11 +200,21 @@ class TritonPythonModel:
         outputs = [pb_utils.get_output_tensor_by_name(r, "EMBEDDING").as_numpy() for r in responses]
         return None, reassemble(len(prepared.token_counts), prepared.chunk_plan, outputs)
 
+    def _tenant_of(self, params):
+        keys = self.key_source.keys(time.monotonic(), on_error=self.logger.log_warn) if self.key_source else {}
+        return resolve_tenant(params, self.auth, keys, time.time())
+
     async def _serve(self, request):
         started = time.monotonic()
         try:
-            options = parse_request_options(request.parameters())
+            options = parse_request_options(request.parameters(), self._tenant_of)
         except InvalidInput as err:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
+        except AuthError as err:
+            # Triton has no UNAUTHENTICATED code: INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT),
+            # not retryable, with a message starting "authentication failed: ".
+            self.unauthenticated.increment(1)
+            self.auth_failures[err.reason].increment(1)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG))
         # The quota first: a tenant over it costs the server no tokenization and no queue slot.
         quota = admit(self.tenants, self.quota_buckets, options.tenant, started)

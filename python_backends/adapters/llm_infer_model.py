@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.adapters.llm_model import INPUT_NAMES, INVALID_REQUEST
+from python_backends.tenant_auth import AUTH_FAILED
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUT_NAMES = ["text_output", "finish_reason", "prompt_tokens", "completion_tokens"]
@@ -52,7 +53,8 @@ class TritonPythonModel:
                     f"{self.target} returned no response", pb_utils.TritonError.INTERNAL))
             elif answer.has_error():
                 message = answer.error().message()
-                code = (pb_utils.TritonError.INVALID_ARG if INVALID_REQUEST in message
+                # Over BLS every error arrives as INTERNAL: the message says what it was.
+                code = (pb_utils.TritonError.INVALID_ARG if INVALID_REQUEST in message or AUTH_FAILED in message
                         else pb_utils.TritonError.UNAVAILABLE if "retry" in message else pb_utils.TritonError.INTERNAL)
                 answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
             else:

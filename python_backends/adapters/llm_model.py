@@ -25,7 +25,8 @@ from python_backends.llm_engine import (
     inputs_from_arrays,
     parse_engine_config,
 )
-from python_backends.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, parse_tenant, refund_tokens
+from python_backends.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
+from python_backends.tenant_auth import AuthError, AuthMode, KeySource, parse_auth_parameter, resolve_tenant
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 TTFT_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0]
@@ -151,6 +152,12 @@ class TritonPythonModel:
             self.tenants = TenantPolicy.from_json(params["tenants"]) if params.get("tenants") else UNLIMITED
         except ValueError as err:
             raise pb_utils.TritonModelException(f"model {name!r}: parameter tenants: {err}") from None
+        try:
+            self.auth = parse_auth_parameter(name, params.get("tenant_auth", ""))
+        except ValueError as err:
+            raise pb_utils.TritonModelException(str(err)) from None
+        self.key_source = (KeySource(self.auth.keys_path())
+                           if self.auth.mode is not AuthMode.OFF else None)
         self.token_buckets = LocalBuckets()  # one instance owns the engine, so its buckets are local
         self.metrics = LLMMetrics(name)
         self.ids = itertools.count()
@@ -160,10 +167,17 @@ class TritonPythonModel:
             f"{name}: {config.policy.value} batching, {self.engine.scheduler.config.num_blocks} KV blocks of "
             f"{config.block_size} tokens, up to {config.max_num_seqs} sequences")
 
+    def _tenant_of(self, request):
+        keys = self.key_source.keys(time.monotonic(), on_error=pb_utils.Logger.log_warn) if self.key_source else {}
+        params = json.loads(request.parameters() or "{}")
+        return resolve_tenant(params, self.auth, keys, time.time())
+
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
+                # Who it is from, first: a request that fails authentication is not even tokenized.
+                tenant = self._tenant_of(request)
                 arrays = {}
                 for input_name in INPUT_NAMES:
                     tensor = pb_utils.get_input_tensor_by_name(request, input_name)
@@ -171,7 +185,11 @@ class TritonPythonModel:
                         arrays[input_name] = tensor.as_numpy()
                 inputs = inputs_from_arrays(arrays)
                 prompt, params = self.engine.prepare(inputs)
-                tenant = parse_tenant(json.loads(request.parameters() or "{}"))
+            except AuthError as err:
+                # Not retryable, and never counted against a tenant: INVALID_ARG (HTTP 400).
+                error = pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
             except (InvalidInput, ValueError) as err:
                 error = pb_utils.TritonError(f"{INVALID_REQUEST}{err}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)

@@ -39,6 +39,36 @@ def test_options_defaults():
     assert parse_request_options("{}") == RequestOptions()
 
 
+def test_options_take_the_tenant_from_the_given_resolver_and_let_auth_errors_through():
+    from python_backends.tenant_auth import AuthError, AuthFailure
+
+    assert parse_request_options('{"tenant_token": "t"}', lambda params: "from-token").tenant == "from-token"
+    assert parse_request_options(None, lambda params: f"{len(params)} params").tenant == "0 params"
+
+    def refuse(params):
+        raise AuthError(AuthFailure.BAD_SIGNATURE, "forged")
+
+    with pytest.raises(AuthError, match="authentication failed: forged"):
+        parse_request_options('{"tenant_token": "t"}', refuse)
+
+    def bad_claim(params):
+        raise ValueError("parameter 'tenant' may contain only ...")
+
+    with pytest.raises(InvalidInput, match="parameter 'tenant'"):
+        parse_request_options('{"tenant": "a b"}', bad_claim)
+
+
+def test_router_config_reads_the_auth_parameter():
+    from python_backends.tenant_auth import AUTH_OFF, AuthConfig, AuthMode
+
+    base = {"bucket_lens": "16", "bucket_max_batch": "16:4"}
+    assert parse_router_config("embed", base).auth == AUTH_OFF
+    auth = AuthConfig(AuthMode.REQUIRED, "build/k.json", 5.0)
+    assert parse_router_config("embed", {**base, "tenant_auth": auth.to_json()}).auth == auth
+    with pytest.raises(ValueError, match="model 'embed_v9': parameter tenant_auth"):
+        parse_router_config("embed_v9", {**base, "tenant_auth": '{"mode": "sometimes"}'})
+
+
 def test_options_parsed():
     options = parse_request_options(json.dumps({"tenant": "team-a.prod", "truncate": "false"}))
     assert options == RequestOptions(tenant="team-a.prod", truncate=False)

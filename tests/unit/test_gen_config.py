@@ -214,6 +214,22 @@ def test_router_has_one_version_answers_version_and_splits_all_traffic_to_versio
     assert parsed.default_routing == RoutingTable({1: 100.0})
 
 
+def test_the_router_and_the_llm_read_back_how_tenants_authenticate(plan):
+    from python_backends.tenant_auth import AuthConfig, AuthMode, parse_auth_parameter
+
+    expected = AuthConfig(AuthMode.ANONYMOUS, "build/tenant_keys.json", 30.0)
+    by_name = {m.name: m for m in plan}
+    router = by_name["embed"].config
+    parsed = parse_router_config(router.name, {k: v.string_value for k, v in router.parameters.items()})
+    assert parsed.auth == expected
+    assert parsed.tenants.tier_of("anonymous").name == "standard"
+    llm = by_name["llm"].config
+    assert parse_auth_parameter("llm", llm.parameters["tenant_auth"].string_value) == expected
+    assert TenantPolicy.from_json(llm.parameters["tenants"].string_value).tier_of("anonymous").name == "standard"
+    for model in ("embed", "llm"):
+        assert any(line.startswith("tenant_auth: anonymous: a tenant token") for line in by_name[model].header)
+
+
 def test_every_encoder_version_gets_a_model_py_and_the_router_one(plan, tmp_path):
     files = expected_files(plan, tmp_path)
     shims = {str(path.relative_to(tmp_path)) for path in files if path.name == "model.py"}

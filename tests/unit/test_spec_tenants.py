@@ -3,6 +3,7 @@
 import pytest
 
 from python_backends.quotas import TierPolicy
+from python_backends.tenant_auth import ANONYMOUS_TENANT, AUTH_OFF, AuthConfig, AuthMode
 from tests.unit.test_gen_config import BASE, REPO
 from tools.spec import SpecError, parse_spec
 
@@ -52,3 +53,69 @@ def test_the_default_tier_defaults_to_the_lowest_priority():
 def test_tenant_errors_name_the_table_and_the_value(tenants, message):
     with pytest.raises(SpecError, match=message):
         parse_spec(with_tenants(tenants), SPEC)
+
+
+# --- [tenants.auth] --------------------------------------------------------------------------
+
+TIERS = {"tiers": {"gold": {"priority": 1}, "bronze": {"priority": 2}}}
+
+
+def test_the_repository_spec_authenticates_and_serves_requests_without_a_token_as_anonymous():
+    from tools.spec import load_spec
+
+    spec = load_spec(SPEC)
+    assert spec.tenant_auth.mode is AuthMode.ANONYMOUS
+    assert spec.tenant_auth.keys_file == REPO / "build" / "tenant_keys.json"
+    assert spec.tenant_auth.anonymous_tier == "standard"
+    assert spec.tenant_policy().tier_of(ANONYMOUS_TENANT).name == "standard"
+    assert spec.auth_config() == AuthConfig(AuthMode.ANONYMOUS, "build/tenant_keys.json", 30.0)
+
+
+def test_without_an_auth_table_bare_claims_are_not_trusted_and_anonymous_is_the_lowest_tier():
+    spec = parse_spec(with_tenants(TIERS), SPEC)
+    assert spec.tenant_auth.mode is AuthMode.ANONYMOUS and spec.tenant_auth.anonymous_tier == "bronze"
+    assert spec.tenant_policy().tier_of(ANONYMOUS_TENANT).name == "bronze"
+    assert spec.tenant_policy().metric_label(ANONYMOUS_TENANT) == ANONYMOUS_TENANT
+
+
+def test_required_mode_has_no_anonymous_tenant():
+    spec = parse_spec(with_tenants({**TIERS, "auth": {"mode": "required", "keys_file": "/etc/kit/keys.json"}}), SPEC)
+    assert spec.tenant_auth.mode is AuthMode.REQUIRED
+    assert ANONYMOUS_TENANT not in spec.tenant_policy().members
+    # A keys file outside the kit is written as it is; one inside, relative to the kit's root.
+    assert spec.auth_config().keys_file == "/etc/kit/keys.json"
+
+
+def test_mode_off_trusts_the_tenant_parameter():
+    spec = parse_spec(with_tenants({**TIERS, "auth": {"mode": "off"}}), SPEC)
+    assert spec.tenant_auth is None and spec.auth_config() == AUTH_OFF
+
+
+def test_the_keys_file_is_relative_to_the_spec():
+    spec = parse_spec(with_tenants({**TIERS, "auth": {"keys_file": "secrets/k.json"}}), SPEC)
+    assert spec.tenant_auth.keys_file == REPO / "secrets" / "k.json"
+    assert spec.auth_config().keys_file == "secrets/k.json"
+    spec = parse_spec(with_tenants({**TIERS, "auth": {"keys_file": "../outside/k.json"}}), SPEC)
+    assert spec.auth_config().keys_file == str(REPO.parent / "outside" / "k.json")
+
+
+@pytest.mark.parametrize(("auth", "members", "message"), [
+    ({"mode": "sometimes"}, {}, r"\[tenants.auth\]: mode must be one of \['off', 'anonymous', 'required'\]"),
+    ({"mdoe": "required"}, {}, r"\[tenants.auth\]: unknown key\(s\) \['mdoe'\]"),
+    ({"keys_file": ""}, {}, "keys_file must be a path"),
+    ({"keys_file": 7}, {}, "keys_file must be a path"),
+    ({"anonymous_tier": "platinum"}, {}, r"anonymous_tier 'platinum' is not one of \['gold', 'bronze'\]"),
+    ({"max_clock_skew_s": -1}, {}, r"max_clock_skew_s must be a number of seconds within \[0, 300\]"),
+    ({"max_clock_skew_s": 301}, {}, "max_clock_skew_s"),
+    ({"max_clock_skew_s": True}, {}, "max_clock_skew_s"),
+    ({}, {"anonymous": "gold"}, "the tenant id 'anonymous' is reserved"),
+    ({"mode": "required"}, {"anonymous": "gold"}, "the tenant id 'anonymous' is reserved"),
+])
+def test_auth_errors_name_the_table_and_the_value(auth, members, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(with_tenants({**TIERS, "auth": auth, "members": members}), SPEC)
+
+
+def test_an_auth_value_that_is_not_a_table_is_refused():
+    with pytest.raises(SpecError, match=r"\[tenants.auth\]: must be a table"):
+        parse_spec(with_tenants({**TIERS, "auth": "required"}), SPEC)

@@ -12,6 +12,7 @@ from python_backends.tenant_auth import (
     ANONYMOUS_TENANT,
     AUTH_FAILED,
     AUTH_OFF,
+    KIT_ROOT,
     MAX_KEYS,
     MAX_TOKEN_LEN,
     AuthConfig,
@@ -380,12 +381,16 @@ def test_the_skew_allowance_of_the_config_applies():
 
 
 def test_the_auth_config_round_trips_through_its_parameter():
-    config = AuthConfig(AuthMode.ANONYMOUS, "../../build/tenant_keys.json", 15.0)
+    config = AuthConfig(AuthMode.ANONYMOUS, "build/tenant_keys.json", 15.0)
     assert AuthConfig.from_json(config.to_json()) == config
     assert parse_auth_parameter("embed", config.to_json()) == config
     assert parse_auth_parameter("embed", "") == AUTH_OFF
-    model_dir = Path("/repo/model_repository/embed")
-    assert config.keys_path(model_dir) == model_dir / "../../build/tenant_keys.json"
+
+
+def test_a_relative_keys_file_is_found_from_the_kit_root_and_an_absolute_one_as_written():
+    assert AuthConfig(AuthMode.REQUIRED, "build/k.json").keys_path() == KIT_ROOT / "build/k.json"
+    assert (KIT_ROOT / "python_backends" / "tenant_auth.py").is_file()
+    assert AuthConfig(AuthMode.REQUIRED, "/etc/kit/k.json").keys_path() == Path("/etc/kit/k.json")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
