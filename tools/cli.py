@@ -18,6 +18,7 @@ from tools import (
     rollout,
     serve,
     sweep,
+    tenant_token,
     top,
 )
 
@@ -34,6 +35,7 @@ COMMANDS = {
     "autoscale": autoscale,
     "capacity": capacity,
     "batch": batch_cli,
+    "tenant-token": tenant_token,
 }
 
 
