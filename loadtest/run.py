@@ -22,6 +22,7 @@ from loadtest.mix import LoadMix, Protocol, load_mix
 from loadtest.shapes import LoadShape, compress, load_shape, scale_users
 from loadtest.slo import Sample, judge, render_markdown, stage_rows, targets_for
 from tools.spec import DEFAULT_SPEC, ServingSpec, SpecError, load_spec
+from tools.tenant_token import KeysError, tenant_parameters
 
 log = logging.getLogger("loadtest")
 SAMPLES_KEY = "slo_samples"  # in the worker -> master stats report
@@ -104,14 +105,17 @@ def configure(environment) -> tuple[LoadMix, ServingSpec]:
     options = environment.parsed_options
     try:
         mix, spec, shape = _load(options)
-    except (ValueError, SpecError) as err:
+        # Each tenant of the mix sends its token, signed with the spec's keys (the load
+        # generator runs where the server's keys are).
+        credentials = tenant_parameters(spec, [t.name for t in mix.tenants])
+    except (ValueError, SpecError, KeysError) as err:
         log.error("%s", err)
         raise SystemExit(2) from None
     STATE.shape, STATE.spec_path = shape, Path(options.spec)
     tenants = spec.tenant_policy()
     context = triton_users.RunContext(
         mix=mix, grpc_url=options.triton_grpc, http_url=options.triton_http,
-        priorities={t.name: tenants.tier_of(t.name).priority for t in mix.tenants})
+        priorities={t.name: tenants.tier_of(t.name).priority for t in mix.tenants}, credentials=credentials)
     context.prepare()
     triton_users.CONTEXT = context
     weights = mix.user_weights()

@@ -39,6 +39,7 @@ class RunContext:
     grpc_url: str  # host:port of tritonserver's gRPC endpoint
     http_url: str  # host:port of its HTTP endpoint
     priorities: dict[str, int]  # tenant -> Triton priority of its tier (0: the model's default)
+    credentials: dict[str, dict] = field(default_factory=dict)  # tenant -> request parameters naming it (its token)
     samples: list[Sample] = field(default_factory=list)  # recorded here, shipped to the master on a worker
     texts: dict[Path, list[list[str]]] = field(default_factory=dict)  # embedding workload -> request rows
     chats: dict[Path, ChatWorkload] = field(default_factory=dict)  # chat workload file -> its kinds
@@ -178,7 +179,7 @@ class TritonUser(User):
                                            value_ms=value_ms, error=failure.kind if failure else ""))
 
     def parameters(self, tenant: str | None) -> dict | None:
-        return {"tenant": tenant} if tenant else None
+        return self.context.credentials[tenant] if tenant else None
 
     def priority(self, tenant: str | None) -> int:
         return self.context.priorities.get(tenant or "", 0)

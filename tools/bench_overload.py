@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from tools.loadgen import percentile, poisson_arrival_times
 from tools.profiler import detect_hardware
 from tools.spec import DEFAULT_SPEC, REPO_ROOT, SpecError, load_spec
 from tools.supervisor import Supervisor, scan_stubs
+from tools.tenant_token import KeysError, tenant_parameters
 from tools.triton_server import (
     DEFAULT_MODEL_REPOSITORY,
     ModelControlMode,
@@ -48,6 +49,7 @@ CRASH_BUDGET_S = 5.0  # a crash phase request's deadline: room for an attempt on
 LOST_AFTER_S = 30.0  # no answer in this long: the request is lost (hung), not merely late
 FLOOD_TENANT, STEADY_TENANT = "nightly-backfill", "search-frontend"  # batch and premium tier in serving.toml
 NUM_ORDINARY_TENANTS = 32  # overload traffic comes from many standard-tier clients, each within its quota
+WARMUP_TENANT, CRASH_TENANT = "warmup", "crash-test"
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,9 @@ def poisson_stream(stream: str, rate_rps: float, duration_s: float, texts: Seque
 
 
 async def send_all(grpc_url: str, arrivals: Sequence[Arrival], policy: RetryPolicy,
-                   budget_s: float, seed: int = 0) -> list[Record]:
-    """Send every arrival at its time (open loop), retrying per `policy` within `budget_s`."""
+                   budget_s: float, credentials: Mapping[str, dict], seed: int = 0) -> list[Record]:
+    """Send every arrival at its time (open loop), retrying per `policy` within `budget_s`;
+    `credentials` holds the request parameters that make a request its tenant's (a token)."""
     import numpy as np
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.utils import InferenceServerException
@@ -127,7 +130,7 @@ async def send_all(grpc_url: str, arrivals: Sequence[Arrival], policy: RetryPoli
                 attempts += 1
                 remaining_s = max(0.001, scheduled + LOST_AFTER_S - time.perf_counter())
                 try:
-                    await client.infer("embed", [tensor], parameters={"tenant": arrival.tenant},
+                    await client.infer("embed", [tensor], parameters=credentials[arrival.tenant],
                                        priority=arrival.priority, client_timeout=remaining_s)
                     latency_ms = (time.perf_counter() - scheduled) * 1e3
                     records.append(Record(arrival.stream, arrival.tenant, arrival.offset_s, "ok", latency_ms,
@@ -176,14 +179,18 @@ def measured_goodput(path: Path) -> float | None:
         return None
 
 
+def ordinary_tenants() -> list[str]:
+    return [f"client-{i:02d}" for i in range(NUM_ORDINARY_TENANTS)]
+
+
 def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float, slo_ms: float,
-                 durations: Durations, log) -> dict:
+                 durations: Durations, credentials: Mapping[str, dict], log) -> dict:
     rate = 3 * goodput_rps
-    tenants = [f"client-{i:02d}" for i in range(NUM_ORDINARY_TENANTS)]
+    tenants = ordinary_tenants()
     log(f"overload: {rate:.0f} req/s offered (3 x goodput {goodput_rps:.0f}) for {durations.overload_s:.0f} s "
         f"from {len(tenants)} tenants")
     arrivals = poisson_stream("load", rate, durations.overload_s, texts, tenants, 0, seed=11)
-    records = asyncio.run(send_all(server.grpc_url, arrivals, NO_RETRIES, budget_s=LOST_AFTER_S))
+    records = asyncio.run(send_all(server.grpc_url, arrivals, NO_RETRIES, LOST_AFTER_S, credentials))
     result = {"goodput_rps": goodput_rps, "offered_rps": rate, "duration_s": durations.overload_s,
               **summarize(records, slo_ms), "server_ready_after": server.is_ready()}
     log(f"  {result['ok']} ok, {result['rejected']} rejected, {result['failed_other']} failed, {result['lost']} lost; "
@@ -192,7 +199,7 @@ def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float,
 
 
 def run_isolation(server: TritonServer, factory: TextFactory, slo_ms: float, durations: Durations,
-                  steady_rps: float, flood_rps: float, log) -> dict:
+                  steady_rps: float, flood_rps: float, credentials: Mapping[str, dict], log) -> dict:
     spec_policy = load_spec(DEFAULT_SPEC).tenant_policy()
     steady_tier, flood_tier = spec_policy.tier_of(STEADY_TENANT), spec_policy.tier_of(FLOOD_TENANT)
     rng = random.Random(5)
@@ -200,11 +207,11 @@ def run_isolation(server: TritonServer, factory: TextFactory, slo_ms: float, dur
     long = [factory.text(rng.randint(200, 250), rng) for _ in range(200)]
     steady = poisson_stream("B", steady_rps, durations.isolation_s, short, [STEADY_TENANT], steady_tier.priority, 21)
     log(f"isolation: B ({STEADY_TENANT}, tier {steady_tier.name}) {steady_rps:.0f} req/s of short texts alone")
-    alone = asyncio.run(send_all(server.grpc_url, steady, NO_RETRIES, budget_s=LOST_AFTER_S))
+    alone = asyncio.run(send_all(server.grpc_url, steady, NO_RETRIES, LOST_AFTER_S, credentials))
     flood = poisson_stream("A", flood_rps, durations.isolation_s, long, [FLOOD_TENANT], flood_tier.priority, 22)
     log(f"isolation: the same, while A ({FLOOD_TENANT}, tier {flood_tier.name}) floods the 256-token bucket "
         f"at {flood_rps:.0f} req/s")
-    both = asyncio.run(send_all(server.grpc_url, [*steady, *flood], NO_RETRIES, budget_s=LOST_AFTER_S))
+    both = asyncio.run(send_all(server.grpc_url, [*steady, *flood], NO_RETRIES, LOST_AFTER_S, credentials))
     b_alone = summarize(alone, slo_ms)
     b_flood = summarize([r for r in both if r.stream == "B"], slo_ms)
     a_flood = summarize([r for r in both if r.stream == "A"], slo_ms)
@@ -246,15 +253,16 @@ def wait_restart(supervisor: Supervisor, restarts_before: int, timeout_s: float 
 
 
 def run_crash(server: TritonServer, supervisor: Supervisor, texts: Sequence[str], slo_ms: float,
-              durations: Durations, rate_rps: float, victim_model: str, log) -> dict:
+              durations: Durations, rate_rps: float, victim_model: str, credentials: Mapping[str, dict],
+              log) -> dict:
     result: dict = {"rate_rps": rate_rps, "victim_model": victim_model, "slo_ms": slo_ms}
     for label, policy in (("without_retries", NO_RETRIES), ("with_retries", RetryPolicy())):
-        arrivals = poisson_stream("load", rate_rps, durations.crash_s, texts, ["crash-test"], 0,
+        arrivals = poisson_stream("load", rate_rps, durations.crash_s, texts, [CRASH_TENANT], 0,
                                   seed=31 if label == "without_retries" else 32)
         restarts_before = len(supervisor.restarts)
 
         async def phase(policy=policy, arrivals=arrivals, restarts_before=restarts_before):
-            sending = asyncio.create_task(send_all(server.grpc_url, arrivals, policy, budget_s=CRASH_BUDGET_S))
+            sending = asyncio.create_task(send_all(server.grpc_url, arrivals, policy, CRASH_BUDGET_S, credentials))
             await asyncio.sleep(durations.crash_s / 3)
             victim = kill_one_instance(server, victim_model)
             killed_at = time.time()
@@ -307,7 +315,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(DEFAULT_SPEC)
         workload = load_workload(DEFAULT_WORKLOAD)
-    except (SpecError, ValueError, OSError) as err:
+        # Every tenant's token, signed with the spec's keys before the server starts reading them.
+        credentials = tenant_parameters(spec, [*ordinary_tenants(), STEADY_TENANT, FLOOD_TENANT, WARMUP_TENANT,
+                                               CRASH_TENANT])
+    except (SpecError, KeysError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     goodput_rps = args.goodput_rps or measured_goodput(REPO_ROOT / "results" / "goodput.json")
@@ -342,18 +353,19 @@ def run(args: argparse.Namespace) -> int:
             supervisor = Supervisor(f"http://{server.http_url}", server.process.pid,
                                     log=lambda line: log(f"  {line}")).start()
             try:
-                asyncio.run(send_all(server.grpc_url, poisson_stream("warmup", 20, 2, texts, ["warmup"], 0, 1),
-                                     NO_RETRIES, budget_s=LOST_AFTER_S))
+                asyncio.run(send_all(server.grpc_url, poisson_stream("warmup", 20, 2, texts, [WARMUP_TENANT], 0, 1),
+                                     NO_RETRIES, LOST_AFTER_S, credentials))
                 if "overload" in parts:
-                    report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations, log)
+                    report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations,
+                                                      credentials, log)
                     time.sleep(2.0)
                 if "isolation" in parts:
                     report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
-                                                        args.steady_rps, args.flood_rps, log)
+                                                        args.steady_rps, args.flood_rps, credentials, log)
                     time.sleep(2.0)
                 if "crash" in parts:
                     report["crash"] = run_crash(server, supervisor, texts, model.slo_p95_ms, durations,
-                                                args.crash_rps, args.victim, log)
+                                                args.crash_rps, args.victim, credentials, log)
                 report["server_healthy_at_end"] = server.is_ready()
             finally:
                 supervisor.stop()

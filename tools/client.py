@@ -95,15 +95,21 @@ class CallFailed(RuntimeError):
 
 
 class EmbedClient:
-    """`embed(texts)` against the `embed` model over gRPC, with retries per `policy`."""
+    """`embed(texts)` against the `embed` model over gRPC, with retries per `policy`.
+
+    `tenant_token` (from `python -m tools tenant-token`) says who the client is; a bare
+    `tenant` is only taken by a server whose spec turns tenant authentication off.
+    """
 
     def __init__(self, grpc_url: str, tenant: str | None = None, priority: int = 0,
-                 policy: RetryPolicy | None = None, model: str = "embed", seed: int | None = None):
+                 policy: RetryPolicy | None = None, model: str = "embed", seed: int | None = None,
+                 tenant_token: str | None = None):
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(grpc_url)
         self.tenant = tenant
+        self.tenant_token = tenant_token
         self.priority = priority  # Triton priority level of the tenant's tier (0: the model default)
         self.policy = policy or RetryPolicy()
         self.model = model
@@ -116,8 +122,8 @@ class EmbedClient:
 
         tensor = self._grpc.InferInput("TEXT", [len(texts), 1], "BYTES")
         tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object).reshape(-1, 1))
-        parameters = {key: value for key, value in (("tenant", self.tenant), ("version", version))
-                      if value is not None}
+        parameters = {key: value for key, value in (("tenant", self.tenant), ("tenant_token", self.tenant_token),
+                                                    ("version", version)) if value is not None}
         deadline = time.monotonic() + deadline_s
         attempts = Attempts(outcomes=[])
         while True:

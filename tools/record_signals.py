@@ -23,7 +23,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from tools.bench_overload import measured_goodput
 from tools.loadgen import poisson_arrival_times
 from tools.metrics import open_recording, snapshot_line, take_snapshot
 from tools.spec import DEFAULT_SPEC, load_spec
+from tools.tenant_token import KeysError, tenant_parameters
 from tools.triton_server import (
     DEFAULT_MODEL_REPOSITORY,
     ModelControlMode,
@@ -58,20 +59,27 @@ class Phase:
     versions: tuple[int | None, ...] = (None,)  # cycled per request; None: the router's split
 
 
-async def drive(grpc_url: str, phases: Sequence[Phase], model: str, seed: int = 0) -> dict[str, int]:
-    """Send every phase's requests at their Poisson times; count the outcomes."""
+def recorder_tenants() -> list[str]:
+    return [f"recorder-{i}" for i in range(NUM_TENANTS)]
+
+
+async def drive(grpc_url: str, phases: Sequence[Phase], model: str, credentials: Mapping[str, dict],
+                seed: int = 0) -> dict[str, int]:
+    """Send every phase's requests at their Poisson times, each as one of the recorder's tenants
+    (`credentials`: its request parameters); count the outcomes."""
     import numpy as np
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.utils import InferenceServerException
 
     counts = {"ok": 0, "rejected": 0, "failed": 0}
     rng = random.Random(seed)
+    tenants = recorder_tenants()
     async with grpcclient.InferenceServerClient(grpc_url) as client:
 
         async def send(text: str, version: int | None, tenant: str) -> None:
             tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
             tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
-            parameters = {"tenant": tenant} | ({"version": version} if version is not None else {})
+            parameters = credentials[tenant] | ({"version": version} if version is not None else {})
             try:
                 await client.infer(model, [tensor], parameters=parameters, client_timeout=10.0)
                 counts["ok"] += 1
@@ -88,7 +96,7 @@ async def drive(grpc_url: str, phases: Sequence[Phase], model: str, seed: int = 
                 # Many tenants, so no tenant quota shapes the traffic: only capacity does.
                 tasks.append(asyncio.create_task(send(phase.texts[i % len(phase.texts)],
                                                       phase.versions[i % len(phase.versions)],
-                                                      f"recorder-{i % NUM_TENANTS}")))
+                                                      tenants[i % NUM_TENANTS])))
             await asyncio.sleep(max(0.0, start + phase.duration_s - time.perf_counter()))
         await asyncio.gather(*tasks)
     return counts
@@ -162,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps", file=sys.stderr)
         return 2
     spec = load_spec(DEFAULT_SPEC)
+    try:
+        credentials = tenant_parameters(spec, recorder_tenants())
+    except KeysError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     model = spec.models[0]
     factory = TextFactory()
     mix = factory.texts_for(load_workload(DEFAULT_WORKLOAD), 1000, seed=5)
@@ -171,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                           load_models=(model.name, *(model.encoder_name(b) for b in model.bucket_lens)))
     try:
         with TritonServer(config, log_path=REPO_ROOT / "build" / "bench" / "signals.log") as server:
-            asyncio.run(drive(server.grpc_url, [Phase(3.0, 10.0, tuple(mix))], model.name))  # warm-up
+            asyncio.run(drive(server.grpc_url, [Phase(3.0, 10.0, tuple(mix))], model.name, credentials))  # warm-up
             for name in scenarios:
                 phases = scenario_phases(name, factory, model.expected_rps, goodput_rps or 0.0, model.bucket_lens,
                                          mix)
@@ -179,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 total = sum(p.duration_s for p in phases)
                 print(f"{name}: {len(phases)} phases, {total:.0f} s -> {path}", flush=True)
                 with Recorder(server.metrics_url, path) as recorder:
-                    counts = asyncio.run(drive(server.grpc_url, phases, model.name, seed=len(name)))
+                    counts = asyncio.run(drive(server.grpc_url, phases, model.name, credentials, seed=len(name)))
                 print(f"  {recorder.num_snapshots} snapshots; requests {counts}", flush=True)
                 time.sleep(5.0)  # quiet between scenarios, so one's queues do not leak into the next
     except ServerError as err:

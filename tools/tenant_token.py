@@ -29,7 +29,7 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from python_backends.quotas import TENANT_PATTERN
@@ -37,11 +37,12 @@ from python_backends.tenant_auth import (
     ANONYMOUS_TENANT,
     KEY_ID_PATTERN,
     MIN_SECRET_BYTES,
+    TOKEN_PARAMETER,
     format_keys,
     issue_token,
     parse_keys,
 )
-from tools.spec import DEFAULT_SPEC, SpecError, load_spec
+from tools.spec import DEFAULT_SPEC, ServingSpec, SpecError, load_spec
 
 MAX_TTL_S = 400 * 86400  # a token is a bearer credential: long-lived ones are what leaks hurt most
 DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)$")
@@ -173,6 +174,16 @@ def token_for(path: Path, tenant: str, ttl_s: float = 3600.0) -> str:
     ensure_key(path)
     token, _, _ = issue(path, tenant, ttl_s)
     return token
+
+
+def tenant_parameters(spec: ServingSpec, tenants: Iterable[str], ttl_s: float = 6 * 3600.0) -> dict[str, dict]:
+    """Request parameters that make a client's requests count as each of `tenants`: the
+    tenant's token when the spec authenticates tenants (signed with the newest key of its keys
+    file; one is made if there is none), else the bare `tenant` parameter. For the benchmark
+    and load-test clients, which run where the server's keys are."""
+    if spec.tenant_auth is None:
+        return {tenant: {"tenant": tenant} for tenant in tenants}
+    return {tenant: {TOKEN_PARAMETER: token_for(spec.tenant_auth.keys_file, tenant, ttl_s)} for tenant in tenants}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

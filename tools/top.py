@@ -5,7 +5,8 @@ Reads /metrics every --interval seconds and shows what happened over the last wi
            first token (the LLM), mean queue and compute time per request, the batches Triton
            formed (mean rows, and p95 from the kit's histogram), requests pending now;
   versions the router's split over encoder versions, with each version's p95 and outcomes;
-  tenants  requests per tenant and tier: served, rejected (server busy), over quota;
+  tenants  requests per tenant and tier: served, rejected (server busy), over quota, refused for a bad
+           tenant credential (tenant "unknown");
   buckets  padding waste per length bucket (padded token slots / real tokens);
   llm      running and waiting sequences, KV-cache blocks in use.
 
@@ -187,11 +188,11 @@ def render(window: Window, slos: Mapping[str, float]):
     tenants = tenant_rows(window)
     if tenants:
         table = Table(title="tenants", title_justify="left")
-        for column in ("tenant", "tier", "ok", "rejected", "over quota", "error"):
+        for column in ("tenant", "tier", "ok", "rejected", "over quota", "error", "unauthenticated"):
             table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
         for tenant, tier, outcomes in tenants:
             table.add_row(tenant, tier, *(f"{outcomes.get(k, 0):.0f}" for k in ("ok", "rejected", "over_quota",
-                                                                                "error")))
+                                                                                "error", "unauthenticated")))
         parts.append(table)
     padding = padding_rows(window)
     if padding:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.spec import load_spec
+from tools.tenant_token import ensure_key
 from tools.triton_server import ServerConfig, TritonServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,6 +20,11 @@ LOG_DIR = REPO / "build" / "test-logs"
 def triton() -> TritonServer:
     # Idempotent: a no-op when `make test` has already built the model files.
     subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
+    # The tests sign their tenants' tokens with the spec's keys (helpers.tenant_token); the key
+    # is there before the server starts, so its first read already has it.
+    auth = load_spec(REPO / "serving.toml").tenant_auth
+    if auth is not None:
+        ensure_key(auth.keys_file)
     config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           host="127.0.0.1")
     server = TritonServer(config, log_path=LOG_DIR / "tritonserver.log")

@@ -12,6 +12,16 @@ from tritonclient.utils import InferenceServerException
 
 BUCKETS = (16, 32, 64, 128, 256)
 
+
+@functools.cache
+def as_tenant(tenant: str) -> dict[str, str]:
+    """Request parameters that make a request `tenant`'s on the test server: its token, signed
+    with the serving spec's keys (the session fixture makes a key if there is none)."""
+    from tools.spec import DEFAULT_SPEC, load_spec
+    from tools.tenant_token import tenant_parameters
+
+    return tenant_parameters(load_spec(DEFAULT_SPEC), [tenant])[tenant]
+
 CORPUS = (
     "Online inference requests arrive one at a time, while a GPU is far more efficient on batches. "
     "The dynamic batcher waits a little so that requests can share one forward pass, and every "

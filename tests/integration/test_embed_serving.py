@@ -12,11 +12,13 @@ import urllib.request
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests.integration.helpers import (
     BUCKETS,
     all_counts,
+    as_tenant,
     cosines,
     grpc_embed,
     http_embed,
@@ -191,12 +193,16 @@ def triton_http(triton) -> httpclient.InferenceServerClient:
     return httpclient.InferenceServerClient(triton.http_url)
 
 
-def test_tenant_and_priority_are_accepted_over_all_protocols(triton, http_client, grpc_client):
-    embedding, _ = http_embed(http_client, ["hello"], parameters={"tenant": "team-a"}, priority=1)
+def test_tenant_token_and_priority_are_accepted_over_all_protocols(triton, http_client, grpc_client):
+    token = as_tenant("team-a")["tenant_token"]
+    embedding, _ = http_embed(http_client, ["hello"], parameters={"tenant_token": token}, priority=1)
     assert embedding.shape == (1, 384)
-    embedding, _ = grpc_embed(grpc_client, ["hello"], parameters={"tenant": "team-b"}, priority=2)
-    assert embedding.shape == (1, 384)
-    body = {"parameters": {"tenant": "team-c", "priority": 1},
+    # As a header / gRPC metadata key: the server forwards `tenant-token` as a parameter.
+    text = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hello"]], dtype=object))
+    result = grpc_client.infer("embed", [text], headers={"tenant-token": token}, priority=2)
+    assert result.as_numpy("EMBEDDING").shape == (1, 384)
+    body = {"parameters": {"tenant_token": token, "tenant": "team-a", "priority": 1},
             "inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]}]}
     request = urllib.request.Request(f"http://{triton.http_url}/v2/models/embed/infer",
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})

@@ -13,7 +13,7 @@ import requests
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.integration.helpers import CHAT_QUESTIONS
+from tests.integration.helpers import CHAT_QUESTIONS, as_tenant
 from tools.llm_client import LLMStream, llm_inputs
 
 QUESTIONS = CHAT_QUESTIONS
@@ -198,20 +198,50 @@ def test_a_tenant_over_its_generated_token_quota_is_refused_while_others_generat
     stream = LLMStream(triton.grpc_url)
     try:
         first = stream.submit(text_input="Count from 1 to 500, separated by commas:", max_tokens=500,
-                              parameters={"tenant": "nightly-backfill"})
+                              parameters=as_tenant("nightly-backfill"))
         assert wait_for(lambda: len(first.deltas) >= 2), first.error
         second = llm_inputs(text_input="Hi", max_tokens=200, infer_input=httpclient.InferInput)
         with pytest.raises(InferenceServerException, match="over its quota of 50 generated tokens/s") as refused:
-            http_client.infer("llm_infer", second, parameters={"tenant": "nightly-backfill"})
+            http_client.infer("llm_infer", second, parameters=as_tenant("nightly-backfill"))
         assert refused.value.status() == "503" and "retry after" in refused.value.message()
         other = http_client.infer("llm_infer", llm_inputs(messages=chat(QUESTIONS[0]), max_tokens=20,
                                                           infer_input=httpclient.InferInput),
-                                  parameters={"tenant": "search-frontend"})
+                                  parameters=as_tenant("search-frontend"))
         assert other.as_numpy("text_output")[0].decode() == "The capital of France is Paris."
     finally:
         stream.close(cancel=True)
     # Cancelling gave back the reservation it did not use: the tenant is served again.
     assert wait_for(lambda: metric(triton, "llm_running_sequences") == 0)
     again = http_client.infer("llm_infer", llm_inputs(text_input="Hi", max_tokens=8, infer_input=httpclient.InferInput),
-                              parameters={"tenant": "nightly-backfill"})
+                              parameters=as_tenant("nightly-backfill"))
     assert again.as_numpy("finish_reason")[0].decode() in ("stop", "length")
+
+
+def test_a_bad_tenant_credential_is_refused_before_anything_is_generated(triton, http_client):
+    """serving.toml authenticates tenants (anonymous mode): a forged, expired or malformed
+    token, or a bare `tenant` claim, is a 400 on every way into the engine; nothing is generated."""
+    from tools.spec import DEFAULT_SPEC, load_spec
+    from tools.tenant_token import issue
+
+    keys_file = load_spec(DEFAULT_SPEC).tenant_auth.keys_file
+    valid = as_tenant("search-frontend")["tenant_token"]
+    expired, _, _ = issue(keys_file, "search-frontend", ttl_s=1, now_s=time.time() - 3600)
+    forged = valid[:-2] + ("AA" if not valid.endswith("AA") else "BB")
+    generated_before = metric(triton, "llm_generated_tokens_total")
+    body = {"messages": json.dumps(chat("Say hello.")), "max_tokens": 4}
+    for parameters, reason in (({"tenant_token": forged}, "signature does not match"),
+                               ({"tenant_token": expired}, "expired"),
+                               ({"tenant_token": "v1.garbage"}, "malformed"),
+                               ({"tenant": "search-frontend"}, "without a tenant token")):
+        reply = requests.post(generate_url(triton), json={**body, **parameters}, timeout=60)
+        assert reply.status_code == 400 and "authentication failed: " in reply.text and reason in reply.text, reply.text
+        with pytest.raises(InferenceServerException) as refused:
+            http_client.infer("llm_infer", llm_inputs(text_input="Hi", max_tokens=4, infer_input=httpclient.InferInput),
+                              parameters=parameters)
+        assert refused.value.status() == "400" and reason in refused.value.message()
+    # The header carries the same token; a valid one is served (and without any, anonymous is).
+    reply = requests.post(generate_url(triton), json=body, headers={"tenant-token": forged}, timeout=60)
+    assert reply.status_code == 400 and "signature does not match" in reply.text
+    reply = requests.post(generate_url(triton), json=body, headers={"tenant-token": valid}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert metric(triton, "llm_generated_tokens_total") - generated_before <= 4  # only the valid request generated

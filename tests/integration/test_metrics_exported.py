@@ -7,7 +7,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from tests.docker_files import queried_metric_names
-from tests.integration.helpers import grpc_embed, text_with_tokens
+from tests.integration.helpers import as_tenant, grpc_embed, text_with_tokens
 from tools import metrics
 from tools.metrics import parse_exposition
 
@@ -29,7 +29,7 @@ def test_every_queried_metric_is_exported(triton):
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     try:
         for tokens in (8, 24, 50, 100, 200):  # every bucket serves at least once
-            grpc_embed(client, [text_with_tokens(tokens)], parameters={"tenant": "search-frontend"})
+            grpc_embed(client, [text_with_tokens(tokens)], parameters=as_tenant("search-frontend"))
     finally:
         client.close()
     body = {"messages": json.dumps([{"role": "user", "content": "Say hello."}]), "max_tokens": 4}

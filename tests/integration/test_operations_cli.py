@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.integration.helpers import grpc_embed, text_with_tokens
+from tests.integration.helpers import as_tenant, grpc_embed, text_with_tokens
 from tools.metrics import BATCH_ROWS, Window, take_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def traffic(triton):
         i = seed
         try:
             while not stop.is_set():
-                grpc_embed(client, [texts[i % len(texts)]], parameters={"tenant": "search-frontend"})
+                grpc_embed(client, [texts[i % len(texts)]], parameters=as_tenant("search-frontend"))
                 i += 1
         finally:
             client.close()

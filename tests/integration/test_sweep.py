@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.integration.helpers import as_tenant
 from tools.loadgen import LoadTarget, run_open_loop
 from tools.triton_server import free_port
 
@@ -57,7 +58,7 @@ def test_closed_loop_step_writes_csv(triton, tmp_path):
     out = tmp_path / "closed.csv"
     done = sweep_cli("--url", triton.grpc_url, "--mode", "closed", "--concurrency", "1", "--duration", "2",
                      "--warmup", "1", "--out", str(out), "--plot", str(tmp_path / "closed.png"),
-                     "--parameters", '{"tenant": "sweep-test", "priority": 1}')
+                     "--parameters", json.dumps({**as_tenant("sweep-test"), "priority": 1}))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "concurrency 1: p50" in done.stdout
     [row] = list(csv.DictReader(out.open()))

@@ -1,0 +1,274 @@
+"""Authenticated tenants against the real tritonserver.
+
+One server for the module, on its own model repository: the bucket models (version 1, one
+instance each) and two routers, `embed` requiring a tenant token and `embed_open` serving
+requests without one as the tenant `anonymous`. Both verify tokens with a keys file of
+this test, which it rotates while the server runs. The `batch` tier is cut to a burst of 3
+requests, so a tenant's quota runs out within the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+
+from python_backends.quotas import TenantPolicy, TierPolicy
+from python_backends.tenant_auth import AuthConfig, AuthMode
+from tools.spec import load_spec
+from tools.tenant_token import add_key, drop_key, issue
+from tools.triton_server import ServerConfig, TritonServer, free_port
+
+from .conftest import LOG_DIR, REPO
+
+REQUIRED, OPEN = "embed", "embed_open"
+BURST = 3  # requests a tenant of the `batch` tier may send at once here
+QUOTA_TENANTS = ("team-a", "team-b")  # in the batch tier
+
+
+def write_config(folder: Path, config: mc.ModelConfig) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
+
+
+def read_config(model: str) -> mc.ModelConfig:
+    return text_format.Parse((REPO / "model_repository" / model / "config.pbtxt").read_text(), mc.ModelConfig())
+
+
+def tenants_json() -> str:
+    policy = load_spec(REPO / "serving.toml").tenant_policy()
+    tiers = dict(policy.tiers)
+    tiers["batch"] = TierPolicy("batch", tiers["batch"].priority, requests_per_s=0.05, burst=BURST)
+    members = {tenant: "batch" for tenant in QUOTA_TENANTS} | {"anonymous": "batch"}
+    return TenantPolicy(tiers=tiers, default_tier=policy.default_tier, members=members).to_json()
+
+
+def build_repository(root: Path, keys_file: Path) -> Path:
+    """Bucket models (version 1, one instance) and the two routers, sharing the built model files."""
+    repository = root / "repository"
+    for bucket in (16, 32, 64, 128, 256):
+        name = f"encoder_{bucket}"
+        config = read_config(name)
+        del config.version_policy.specific.versions[:]
+        config.version_policy.specific.versions.append(1)
+        config.instance_group[0].count = 1
+        write_config(repository / name, config)
+        (repository / name / "1").symlink_to(REPO / "model_repository" / name / "1")
+    for name, mode in ((REQUIRED, AuthMode.REQUIRED), (OPEN, AuthMode.ANONYMOUS)):
+        config = read_config("embed")
+        config.name = name
+        config.instance_group[0].count = 2  # two processes, each reading the keys file on its own
+        config.parameters["tenant_auth"].string_value = AuthConfig(mode, str(keys_file), 30.0).to_json()
+        config.parameters["tenants"].string_value = tenants_json()
+        write_config(repository / name, config)
+        (repository / name / "1").symlink_to(REPO / "model_repository" / "embed" / "1")
+    return repository
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tenant-keys") / "tenant_keys.json"
+    add_key(path, "k1")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, keys_file):
+    repository = build_repository(tmp_path_factory.mktemp("auth-repo"), keys_file)
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), host="127.0.0.1")
+    with TritonServer(config, log_path=LOG_DIR / "tenant-auth.log") as triton:
+        yield triton
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    client = httpclient.InferenceServerClient(server.http_url, network_timeout=60)
+    yield client
+    client.close()
+
+
+def text_input(module, text: str = "hello there"):
+    tensor = module.InferInput("TEXT", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
+    return tensor
+
+
+def embed(http, model: str, parameters: dict | None = None, headers: dict | None = None):
+    return http.infer(model, [text_input(httpclient)], parameters=parameters, headers=headers)
+
+
+def refused(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return info.value
+
+
+def token(keys_file: Path, tenant: str, ttl_s: float = 600, key_id: str | None = None, now_s: float | None = None):
+    return issue(keys_file, tenant, ttl_s, key_id, now_s)[0]
+
+
+def metric(server, name: str, **labels) -> float:
+    text = requests.get(server.metrics_url, timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if match and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).items():
+            total += float(match.group(2))
+    return total
+
+
+def encoder_requests(server) -> float:
+    """Requests the bucket models have taken, served or failed."""
+    return sum(metric(server, name, model=f"encoder_{bucket}")
+               for name in ("nv_inference_request_success", "nv_inference_request_failure")
+               for bucket in (16, 32, 64, 128, 256))
+
+
+def test_a_valid_token_is_served_under_its_own_tenants_quota(server, http, keys_file):
+    a, b = token(keys_file, "team-a"), token(keys_file, "team-b")
+    for _ in range(BURST):
+        assert embed(http, REQUIRED, {"tenant_token": a}).as_numpy("EMBEDDING").shape == (1, 384)
+    over = refused(lambda: embed(http, REQUIRED, {"tenant_token": a}))
+    assert over.status() == "503" and "tenant 'team-a' is over its quota" in over.message(), over.message()
+    # Team B is in the same tier with a bucket of its own: A's flood took nothing from it.
+    assert embed(http, REQUIRED, {"tenant_token": b}).as_numpy("EMBEDDING").shape == (1, 384)
+    assert metric(server, "embed_tenant_requests_total", model=REQUIRED, tenant="team-a", outcome="over_quota") >= 1
+
+
+@pytest.mark.parametrize("model", [REQUIRED, OPEN])
+def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(server, http, keys_file, model):
+    valid = token(keys_file, "team-c")  # standard tier: no quota runs out here
+    head, expiry, key_id, signature = valid.rsplit(".", 3)
+    cases = {
+        # A signature made without the key: what someone guessing at team-c's token sends.
+        "forged": (f"{head}.{expiry}.{key_id}.{'A' * 43}", "signature does not match"),
+        # A genuine token whose expiry was pushed out by hand.
+        "altered": (f"{head}.{int(expiry) + 86400}.{key_id}.{signature}", "signature does not match"),
+        "expired": (token(keys_file, "team-c", ttl_s=60, now_s=time.time() - 3600), "expired"),
+        "unknown key": (f"{head}.{expiry}.k9.{'A' * 43}", "key 'k9', which this server does not hold"),
+        "malformed": ("not-a-token", "malformed"),
+        "too long": ("v1." + "x" * 300, "the limit is 256"),
+    }
+    before_encoders = encoder_requests(server)
+    before_refused = metric(server, "embed_tenant_requests_total", model=model, outcome="unauthenticated")
+    for name, (bad, reason) in cases.items():
+        error = refused(lambda bad=bad: embed(http, model, {"tenant_token": bad}))
+        assert error.status() == "400", (name, error.status(), error.message())
+        assert error.message().startswith("authentication failed: ") and reason in error.message(), (name, error)
+        assert bad not in error.message()  # a token is never echoed
+    # The same over gRPC, with the token as metadata (Triton forwards the `tenant-token` header).
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        error = refused(lambda: client.infer(model, [text_input(grpcclient)],
+                                             headers={"tenant-token": cases["forged"][0]}))
+        assert error.status() == "StatusCode.INVALID_ARGUMENT" and "signature does not match" in error.message()
+        assert client.infer(model, [text_input(grpcclient)], headers={"tenant-token": valid}).as_numpy(
+            "EMBEDDING").shape == (1, 384)
+    finally:
+        client.close()
+    # None of them reached a bucket model, each was counted, and the server serves on.
+    assert encoder_requests(server) - before_encoders == 1  # the valid gRPC request only
+    refusals = metric(server, "embed_tenant_requests_total", model=model, outcome="unauthenticated")
+    assert refusals - before_refused == len(cases) + 1
+    assert metric(server, "embed_auth_failures_total", model=model, reason="bad_signature") >= 3
+    assert metric(server, "embed_auth_failures_total", model=model, reason="expired") >= 1
+    assert embed(http, model, {"tenant_token": valid}).as_numpy("EMBEDDING").shape == (1, 384)
+    assert server.is_ready()
+
+
+def test_forged_tokens_do_not_spend_the_named_tenants_quota(http, keys_file):
+    # team-b has not called `embed_open` yet: a forged flood in its name must leave its whole burst.
+    valid = token(keys_file, "team-b")
+    head, expiry, key_id, _ = valid.rsplit(".", 3)
+    for _ in range(10):
+        refused(lambda: embed(http, OPEN, {"tenant_token": f"{head}.{expiry}.{key_id}.{'B' * 43}"}))
+    for _ in range(BURST):
+        assert embed(http, OPEN, {"tenant_token": valid}).as_numpy("EMBEDDING").shape == (1, 384)
+
+
+def test_a_missing_token_is_refused_in_required_mode_and_anonymous_in_anonymous_mode(server, http):
+    missing = refused(lambda: embed(http, REQUIRED))
+    assert missing.status() == "400" and "this model requires a tenant token" in missing.message()
+    # Anonymous mode: served as the one tenant `anonymous`, in the lowest tier (the burst here is 3).
+    results = []
+    for _ in range(BURST + 1):
+        try:
+            results.append(embed(http, OPEN).as_numpy("EMBEDDING").shape)
+        except InferenceServerException as err:
+            results.append(err.message())
+    assert results[:BURST] == [(1, 384)] * BURST
+    assert "tenant 'anonymous' is over its quota" in results[BURST]
+    assert metric(server, "embed_tenant_requests_total", model=OPEN, tenant="anonymous", tier="batch",
+                  outcome="ok") == BURST
+
+
+@pytest.mark.parametrize("model", [REQUIRED, OPEN])
+def test_a_bare_tenant_claim_is_not_trusted(http, keys_file, model):
+    claim = refused(lambda: embed(http, model, {"tenant": "search-frontend"}))
+    assert claim.status() == "400" and claim.message().startswith("authentication failed: ")
+    # A token naming another tenant than the claim beside it is refused too.
+    mismatch = refused(lambda: embed(http, model, {"tenant_token": token(keys_file, "team-b"), "tenant": "team-a"}))
+    assert mismatch.status() == "400" and "the tenant token is for 'team-b'" in mismatch.message()
+
+
+def test_the_header_carries_the_token_over_http_json(server, keys_file):
+    body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]}]}
+    for spelling in ("tenant-token", "Tenant-Token"):
+        request = urllib.request.Request(
+            f"http://{server.http_url}/v2/models/{REQUIRED}/infer", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", spelling: token(keys_file, "team-c")})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+
+
+def accepted(http, tenant_token: str) -> bool:
+    try:
+        embed(http, REQUIRED, {"tenant_token": tenant_token})
+        return True
+    except InferenceServerException as err:
+        assert err.status() == "400" and "authentication failed" in err.message(), err.message()
+        return False
+
+
+def seconds_until(condition, timeout_s: float = 5.0) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_keys_rotate_while_the_server_runs(http, keys_file):
+    old = token(keys_file, "team-c", key_id="k1")
+    add_key(keys_file, "k2")
+    new = token(keys_file, "team-c")  # the newest key signs by default
+    assert new.split(".")[3] == "k2"
+    # Each router instance re-reads the file within a second of its next request.
+    assert seconds_until(lambda: accepted(http, new)) < 3.0
+    time.sleep(1.2)  # by now every instance has looked again
+    assert all(accepted(http, new) and accepted(http, old) for _ in range(6))  # both keys valid at once
+
+    # A keys file caught half-written keeps the keys that were good.
+    keys_text = keys_file.read_text()
+    keys_file.write_text(keys_text[: len(keys_text) // 2])
+    time.sleep(1.2)
+    assert all(accepted(http, new) and accepted(http, old) for _ in range(4))
+    keys_file.write_text(keys_text)
+
+    drop_key(keys_file, "k1")
+    assert seconds_until(lambda: not accepted(http, old)) < 3.0
+    time.sleep(1.2)
+    assert not any(accepted(http, old) for _ in range(6))
+    assert all(accepted(http, new) for _ in range(6))
