@@ -13,6 +13,7 @@ import requests
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.integration.conftest import LOG_DIR
 from tests.integration.helpers import CHAT_QUESTIONS, as_tenant
 from tools.llm_client import LLMStream, llm_inputs
 
@@ -252,3 +253,7 @@ def test_a_bad_tenant_credential_is_refused_before_anything_is_generated(triton,
     assert reply.status_code == 200, reply.text
     # Only the two valid requests generated anything.
     assert metric(triton, "llm_generated_tokens_total") - generated_before <= 8
+    # At its default verbosity the server logs neither the prompts nor the tokens.
+    log = (LOG_DIR / "tritonserver.log").read_text(errors="replace")
+    assert "Say hello" not in log and not any(question in log for question in QUESTIONS)
+    assert valid not in log and forged not in log and expired not in log

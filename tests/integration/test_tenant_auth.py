@@ -25,7 +25,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from python_backends.quotas import TenantPolicy, TierPolicy
-from python_backends.tenant_auth import AuthConfig, AuthMode
+from python_backends.tenant_auth import AuthConfig, AuthMode, encode_secret, parse_keys
 from tools.spec import load_spec
 from tools.tenant_token import add_key, drop_key, issue
 from tools.triton_server import ServerConfig, TritonServer, free_port
@@ -272,3 +272,19 @@ def test_keys_rotate_while_the_server_runs(http, keys_file):
     time.sleep(1.2)
     assert not any(accepted(http, old) for _ in range(6))
     assert all(accepted(http, new) for _ in range(6))
+
+
+def test_the_server_log_holds_no_request_text_token_or_secret(server, http, keys_file):
+    canary = f"payload canary {time.time_ns()}"
+    valid = token(keys_file, "team-c")
+    forged = valid[:-43] + "C" * 43
+    http.infer(REQUIRED, [text_input(httpclient, canary)], parameters={"tenant_token": valid})
+    for parameters in ({"tenant_token": forged}, {}, {"tenant": "team-c"}):
+        refused(lambda parameters=parameters: http.infer(REQUIRED, [text_input(httpclient, canary)],
+                                                         parameters=parameters))
+    time.sleep(0.5)
+    log = (LOG_DIR / "tenant-auth.log").read_text(errors="replace")
+    assert "GRPCInferenceService" in log  # the server's own log, at its default verbosity
+    assert canary not in log and valid not in log and forged not in log and valid.rsplit(".", 1)[1] not in log
+    for secret in parse_keys(keys_file.read_text()).values():
+        assert encode_secret(secret) not in log
