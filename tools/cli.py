@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 
 from tools import (
+    admin_key,
     autoscale,
     batch_cli,
     bench,
@@ -34,6 +35,7 @@ COMMANDS = {
     "autoscale": autoscale,
     "capacity": capacity,
     "batch": batch_cli,
+    "admin-key": admin_key,
 }
 
 

@@ -445,11 +445,17 @@ async def _server_stats(client: Any) -> dict[str, Any]:
     return await client.get_inference_statistics("", as_json=True)
 
 
+async def ready_models_index(client: Any) -> list[dict[str, str]]:
+    """The ready models, shaped as repository index entries. Read from the statistics endpoint
+    (it lists every ready model): the repository index is an admin endpoint, behind the admin key."""
+    stats = await _server_stats(client)
+    return [{"name": entry["name"], "state": "READY"} for entry in stats.get("model_stats", [])]
+
+
 async def resolve_stats_models(client: Any, target: LoadTarget) -> list[str]:
     if target.stats_models:
         return list(target.stats_models)
-    index = await client.get_model_repository_index(as_json=True)
-    return default_stats_models(target.model, index.get("models", []))
+    return default_stats_models(target.model, await ready_models_index(client))
 
 
 async def _measure(target: LoadTarget, mode: Mode, load: float, drive) -> StepResult:

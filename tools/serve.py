@@ -7,11 +7,14 @@ example request, and stops cleanly on Ctrl-C or SIGTERM (in-flight requests fini
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
+from tools.admin_key import ADMIN_HEADER, ADMIN_KEY_ENV, AdminKeyError, find_admin_key
 from tools.supervisor import Supervisor
 from tools.triton_server import (
     DEFAULT_MODEL_REPOSITORY,
@@ -57,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the tritonserver of this Triton installation (e.g. /opt/tritonserver in the "
                              "nvcr.io 24.10 container, the same 2.51 release) instead of the nvidia-pytriton wheel's; "
                              "the wheel still provides the Python backend stub for this interpreter")
+    parser.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",
+                        help=f"put the control endpoints (load/unload, shared memory, trace, logging) behind the key "
+                             f"in FILE (default: ${ADMIN_KEY_ENV}); explicit mode refuses to start without a key. "
+                             "`python -m tools admin-key new FILE` makes one; clients send it in the "
+                             f"'{ADMIN_HEADER}' header")
     parser.add_argument("--pinned-memory-mb", type=int, default=0, metavar="MB",
                         help="CUDA pinned host memory pool: 0 without a GPU (default), e.g. 256 on GPU nodes")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -72,7 +80,30 @@ def example_request(http_port: int) -> str:
     )
 
 
+def server_admin_key(key_file: Path | None, mode: ModelControlMode, env: Mapping[str, str]) -> str | None:
+    """The admin key `serve` starts tritonserver with; explicit mode without one is refused,
+    since anyone reaching the port could then unload models."""
+    key = find_admin_key(key_file, env)
+    if key is None and mode is ModelControlMode.EXPLICIT:
+        raise AdminKeyError(f"explicit model control needs an admin key, so that only operators can load and unload "
+                            f"models: pass --admin-key-file FILE or set ${ADMIN_KEY_ENV} (`python -m tools admin-key "
+                            "new build/admin.key` makes one; `make serve` does it for you)")
+    return key
+
+
+def admin_line(key_file: Path | None, key: str | None) -> str:
+    if key is None:
+        return "control endpoints (load/unload, shared memory, trace, logging) OPEN: no admin key given"
+    source = key_file if key_file is not None else f"${ADMIN_KEY_ENV}"
+    return f"control endpoints need the key from {source} in the '{ADMIN_HEADER}' header"
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        admin_key = server_admin_key(args.admin_key_file, args.model_control_mode, os.environ)
+    except AdminKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     load_models = tuple(args.load_model)
     if args.model_control_mode is ModelControlMode.EXPLICIT and not load_models:
         load_models = tuple(model_names(args.model_repository))
@@ -86,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         load_models=load_models,
         log_verbose=args.log_verbose,
         pinned_memory_bytes=args.pinned_memory_mb * 1024 * 1024,
+        admin_key=admin_key,
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -111,14 +143,15 @@ def run(args: argparse.Namespace) -> int:
         f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
         f"  gRPC     localhost:{config.grpc_port}\n"
         f"  metrics  http://localhost:{config.metrics_port}/metrics\n"
-        f"  models   {', '.join(model_names(config.model_repository))}\n\n"
+        f"  models   {', '.join(model_names(config.model_repository))}\n"
+        f"  admin    {admin_line(args.admin_key_file, admin_key)}\n\n"
         f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
         flush=True,
     )
     supervisor = None
     if args.supervise and config.model_control_mode is ModelControlMode.EXPLICIT:
         supervisor = Supervisor(f"http://localhost:{config.http_port}", server.process.pid,
-                                log=lambda line: print(line, flush=True)).start()
+                                log=lambda line: print(line, flush=True), admin_key=admin_key).start()
     while not stop.wait(1.0):
         if server.process is not None and server.process.poll() is not None:
             print(f"error: tritonserver exited with code {server.process.returncode}", file=sys.stderr)

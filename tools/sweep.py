@@ -33,6 +33,7 @@ from tools.loadgen import (
     default_stats_models,
     flatten_step,
     plot_sweep,
+    ready_models_index,
     run_closed_loop,
     run_open_loop,
     step_to_dict,
@@ -253,9 +254,9 @@ async def check_server(target: LoadTarget, input_name: str | None) -> LoadTarget
         except InferenceServerException as err:
             raise SweepError(f"cannot reach tritonserver over gRPC at {target.grpc_url} ({err.message()}); "
                              "is it running (python -m tools serve) and is --url its gRPC port?") from None
-        index = (await client.get_model_repository_index(as_json=True)).get("models", [])
+        index = await ready_models_index(client)
         if not await client.is_model_ready(target.model):
-            ready = sorted(e["name"] for e in index if e.get("state") == "READY")
+            ready = sorted({e["name"] for e in index})
             raise SweepError(f"model {target.model!r} is not ready on {target.grpc_url} (ready: {ready})")
         if input_name is None:
             input_name = pick_text_input(await client.get_model_metadata(target.model, as_json=True))
