@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tools.admin_key import ADMIN_HEADER, ADMIN_KEY_ENV, AdminKeyError, find_admin_key
+from tools.grpc_tls import TlsConfigError, check_pem
 from tools.supervisor import Supervisor
 from tools.triton_server import (
     DEFAULT_MODEL_REPOSITORY,
+    GrpcTls,
     ModelControlMode,
     ServerConfig,
     ServerError,
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"in FILE (default: ${ADMIN_KEY_ENV}); explicit mode refuses to start without a key. "
                              "`python -m tools admin-key new FILE` makes one; clients send it in the "
                              f"'{ADMIN_HEADER}' header")
+    parser.add_argument("--grpc-tls-cert", type=Path, default=None, metavar="PEM",
+                        help="serve gRPC over TLS with this certificate (with --grpc-tls-key); plaintext gRPC is "
+                             "then refused. Clients pass the CA with --grpc-tls-ca. Triton's HTTP port has no TLS: "
+                             "put a TLS-terminating proxy in front of it")
+    parser.add_argument("--grpc-tls-key", type=Path, default=None, metavar="PEM",
+                        help="the private key of --grpc-tls-cert")
     parser.add_argument("--pinned-memory-mb", type=int, default=0, metavar="MB",
                         help="CUDA pinned host memory pool: 0 without a GPU (default), e.g. 256 on GPU nodes")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -98,10 +106,21 @@ def admin_line(key_file: Path | None, key: str | None) -> str:
     return f"control endpoints need the key from {source} in the '{ADMIN_HEADER}' header"
 
 
+def grpc_tls(cert: Path | None, key: Path | None) -> GrpcTls | None:
+    """The server's gRPC TLS files, both or neither, each a PEM file."""
+    if (cert is None) != (key is None):
+        raise TlsConfigError("--grpc-tls-cert and --grpc-tls-key go together: give both, or neither for plaintext")
+    if cert is None or key is None:
+        return None
+    return GrpcTls(cert=check_pem(cert, "gRPC TLS certificate").resolve(),
+                   key=check_pem(key, "gRPC TLS private key").resolve())
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         admin_key = server_admin_key(args.admin_key_file, args.model_control_mode, os.environ)
-    except AdminKeyError as err:
+        tls = grpc_tls(args.grpc_tls_cert, args.grpc_tls_key)
+    except (AdminKeyError, TlsConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     load_models = tuple(args.load_model)
@@ -118,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         pinned_memory_bytes=args.pinned_memory_mb * 1024 * 1024,
         admin_key=admin_key,
+        grpc_tls=tls,
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -141,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         "\ntritonserver is ready\n"
         f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
-        f"  gRPC     localhost:{config.grpc_port}\n"
+        f"  gRPC     localhost:{config.grpc_port}{'   (TLS)' if tls else ''}\n"
         f"  metrics  http://localhost:{config.metrics_port}/metrics\n"
         f"  models   {', '.join(model_names(config.model_repository))}\n"
         f"  admin    {admin_line(args.admin_key_file, admin_key)}\n\n"

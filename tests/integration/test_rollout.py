@@ -27,6 +27,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.admission import ADMIT_ALL
+from python_backends.artifacts import MANIFEST
 from tools.admin_key import ADMIN_KEY_ENV, admin_headers
 from tools.spec import load_spec
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ModelControlMode, ServerConfig, TritonServer, free_port
@@ -83,7 +84,8 @@ def copy_repository(target: Path) -> Path:
             folder = target / encoder / str(version)
             folder.mkdir()
             (folder / "model.py").write_text(source)
-            os.link(target / encoder / "1" / "model.onnx", folder / "model.onnx")
+            for name in ("model.onnx", MANIFEST):  # the same graph, verified at load like any version
+                os.link(target / encoder / "1" / name, folder / name)
     admit_everything(target / "embed" / "config.pbtxt")
     return target
 
