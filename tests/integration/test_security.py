@@ -176,3 +176,28 @@ def test_a_tampered_onnx_file_fails_to_load_naming_the_file_while_other_models_s
     assert result.as_numpy("EMBEDDING").shape == (1, 384)
     assert client.is_model_ready("encoder_16") and client.is_model_ready("encoder_64")
     client.close()
+
+
+def test_request_payloads_never_reach_the_server_log_at_default_verbosity(triton, http_client):
+    """Texts, prompts and malformed bodies, good and bad requests alike: the log (what the
+    session server writes at --log-verbose 0) holds none of them."""
+    from tools.llm_client import LLMStream
+
+    marker = f"confidential-{secrets.token_hex(8)}"
+    assert http_client.infer("embed", [text_input(httpclient, f"{marker} in a text")]).as_numpy("EMBEDDING").size
+    tensor = httpclient.InferInput("TEXT", [1, 2], "BYTES")  # a wrong shape: refused
+    tensor.set_data_from_numpy(np.array([[marker.encode(), b"x"]], dtype=object))
+    with pytest.raises(InferenceServerException):
+        http_client.infer("embed", [tensor])
+    stream = LLMStream(triton.grpc_url)
+    try:
+        good = stream.submit(text_input=f"Repeat {marker}", max_tokens=4, temperature=0.0)
+        assert good.done.wait(120)
+        # One at a time: an error response may carry no request id to match it by.
+        bad = stream.submit(messages=f'[{{"role": "user", "content": "{marker}"', max_tokens=4)  # not a list
+        assert bad.done.wait(120)
+    finally:
+        stream.close()
+    assert good.error is None and bad.error is not None
+    log = (LOG_DIR / "tritonserver.log").read_text(errors="replace")
+    assert log and marker not in log
