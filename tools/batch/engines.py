@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from tools.batch.store_base import BatchQueue, StoreUnavailable
 
@@ -23,12 +23,21 @@ def is_postgres_url(db: str) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password, in the user part or the query, replaced by ***: fit for logs and errors."""
-    parts = urlsplit(url)
-    userinfo, at, host = parts.netloc.rpartition("@")
-    netloc = f"{userinfo.split(':', 1)[0]}:***@{host}" if at and ":" in userinfo else parts.netloc
-    query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parts.query, flags=re.IGNORECASE)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    """The URL with its password, in the user part or the query, replaced by ***: fit for logs and errors.
+
+    Edited in place rather than parsed and rebuilt: urlunsplit would drop the empty host of
+    `postgresql:///db?host=/run/postgresql`, changing what the URL means.
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return url
+    end = min([position for position in map(rest.find, "/?#") if position >= 0] + [len(rest)])
+    authority, tail = rest[:end], rest[end:]
+    userinfo, at, host = authority.rpartition("@")
+    if at and ":" in userinfo:
+        authority = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    tail = re.sub(r"([?&]password=)[^&#]*", r"\1***", tail, flags=re.IGNORECASE)
+    return f"{scheme}://{authority}{tail}"
 
 
 def describe(db: str | Path) -> str:
