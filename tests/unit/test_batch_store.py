@@ -1,7 +1,7 @@
 """The durable batch queue: submit, claim, results, retries, cancel, lease expiry, and exactly one result per item.
 
 Every test that takes `store` or `db` runs twice, on each engine: a SQLite file and a real
-PostgreSQL database (a fresh one per test, on the session's server). Every test drives the clock
+PostgreSQL database (a fresh one per test, on the session's server; `db` in conftest.py). Every test drives the clock
 by hand (`now_s`), so a lease expires or a backoff runs out by adding a number. The process
 tests run real workers on one queue: racing for the same items (one worker's clock runs ahead,
 so it takes over every lease it sees), killed with SIGKILL while holding leases, and an API
@@ -39,15 +39,6 @@ from tools.batch.store import (
 
 T0 = 1000.0
 LEASE_S = 30.0
-ENGINES = ("sqlite", "postgres")
-
-
-@pytest.fixture(params=ENGINES)
-def db(request, tmp_path) -> str:
-    """Where a test's queue lives: a SQLite file, or the URL of a fresh PostgreSQL database."""
-    if request.param == "sqlite":
-        return str(tmp_path / "batch.db")
-    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture
@@ -588,7 +579,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert all(count == 1 for count in self.num_final_writes.values())
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
 def test_random_interleavings_leave_exactly_one_final_outcome_per_item(engine, request):
     server = request.getfixturevalue("postgres_server") if engine == "postgres" else None
     run_state_machine_as_test(lambda: QueueMachine(server),
