@@ -1,6 +1,6 @@
 """A batch worker: pull items from the store, batch them, call tritonserver, record outcomes.
 
-The loop is thin glue around pure pieces: `BatchStore.claim` leases items, `form_batch`
+The loop is thin glue around pure pieces: the store's `claim` leases items, `form_batch`
 decides when a (model, version) queue is worth a Triton request (full, or its oldest item
 has waited the window), a caller from `triton_calls` sends it, and the outcomes go back in
 one transaction per request: results with `complete_many` (the first writer wins, so an
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tools.batch.policy import ItemKind, RetryPolicy, form_batch
-from tools.batch.store import BatchStore, ClaimedItem
+from tools.batch.store_base import BatchQueue, ClaimedItem
 from tools.batch.triton_calls import CallOutcome
 
 log = logging.getLogger("tools.batch.worker")
@@ -76,7 +76,7 @@ class WorkerStats:
 
 
 class BatchWorker:
-    def __init__(self, store: BatchStore, config: WorkerConfig, callers: Mapping[str, Caller],
+    def __init__(self, store: BatchQueue, config: WorkerConfig, callers: Mapping[str, Caller],
                  clock: Callable[[], float] = time.time, rng: random.Random | None = None):
         self.store = store
         self.config = config
