@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools.grpc_tls import add_ca_argument
+
 DEFAULT_DB = "build/batch/queue.db"
 DEFAULT_PG_DIR = Path("build/batch/pg")
 log = logging.getLogger("tools.batch")
@@ -46,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     worker_options = argparse.ArgumentParser(add_help=False)
     worker_options.add_argument("--grpc-url", default="localhost:8001",
                                 help="tritonserver's gRPC endpoint (default localhost:8001)")
+    add_ca_argument(worker_options)
     worker_options.add_argument("--max-batch-items", type=int, default=4,
                                 help="items per Triton request (default 4: requests the server's admission takes "
                                      "beside online traffic; its dynamic batchers batch them further)")
@@ -122,7 +125,8 @@ def worker_command(args: argparse.Namespace, worker_id: str) -> list[str]:
     return [sys.executable, "-m", "tools", "batch", "worker", "--db", str(args.db), "--id", worker_id,
             "--grpc-url", args.grpc_url, "--max-batch-items", str(args.max_batch_items),
             "--max-wait-ms", str(args.max_wait_ms), "--max-in-flight", str(args.max_in_flight),
-            "--lease-s", str(args.lease_s), "--max-attempts", str(args.max_attempts)]
+            "--lease-s", str(args.lease_s), "--max-attempts", str(args.max_attempts),
+            *(["--grpc-tls-ca", str(args.grpc_tls_ca)] if args.grpc_tls_ca else [])]
 
 
 def _die_with_parent() -> None:
@@ -193,7 +197,8 @@ def run_worker(args: argparse.Namespace) -> int:
                           lease_s=args.lease_s, retry=RetryPolicy(max_attempts=args.max_attempts))
 
     async def main() -> None:
-        callers, client = make_callers(args.grpc_url, BatchLimits().models, max_rows=args.max_batch_items)
+        callers, client = make_callers(args.grpc_url, BatchLimits().models, max_rows=args.max_batch_items,
+                                       tls_ca=args.grpc_tls_ca)
         with _open_store(args) as store:
             worker = BatchWorker(store, config, callers)
             loop = asyncio.get_running_loop()

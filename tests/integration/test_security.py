@@ -4,6 +4,7 @@ copy of the repository (so a test can tamper with a file without touching the re
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import json
@@ -22,6 +23,8 @@ from tritonclient.utils import InferenceServerException
 
 from python_backends.artifacts import MANIFEST
 from tools.admin_key import admin_headers, grpc_admin_metadata
+from tools.batch.policy import ItemKind
+from tools.batch.worker import make_callers
 from tools.client import EmbedClient
 from tools.spec import load_spec
 from tools.triton_server import (
@@ -110,6 +113,17 @@ def test_grpc_over_tls_serves_a_client_that_trusts_the_certificate_and_refuses_p
     # The kit's own client connects over it with the CA option the tools take (--grpc-tls-ca).
     client = EmbedClient(f"localhost:{port}", tls_ca=cert)
     assert client.embed(["the tools speak TLS"]).shape == (1, 384)
+
+    # So do the batch workers (`batch worker --grpc-tls-ca`).
+    async def batch_call():
+        callers, aio_client = make_callers(f"localhost:{port}", {"embed": ItemKind.EMBED}, max_rows=4, tls_ca=cert)
+        try:
+            return await callers["embed"](["a batch item", "another"])
+        finally:
+            await aio_client.close()
+
+    outcomes = asyncio.run(batch_call())
+    assert [len(o.result["embedding"]) for o in outcomes] == [384, 384], outcomes
 
 
 def test_a_sweep_and_a_load_run_connect_over_tls(locked_server, tmp_path):

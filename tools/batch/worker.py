@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tools.batch.policy import ItemKind, RetryPolicy, form_batch
 from tools.batch.store_base import BatchQueue, ClaimedItem
@@ -203,13 +204,16 @@ class BatchWorker:
                 self.store.extend_leases(keys, self.config.worker_id, self.config.lease_s, self.clock())
 
 
-def make_callers(grpc_url: str, models: Mapping[str, ItemKind], max_rows: int) -> tuple[dict[str, Caller], object]:
-    """One gRPC client and a caller per model; returns (callers, client) so the caller can close it."""
+def make_callers(grpc_url: str, models: Mapping[str, ItemKind], max_rows: int,
+                 tls_ca: Path | None = None) -> tuple[dict[str, Caller], object]:
+    """One gRPC client (over TLS when `tls_ca` is given) and a caller per model; returns
+    (callers, client) so the caller can close it."""
     import tritonclient.grpc.aio as grpcaio
 
     from tools.batch.triton_calls import EmbedCaller, LLMCaller
+    from tools.grpc_tls import client_tls_kwargs
 
-    client = grpcaio.InferenceServerClient(grpc_url)
+    client = grpcaio.InferenceServerClient(grpc_url, **client_tls_kwargs(tls_ca))
     callers: dict[str, Caller] = {}
     for name, kind in models.items():
         if kind is ItemKind.EMBED:
