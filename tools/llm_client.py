@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -83,9 +84,11 @@ def llm_inputs(*, text_input: str | None = None, messages: list[dict] | None = N
 class LLMStream:
     """Concurrent generations multiplexed over one gRPC stream, matched by request id."""
 
-    def __init__(self, url: str, model: str = "llm"):
+    def __init__(self, url: str, model: str = "llm", tls_ca: Path | None = None):
+        from tools.grpc_tls import client_tls_kwargs
+
         self.model = model
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, **client_tls_kwargs(tls_ca))
         self._pending: dict[str, Generation] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()

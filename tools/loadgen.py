@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tools.client import Outcome, classify
+from tools.grpc_tls import client_tls_kwargs
 
 Mode = Literal["open", "closed"]
 
@@ -370,6 +371,7 @@ class LoadTarget:
     priority: int = 0  # Triton request priority (0 = the model's default level)
     timeout_us: int | None = None  # Triton request queue timeout, microseconds
     stats_models: tuple[str, ...] = ()  # models whose server stats to collect; empty = default_stats_models
+    tls_ca: Path | None = None  # gRPC over TLS trusting this CA certificate; None = plaintext
     request_timeout_s: float = 30.0  # client-side deadline per request; a late answer is an error
     max_outstanding: int = 2048  # open loop: requests in flight before new ones count as unsent errors
 
@@ -445,17 +447,23 @@ async def _server_stats(client: Any) -> dict[str, Any]:
     return await client.get_inference_statistics("", as_json=True)
 
 
+async def ready_models_index(client: Any) -> list[dict[str, str]]:
+    """The ready models, shaped as repository index entries. Read from the statistics endpoint
+    (it lists every ready model): the repository index is an admin endpoint, behind the admin key."""
+    stats = await _server_stats(client)
+    return [{"name": entry["name"], "state": "READY"} for entry in stats.get("model_stats", [])]
+
+
 async def resolve_stats_models(client: Any, target: LoadTarget) -> list[str]:
     if target.stats_models:
         return list(target.stats_models)
-    index = await client.get_model_repository_index(as_json=True)
-    return default_stats_models(target.model, index.get("models", []))
+    return default_stats_models(target.model, await ready_models_index(client))
 
 
 async def _measure(target: LoadTarget, mode: Mode, load: float, drive) -> StepResult:
     import tritonclient.grpc.aio as grpcclient
 
-    async with grpcclient.InferenceServerClient(target.grpc_url) as client:
+    async with grpcclient.InferenceServerClient(target.grpc_url, **client_tls_kwargs(target.tls_ca)) as client:
         models = await resolve_stats_models(client, target)
         sender = _Sender(client, target)
         before = await _server_stats(client)

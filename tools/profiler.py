@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import json_format
 
+from tools.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
 from tools.derivation import BatchingKnobs, LatencyCurve
 from tools.gen_config import encoder_config, router_config
 from tools.latency_profile import PROFILE_DIR, Hardware, LatencyProfile, ModelProfile, Overhead, save_profile
@@ -75,8 +78,9 @@ def probe_knobs(name: str, max_batch: int) -> BatchingKnobs:
                          default_timeout_us=0, max_queue_size=0, instance_count=1)
 
 
-def load_with_config(client, config) -> None:
-    client.load_model(config.name, config=json_format.MessageToJson(config, preserving_proto_field_name=True))
+def load_with_config(client, config, control_headers: Mapping[str, str] | None = None) -> None:
+    client.load_model(config.name, config=json_format.MessageToJson(config, preserving_proto_field_name=True),
+                      headers=dict(control_headers or {}))
 
 
 def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: float, time_budget_s: float,
@@ -153,7 +157,8 @@ def measure_overhead(client, model: EmbedModelSpec, bucket: str, c1_ms: float, n
 
 
 def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s: float, overhead_requests: int,
-                   log, cpu_seconds=None) -> tuple[dict[str, ModelProfile], dict[str, Overhead]]:
+                   log, cpu_seconds=None, control_headers: Mapping[str, str] | None = None,
+                   ) -> tuple[dict[str, ModelProfile], dict[str, Overhead]]:
     from tqdm import tqdm
 
     hardware = spec.hardware.get(hardware_kind)
@@ -174,10 +179,10 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
                 config = encoder_config(name, bucket_len, probe_knobs(name, MAX_PROBE_BATCH), hardware,
                                         model.versions)
                 config.ClearField("dynamic_batching")  # one request = one execution of exactly b rows
-                load_with_config(client, config)
+                load_with_config(client, config, control_headers)
                 models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress)
             limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
-            load_with_config(client, router_config(model, spec, limits, instances=1))
+            load_with_config(client, router_config(model, spec, limits, instances=1), control_headers)
             first = model.encoder_name(model.bucket_lens[0])
             overhead = measure_overhead(client, model, first, models[first].curve.at(1), overhead_requests,
                                         cpu_seconds)
@@ -193,6 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None,
                         help="HTTP address of a running tritonserver in explicit model-control mode; "
                              "default: start a private one")
+    add_key_file_argument(parser)
     parser.add_argument("--name", default=None,
                         help="profile name, e.g. cpu, h100 (default: 'cpu', or from the GPU's name)")
     parser.add_argument("--out", type=Path, default=None, help="profile file (default: profiles/<name>.json)")
@@ -220,8 +226,9 @@ def run(args: argparse.Namespace) -> int:
         url = args.url
         cpu_seconds = None
         if url is None:
+            admin_key = secrets.token_urlsafe(32)  # a private server's control endpoints are this run's alone
             config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                                  host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT)
+                                  host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT, admin_key=admin_key)
             server = TritonServer(config, log_path=Path("build/profile-logs/tritonserver.log").resolve())
             try:
                 stack.enter_context(server)
@@ -230,6 +237,13 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             url = server.http_url
             cpu_seconds = server.cpu_seconds
+        else:
+            try:
+                admin_key = key_for_tool(args)
+            except AdminKeyError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+        headers = admin_headers(admin_key)
         client = httpclient.InferenceServerClient(url, network_timeout=300)
         try:
             if not client.is_server_live():
@@ -237,18 +251,19 @@ def run(args: argparse.Namespace) -> int:
         except Exception:
             print(f"error: no tritonserver answering at {url}", file=sys.stderr)
             return 2
-        originally_loaded = {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
+        originally_loaded = {m["name"] for m in client.get_model_repository_index(headers=headers)
+                             if m.get("state") == "READY"}
         try:
             models, overheads = profile_models(client, spec, hardware.kind, args.time_per_point,
                                                args.overhead_requests, log=lambda m: print(m, flush=True),
-                                               cpu_seconds=cpu_seconds)
+                                               cpu_seconds=cpu_seconds, control_headers=headers)
         except Exception as err:
             print(f"error: profiling failed: {err}", file=sys.stderr)
             return 1
         finally:
             if args.url is not None:  # leave a shared server as it was: repository configs, same models
                 for name in sorted(originally_loaded):
-                    client.load_model(name)
+                    client.load_model(name, headers=headers)
     profile = LatencyProfile(path=out, sha256="", hardware=hardware,
                              measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                              models=models, overhead=overheads)

@@ -32,6 +32,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.routing import RoutingTable, read_routing_table, write_routing_table
+from tools.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
 from tools.gen_config import ROUTING_FILE
 from tools.rollout_policy import (
     DEFAULT_STEPS,
@@ -63,9 +64,15 @@ class TritonControl:
     http_url: str  # e.g. http://localhost:8000
     metrics_url: str  # e.g. http://localhost:8002/metrics
     timeout_s: float = 300.0  # loading with warm-up can take a while
+    admin_key: str | None = field(default=None, repr=False)  # sent to the repository endpoints
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return admin_headers(self.admin_key)
 
     def loaded_versions(self, model: str) -> set[int]:
-        response = requests.post(f"{self.http_url}/v2/repository/index", json={}, timeout=30)
+        response = requests.post(f"{self.http_url}/v2/repository/index", json={}, headers=self.admin_headers,
+                                 timeout=30)
         response.raise_for_status()
         return {int(entry["version"]) for entry in response.json()
                 if entry.get("name") == model and entry.get("state") == "READY" and entry.get("version")}
@@ -80,7 +87,7 @@ class TritonControl:
         """Load (or reload) a model with this config; Triton keeps serving the old set until the new is ready."""
         body = {"parameters": {"config": json_format.MessageToJson(config)}}
         response = requests.post(f"{self.http_url}/v2/repository/models/{config.name}/load", json=body,
-                                 timeout=self.timeout_s)
+                                 headers=self.admin_headers, timeout=self.timeout_s)
         if not response.ok:
             try:
                 message = response.json().get("error", response.text)
@@ -441,6 +448,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=120.0,
                         help="longest wait for in-flight requests before unloading (default: %(default)s)")
     parser.add_argument("--url", default="localhost:8000", help="tritonserver HTTP address (default: %(default)s)")
+    add_key_file_argument(parser)
     parser.add_argument("--metrics-url", default="localhost:8002/metrics",
                         help="tritonserver metrics address (default: %(default)s)")
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
@@ -534,7 +542,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("dry run: nothing changed")
         return 0
-    control = TritonControl(_url(args.url), _url(args.metrics_url))
+    try:
+        admin_key = key_for_tool(args)
+    except AdminKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    control = TritonControl(_url(args.url), _url(args.metrics_url), admin_key=admin_key)
     recorder = Recorder(args.records, plan.model.name)
     rollout = Rollout(plan, control, args.model_repository.resolve(), recorder, drain_timeout_s=args.drain_timeout)
     try:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import requests
 
+from tools.admin_key import admin_headers
+
 STUB_BINARY = "triton_python_backend_stub"
 RESTART_PARAMETER = "supervisor_restarts"  # config parameter bumped on each reload: forces a real reload
 
@@ -108,8 +110,9 @@ class Supervisor:
     """Polls the stubs of one tritonserver and reloads models whose instances died."""
 
     def __init__(self, http_url: str, server_pid: int, interval_s: float = 0.5,
-                 log: Callable[[str], None] = print, timeout_s: float = 300.0):
+                 log: Callable[[str], None] = print, timeout_s: float = 300.0, admin_key: str | None = None):
         self.http_url = http_url.rstrip("/")  # e.g. http://localhost:8000
+        self.admin_headers = admin_headers(admin_key)  # the repository endpoints may be behind the admin key
         self.server_pid = server_pid
         self.interval_s = interval_s
         self.log = log
@@ -119,7 +122,8 @@ class Supervisor:
         self._thread: threading.Thread | None = None
 
     def ready_versions(self) -> set[tuple[str, str]]:
-        response = requests.post(f"{self.http_url}/v2/repository/index", json={}, timeout=30)
+        response = requests.post(f"{self.http_url}/v2/repository/index", json={}, headers=self.admin_headers,
+                                 timeout=30)
         response.raise_for_status()
         return {(entry["name"], str(entry.get("version", ""))) for entry in response.json()
                 if entry.get("state") == "READY"}
@@ -131,7 +135,8 @@ class Supervisor:
         config.raise_for_status()
         override = with_restart_marker(config.json(), len(self.restarts) + 1)
         response = requests.post(f"{self.http_url}/v2/repository/models/{model}/load",
-                                 json={"parameters": {"config": json.dumps(override)}}, timeout=self.timeout_s)
+                                 json={"parameters": {"config": json.dumps(override)}}, headers=self.admin_headers,
+                                 timeout=self.timeout_s)
         record = {"model": model, "instances": sorted(f"{s.instance} (pid {s.pid})" for s in dead),
                   "detected_at": detected_at, "reload_s": round(time.monotonic() - started, 2), "ok": response.ok}
         if not response.ok:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
+from tools.grpc_tls import TlsConfigError, add_ca_argument, client_tls_kwargs
 from tools.loadgen import (
     LoadTarget,
     RateSearch,
@@ -33,6 +34,7 @@ from tools.loadgen import (
     default_stats_models,
     flatten_step,
     plot_sweep,
+    ready_models_index,
     run_closed_loop,
     run_open_loop,
     step_to_dict,
@@ -130,6 +132,7 @@ def split_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, Any], int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint host:port (default: %(default)s)")
+    add_ca_argument(parser)
     parser.add_argument("--model", default="embed", help="model to send requests to (default: %(default)s)")
     parser.add_argument("--input", default=None, metavar="NAME",
                         help="the model's BYTES input of shape [-1,1] (default: found from the model metadata)")
@@ -247,15 +250,15 @@ async def check_server(target: LoadTarget, input_name: str | None) -> LoadTarget
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    async with grpcclient.InferenceServerClient(target.grpc_url) as client:
+    async with grpcclient.InferenceServerClient(target.grpc_url, **client_tls_kwargs(target.tls_ca)) as client:
         try:
             await client.is_server_live(client_timeout=CONNECT_TIMEOUT_S)
         except InferenceServerException as err:
             raise SweepError(f"cannot reach tritonserver over gRPC at {target.grpc_url} ({err.message()}); "
                              "is it running (python -m tools serve) and is --url its gRPC port?") from None
-        index = (await client.get_model_repository_index(as_json=True)).get("models", [])
+        index = await ready_models_index(client)
         if not await client.is_model_ready(target.model):
-            ready = sorted(e["name"] for e in index if e.get("state") == "READY")
+            ready = sorted({e["name"] for e in index})
             raise SweepError(f"model {target.model!r} is not ready on {target.grpc_url} (ready: {ready})")
         if input_name is None:
             input_name = pick_text_input(await client.get_model_metadata(target.model, as_json=True))
@@ -311,11 +314,16 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"error: workload {args.workload}: {err}", file=sys.stderr)
         return 2
+    try:
+        client_tls_kwargs(args.grpc_tls_ca)
+    except TlsConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     texts = TextFactory().texts_for(workload, NUM_TEXTS)
     parameters, priority, timeout_us = split_parameters(args.parameters)
     target = LoadTarget(grpc_url=args.url, model=args.model, texts=tuple(texts), slo_ms=args.slo_ms,
                         rows_per_request=workload.rows_per_request, parameters=parameters, priority=priority,
-                        timeout_us=timeout_us, request_timeout_s=args.request_timeout)
+                        timeout_us=timeout_us, request_timeout_s=args.request_timeout, tls_ca=args.grpc_tls_ca)
     search = RateSearch(args.search, min_goodput=args.min_goodput, max_steps=args.max_steps,
                         min_rps=min(0.5, args.search)) if args.search else None
     from tritonclient.utils import InferenceServerException

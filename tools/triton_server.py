@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from tools.admin_key import restricted_api_args
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
@@ -117,6 +119,19 @@ def prepare_backends(dist: TritonDistribution, build_dir: Path = DEFAULT_BUILD_D
 
 
 @dataclass(frozen=True)
+class GrpcTls:
+    """The server's certificate and private key (PEM files) for gRPC over TLS."""
+
+    cert: Path
+    key: Path
+
+    def check(self) -> None:
+        for what, path in (("certificate", self.cert), ("private key", self.key)):
+            if not path.is_file():
+                raise ServerError(f"the gRPC TLS {what} {path} does not exist")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """How to run tritonserver."""
 
@@ -133,6 +148,10 @@ class ServerConfig:
     # containers often give /dev/shm only 64 MB and every model instance takes a region.
     python_shm_default_bytes: int = 4 * 1024 * 1024
     pinned_memory_bytes: int = 0  # CUDA pinned host memory pool; 0 where there is no GPU
+    # With a key, the control endpoints (tools.admin_key.RESTRICTED_APIS) answer only requests
+    # carrying it; without one they are open to anyone who reaches the ports.
+    admin_key: str | None = field(default=None, repr=False)
+    grpc_tls: GrpcTls | None = None  # serve gRPC over TLS with this certificate
     extra_args: tuple[str, ...] = field(default=())  # passed through verbatim
 
     @property
@@ -167,6 +186,12 @@ def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: 
     if config.model_control_mode is ModelControlMode.POLL:
         command.append("--repository-poll-secs=5")
     command += [f"--load-model={name}" for name in config.load_models]
+    if config.admin_key:
+        command += restricted_api_args(config.admin_key)
+    if config.grpc_tls is not None:
+        # Triton's HTTP front end has no TLS: put a TLS-terminating proxy before the HTTP port.
+        command += ["--grpc-use-ssl=true", f"--grpc-server-cert={config.grpc_tls.cert}",
+                    f"--grpc-server-key={config.grpc_tls.key}"]
     command += list(config.extra_args)
     return command
 
@@ -287,6 +312,8 @@ class TritonServer:
                 f"{listing} already in use (another tritonserver?); stop it or choose other ports "
                 "with --http-port / --grpc-port / --metrics-port"
             )
+        if self.config.grpc_tls is not None:
+            self.config.grpc_tls.check()
         backends_dir = prepare_backends(self.dist)
         command = build_command(self.config, self.dist, backends_dir)
         env = build_env(self.dist, os.environ)

@@ -19,6 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.admission import SharedWork, instance_slot, tier_share
+from python_backends.artifacts import verify_artifacts
 from python_backends.buckets import reassemble
 from python_backends.embed import (
     AUTH_FAILURE_COUNTER,
@@ -59,6 +60,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         config = parse_router_config(args["model_name"], params)
         version_dir = Path(args["model_repository"]) / args["model_version"]
+        verify_artifacts(version_dir, args["model_name"], required=["tokenizer.json"])
         self.router = EmbedRouter(config, TextTokenizer.from_file(version_dir / "tokenizer.json"))
         self.routing = RoutingSource(Path(args["model_repository"]) / config.routing_file, config.default_routing)
         self.logger = pb_utils.Logger

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from python_backends.artifacts import verify_artifacts
 from python_backends.encoder import (
     BATCH_ROWS_HISTOGRAM,
     OnnxEncoder,
@@ -19,6 +20,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = parse_encoder_config(json.loads(args["model_config"]))
         version_dir = Path(args["model_repository"]) / args["model_version"]
+        verify_artifacts(version_dir, args["model_name"], required=["model.onnx"])
         self.encoder = OnnxEncoder(version_dir / "model.onnx", config)
         # A MetricFamily must outlive its Metrics: keep it on the instance.
         name, text = BATCH_ROWS_HISTOGRAM

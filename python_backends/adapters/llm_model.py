@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from python_backends.artifacts import verify_artifacts
 from python_backends.errors import InvalidInput
 from python_backends.llm_engine import (
     EngineLoop,
@@ -144,9 +145,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         config = parse_engine_config(name, params)
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        if not (version_dir / "model.safetensors").is_file():
-            raise pb_utils.TritonModelException(
-                f"model {name!r}: {version_dir / 'model.safetensors'} is missing; run `python -m tools build-models`")
+        verify_artifacts(version_dir, name, required=["model.safetensors", "config.json", "tokenizer.json"])
         self.engine = LLMEngine.from_dir(version_dir, config)
         try:
             self.tenants = TenantPolicy.from_json(params["tenants"]) if params.get("tenants") else UNLIMITED

@@ -1,8 +1,10 @@
 """The batch-inference API against the real tritonserver, its processes killed mid-batch.
 
 The API and the workers run as their own processes (`python -m tools batch api|worker`) on
-one SQLite queue, the way `python -m tools batch serve` runs them; the tests SIGKILL them
-and start them again, then check that every item has exactly one result, in input order.
+one queue, the way `python -m tools batch serve` runs them; the tests SIGKILL them and start
+them again, then check that every item has exactly one result, in input order. The queue is a
+SQLite file, and for the tests parametrized over `service` also a PostgreSQL database on the
+session's real server (what workers on several machines would share).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ LEASE_S = 3.0  # short, so that a killed worker's items come back within the tes
 
 
 class Service:
-    """The API and workers of one queue file."""
+    """The API and workers of one queue (a SQLite file or a postgresql:// URL)."""
 
-    def __init__(self, triton, db: Path, log_dir: Path):
+    def __init__(self, triton, db: str, log_dir: Path):
         self.triton = triton
         self.db = db
         self.log_dir = log_dir
@@ -36,7 +38,7 @@ class Service:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = (self.log_dir / f"{name}.log").open("a")
-        return subprocess.Popen([sys.executable, "-m", "tools", "batch", *args, "--db", str(self.db)],
+        return subprocess.Popen([sys.executable, "-m", "tools", "batch", *args, "--db", self.db],
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
     def start_api(self) -> None:
@@ -76,8 +78,11 @@ class Service:
 
 
 @pytest.fixture
-def service(triton, tmp_path):
-    running = Service(triton, tmp_path / "queue.db", tmp_path)
+def service(request, triton, tmp_path):
+    """The API on a SQLite queue; on PostgreSQL when a test parametrizes it with "postgres"."""
+    engine = getattr(request, "param", "sqlite")
+    db = str(tmp_path / "queue.db") if engine == "sqlite" else request.getfixturevalue("postgres_url")
+    running = Service(triton, db, tmp_path)
     running.start_api()
     yield running
     running.stop()
@@ -108,6 +113,7 @@ def all_results(client, batch_id: str) -> list[dict]:
     return results
 
 
+@pytest.mark.parametrize("service", ["sqlite", "postgres"], indirect=True)
 def test_killing_the_worker_and_the_api_mid_batch_loses_and_duplicates_nothing(service, grpc_client):
     items = texts(3000)
     with service.client() as client:
@@ -154,6 +160,7 @@ def test_killing_the_worker_and_the_api_mid_batch_loses_and_duplicates_nothing(s
     assert max(r["attempts"] for r in results) >= 2
 
 
+@pytest.mark.parametrize("service", ["sqlite", "postgres"], indirect=True)
 def test_the_same_idempotency_key_returns_the_same_batch_and_a_different_body_conflicts(service):
     with service.client() as client:
         body = {"model": "embed", "items": ["a", "b"]}
@@ -226,7 +233,7 @@ def test_too_many_items_is_413_and_unknown_batches_are_404_and_the_spec_is_serve
 
 def test_a_worker_without_a_server_keeps_items_queued_for_retry_not_failed(triton, tmp_path):
     """A worker pointed at no server backs off and retries; the items stay pending, not lost."""
-    running = Service(triton, tmp_path / "queue.db", tmp_path)
+    running = Service(triton, str(tmp_path / "queue.db"), tmp_path)
     running.start_api()
     try:
         with running.client() as client:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from python_backends.artifacts import MANIFEST, file_sha256, verify_artifacts
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -38,6 +40,11 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
     assert int8.stat().st_size < 0.7 * onnx_16.stat().st_size
     assert json.loads((int8.parent / "BUILD_INFO.json").read_text())["source"]["precision"] == "int8"
     assert (repository / "embed" / "1" / "tokenizer.json").is_file()
+    # Each folder's manifest holds the checksum of what the build put there; the models verify it at load.
+    for folder, name in ((onnx_16.parent, "model.onnx"), (int8.parent, "model.onnx"),
+                         (repository / "embed" / "1", "tokenizer.json")):
+        assert json.loads((folder / MANIFEST).read_text())["files"] == {name: file_sha256(folder / name)}
+        verify_artifacts(folder, folder.parent.name, required=[name])
     built_at = onnx_16.stat().st_mtime_ns
 
     second = build(repository)
@@ -54,6 +61,12 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
     third = build(repository)
     assert "building fp32 for 1 bucket model version(s)" in third.stdout
     assert onnx_16.stat().st_mtime_ns == built_at
+
+    # So does a folder without a manifest (a build from before manifests, or a deleted one).
+    (onnx_32.parent / MANIFEST).unlink()
+    fourth = build(repository)
+    assert "building fp32 for 1 bucket model version(s)" in fourth.stdout
+    verify_artifacts(onnx_32.parent, "encoder_32", required=["model.onnx"])
 
     # The exported graph has dynamic batch and sequence axes.
     import onnxruntime as ort

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.admission import ADMIT_ALL
+from python_backends.artifacts import MANIFEST
+from tools.admin_key import ADMIN_KEY_ENV, admin_headers
 from tools.spec import load_spec
 from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ModelControlMode, ServerConfig, TritonServer, free_port
 
@@ -34,6 +37,9 @@ from .conftest import LOG_DIR, REPO
 SPEC = load_spec()
 EMBED = SPEC.models[0]
 ENCODERS = [EMBED.encoder_name(length) for length in EMBED.bucket_lens]
+# The server's control endpoints are behind a key, as `serve` runs them; the tool gets it from the environment.
+ADMIN_KEY = secrets.token_urlsafe(32)
+ADMIN_ENV = {**os.environ, ADMIN_KEY_ENV: ADMIN_KEY}
 
 BROKEN = '''import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -78,7 +84,8 @@ def copy_repository(target: Path) -> Path:
             folder = target / encoder / str(version)
             folder.mkdir()
             (folder / "model.py").write_text(source)
-            os.link(target / encoder / "1" / "model.onnx", folder / "model.onnx")
+            for name in ("model.onnx", MANIFEST):  # the same graph, verified at load like any version
+                os.link(target / encoder / "1" / name, folder / name)
     admit_everything(target / "embed" / "config.pbtxt")
     return target
 
@@ -104,7 +111,7 @@ def canary_server(tmp_path_factory):
     repository = copy_repository(tmp_path_factory.mktemp("rollout-repo"))
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
-                          load_models=("embed", *ENCODERS))
+                          load_models=("embed", *ENCODERS), admin_key=ADMIN_KEY)
     server = TritonServer(config, log_path=LOG_DIR / "tritonserver-rollout.log")
     server.start()
     try:
@@ -176,7 +183,7 @@ def rollout(server: TritonServer, repository: Path, records: Path, *args: str) -
                "--url", f"127.0.0.1:{server.config.http_port}",
                "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics", "--model-repository",
                str(repository), "--records", str(records)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=ADMIN_ENV)
     state = json.loads((records / "embed.state.json").read_text())
     record = json.loads(Path(state["record"]).read_text())
     return done.returncode, record, done.stdout + done.stderr
@@ -184,7 +191,7 @@ def rollout(server: TritonServer, repository: Path, records: Path, *args: str) -
 
 def loaded(server: TritonServer, model: str) -> set[int]:
     client = httpclient.InferenceServerClient(server.http_url)
-    index = client.get_model_repository_index()
+    index = client.get_model_repository_index(headers=admin_headers(ADMIN_KEY))
     client.close()
     return {int(entry["version"]) for entry in index if entry["name"] == model and entry.get("state") == "READY"}
 
@@ -233,7 +240,8 @@ def test_rollout_abort_rolls_back_a_running_rollout_and_status_reports_it(canary
     common = ["--model-repository", str(repository), "--records", str(records)]
     state_file = records / "embed.state.json"
     state_file.unlink(missing_ok=True)
-    running = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    running = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=ADMIN_ENV)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -244,10 +252,10 @@ def test_rollout_abort_rolls_back_a_running_rollout_and_status_reports_it(canary
                                 capture_output=True, text=True, timeout=60)
         assert "rollout v1 -> v4: step 10%" in status.stdout and "(tool running)" in status.stdout, status.stdout
         assert "live split of embed: v1 90%, v4 10%" in status.stdout, status.stdout
-        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, env=ADMIN_ENV)
         assert second.returncode == 2 and "already running" in second.stderr
         aborted = subprocess.run([sys.executable, "-m", "tools", "rollout", "abort", "embed", *common], cwd=REPO,
-                                 capture_output=True, text=True, timeout=300)
+                                 capture_output=True, text=True, timeout=300, env=ADMIN_ENV)
         assert aborted.returncode == 0, aborted.stdout + aborted.stderr
         assert running.wait(timeout=120) == 1
     finally:

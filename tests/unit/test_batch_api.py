@@ -1,4 +1,4 @@
-"""The batch API's HTTP front on a real SQLite queue, without workers or a server."""
+"""The batch API's HTTP front on a real queue (SQLite, then PostgreSQL), without workers or a server."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tools.batch.policy import BatchLimits
 
 
 @pytest.fixture
-def client(tmp_path):
-    with TestClient(create_app(tmp_path / "queue.db", BatchLimits(max_items_per_batch=50))) as test_client:
+def client(db):
+    with TestClient(create_app(db, BatchLimits(max_items_per_batch=50))) as test_client:
         yield test_client
 
 

@@ -1,9 +1,11 @@
 """The durable batch queue: submit, claim, results, retries, cancel, lease expiry, and exactly one result per item.
 
-Every test drives the clock by hand (`now_s`), so a lease expires or a backoff runs out by adding a
-number. The process tests run real workers on one SQLite file: racing for the same items (one
-worker's clock runs ahead, so it takes over every lease it sees), killed with SIGKILL while
-holding leases, and an API process killed in the middle of its submissions.
+Every test that takes `store` or `db` runs twice, on each engine: a SQLite file and a real
+PostgreSQL database (a fresh one per test, on the session's server; `db` in conftest.py). Every test drives the clock
+by hand (`now_s`), so a lease expires or a backoff runs out by adding a number. The process
+tests run real workers on one queue: racing for the same items (one worker's clock runs ahead,
+so it takes over every lease it sees), killed with SIGKILL while holding leases, and an API
+process killed in the middle of its submissions.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from tests.postgres import create_database, drop_database
+from tools.batch.engines import is_postgres_url, open_store
+from tools.batch.pg_store import PostgresStore
 from tools.batch.policy import BatchLimits, BatchStatus, ItemCounts, Submission, validate_submission
 from tools.batch.store import (
     BatchNotFound,
@@ -37,9 +42,21 @@ LEASE_S = 30.0
 
 
 @pytest.fixture
-def store(tmp_path):
-    with BatchStore(tmp_path / "batch.db", max_attempts=3) as opened:
+def store(db):
+    with open_store(db, max_attempts=3) as opened:
         yield opened
+
+
+def query(db: str, sql: str) -> list[tuple]:
+    """Rows of `sql` read straight from the queue's tables, whichever engine holds them."""
+    if is_postgres_url(db):
+        import psycopg
+
+        with psycopg.connect(db) as conn:
+            conn.execute("SET search_path TO batch_queue")
+            return conn.execute(sql).fetchall()
+    with sqlite3.connect(db) as conn:
+        return conn.execute(sql).fetchall()
 
 
 def embed_batch(num_items: int, key: str | None = None, prefix: str = "text") -> Submission:
@@ -369,29 +386,34 @@ def test_cancel_is_a_no_op_once_cancelled_or_finished(store):
     assert store.get_batch(finished_id).status is BatchStatus.COMPLETED
 
 
-# -- the file ---------------------------------------------------------------------------------------------------
+# -- the file, the database ---------------------------------------------------------------------------------------
 
 
-def test_everything_survives_closing_and_reopening_the_file(tmp_path):
-    path = tmp_path / "batch.db"
-    with BatchStore(path) as first:
+def test_everything_survives_closing_and_reopening_the_store(db):
+    with open_store(db) as first:
         batch_id, _ = first.submit(embed_batch(2, key="k"), T0)
         (item,) = first.claim("w", 1, LEASE_S, T0)
         first.complete(item.key, "w", {"v": [1, 2]}, T0)
-    with BatchStore(path) as reopened:
+    with open_store(db) as reopened:
         assert [(r.status, r.result) for r in reopened.results(batch_id)] == [("ok", {"v": [1, 2]}),
                                                                               ("pending", None)]
         assert reopened.submit(embed_batch(2, key="k"), T0 + 1) == (batch_id, False)
-        assert reopened._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if not is_postgres_url(db):
+        assert query(db, "PRAGMA journal_mode") == [("wal",)]
 
 
-def test_a_file_of_another_schema_version_is_refused(tmp_path):
-    path = tmp_path / "batch.db"
-    BatchStore(path).close()
-    with sqlite3.connect(path) as db:
-        db.execute("PRAGMA user_version = 7")
+def test_a_store_of_another_schema_version_is_refused(db):
+    open_store(db).close()
+    if is_postgres_url(db):
+        import psycopg
+
+        with psycopg.connect(db) as conn:
+            conn.execute("UPDATE batch_queue.meta SET value = '7' WHERE key = 'schema_version'")
+    else:
+        with sqlite3.connect(db) as conn:
+            conn.execute("PRAGMA user_version = 7")
     with pytest.raises(ValueError, match="schema version 7; this code knows 1"):
-        BatchStore(path)
+        open_store(db)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -402,6 +424,15 @@ def test_a_file_of_another_schema_version_is_refused(tmp_path):
 def test_the_store_refuses_impossible_settings(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchStore(tmp_path / "batch.db", **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
+    ({"connect_timeout_s": 0}, "connect_timeout_s must be > 0, got 0"),
+])
+def test_the_postgres_store_refuses_impossible_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):  # before it tries to connect: no server needed
+        PostgresStore("postgresql://nobody@127.0.0.1:1/none", **kwargs)
 
 
 # -- random interleavings ---------------------------------------------------------------------------------------
@@ -420,11 +451,16 @@ class QueueMachine(RuleBasedStateMachine):
     (stale claims) is refused.
     """
 
-    def __init__(self):
+    def __init__(self, postgres_server=None):
         super().__init__()
-        self.directory = tempfile.mkdtemp(prefix="batch-machine-")
-        # synchronous=OFF: durability is not what this test checks, and fsyncs would dominate it.
-        self.store = BatchStore(Path(self.directory) / "batch.db", max_attempts=3, synchronous="OFF")
+        self.postgres_server = postgres_server
+        if postgres_server is None:
+            self.directory = tempfile.mkdtemp(prefix="batch-machine-")
+            # synchronous=OFF: durability is not what this test checks, and fsyncs would dominate it.
+            self.store = BatchStore(Path(self.directory) / "batch.db", max_attempts=3, synchronous="OFF")
+        else:
+            self.url = create_database(postgres_server)  # one per example: each starts from an empty queue
+            self.store = PostgresStore(self.url, max_attempts=3)
         self.now = T0
         self.batch_ids: list[str] = []
         self.held: list[tuple[str, object]] = []  # (worker, ClaimedItem) handed out and not reported yet
@@ -437,7 +473,10 @@ class QueueMachine(RuleBasedStateMachine):
             self.drain()
         finally:
             self.store.close()
-            shutil.rmtree(self.directory, ignore_errors=True)
+            if self.postgres_server is None:
+                shutil.rmtree(self.directory, ignore_errors=True)
+            else:
+                drop_database(self.postgres_server, self.url)
 
     def drain(self):
         for _ in range(self.store.max_attempts + 2):
@@ -540,21 +579,24 @@ class QueueMachine(RuleBasedStateMachine):
         assert all(count == 1 for count in self.num_final_writes.values())
 
 
-TestQueueInterleavings = QueueMachine.TestCase
-TestQueueInterleavings.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
+def test_random_interleavings_leave_exactly_one_final_outcome_per_item(engine, request):
+    server = request.getfixturevalue("postgres_server") if engine == "postgres" else None
+    run_state_machine_as_test(lambda: QueueMachine(server),
+                              settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                                suppress_health_check=[HealthCheck.too_slow]))
 
 
 # -- processes --------------------------------------------------------------------------------------------------
 
 
-def _work_until_done(path, batch_id, worker_id, clock_offset_s, lease_s, chunk, work_s, out):
+def _work_until_done(db, batch_id, worker_id, clock_offset_s, lease_s, chunk, work_s, out):
     """A worker process: claim, 'compute', complete, until the batch has nothing pending.
 
     Its clock is the wall clock plus `clock_offset_s`: a worker whose clock runs ahead sees the
     others' leases as expired and takes their items over while they still work on them.
     """
-    store = BatchStore(path)
+    store = open_store(db)
     accepted, num_stale = [], 0
     deadline = time.monotonic() + 60  # a broken store fails the test instead of hanging it
     while time.monotonic() < deadline:
@@ -576,10 +618,10 @@ def _work_until_done(path, batch_id, worker_id, clock_offset_s, lease_s, chunk, 
     out.put((worker_id, accepted, num_stale))
 
 
-def _run_workers(context, path, batch_id, offsets, lease_s, chunk, work_s):
+def _run_workers(context, db, batch_id, offsets, lease_s, chunk, work_s):
     out = context.Queue()
     workers = [context.Process(target=_work_until_done,
-                               args=(path, batch_id, f"w{number}", offset, lease_s, chunk, work_s, out))
+                               args=(db, batch_id, f"w{number}", offset, lease_s, chunk, work_s, out))
                for number, offset in enumerate(offsets)]
     for worker in workers:
         worker.start()
@@ -595,34 +637,32 @@ def _run_workers(context, path, batch_id, offsets, lease_s, chunk, work_s):
     return reports
 
 
-def _finished_by(path) -> dict[int, str]:
-    with sqlite3.connect(path) as db:
-        return dict(db.execute("SELECT idx, finished_by FROM items WHERE status = 'ok'").fetchall())
+def _finished_by(db) -> dict[int, str]:
+    return dict(query(db, "SELECT idx, finished_by FROM items WHERE status = 'ok'"))
 
 
-def test_racing_worker_processes_leave_exactly_one_result_per_item(tmp_path):
-    path = tmp_path / "batch.db"
+def test_racing_worker_processes_leave_exactly_one_result_per_item(db):
     num_items = 3000
-    with BatchStore(path) as store:  # closed before the fork: a connection must not cross it
+    with open_store(db) as store:  # closed before the fork: a connection must not cross it
         batch_id, _ = store.submit(embed_batch(num_items), time.time())
     # w3's clock is 2 s ahead of a 1 s lease: every item the others hold looks expired to it.
-    reports = _run_workers(multiprocessing.get_context("fork"), path, batch_id, offsets=[0.0, 0.0, 0.0, 2.0],
+    reports = _run_workers(multiprocessing.get_context("fork"), db, batch_id, offsets=[0.0, 0.0, 0.0, 2.0],
                            lease_s=1.0, chunk=20, work_s=0.003)
     accepted = sorted(index for _, indexes_written, _ in reports for index in indexes_written)
     assert accepted == list(range(num_items))  # each item's result accepted exactly once, none lost
     assert sum(num_stale for *_, num_stale in reports) > 0  # the race happened: some writes came second
-    with BatchStore(path) as store:
+    with open_store(db) as store:
         results = store.results(batch_id, limit=num_items)
         assert [(r.index, r.status, r.result) for r in results] == [
             (index, "ok", {"echo": f"text-{index}"}) for index in range(num_items)]
         assert store.get_batch(batch_id).status is BatchStatus.COMPLETED
     writers = {worker_id: set(indexes_written) for worker_id, indexes_written, _ in reports}
-    assert all(index in writers[worker_id] for index, worker_id in _finished_by(path).items())
+    assert all(index in writers[worker_id] for index, worker_id in _finished_by(db).items())
 
 
-def _hold_then_hang(path, worker_id, ready):
+def _hold_then_hang(db, worker_id, ready):
     """A worker that claims 100 items, completes 20, says so, then crawls on until it is killed."""
-    store = BatchStore(path)
+    store = open_store(db)
     claimed = store.claim(worker_id, 100, 600.0, time.time())
     for number, item in enumerate(claimed):
         store.complete(item.key, worker_id, {"echo": item.payload}, time.time())
@@ -631,29 +671,28 @@ def _hold_then_hang(path, worker_id, ready):
         time.sleep(0.002 if number < 19 else 0.05)
 
 
-def test_a_sigkilled_workers_leases_expire_and_the_others_finish_with_one_result_each(tmp_path):
-    path = tmp_path / "batch.db"
+def test_a_sigkilled_workers_leases_expire_and_the_others_finish_with_one_result_each(db):
     num_items = 2000
-    with BatchStore(path) as store:
+    with open_store(db) as store:
         batch_id, _ = store.submit(embed_batch(num_items), time.time())
     context = multiprocessing.get_context("fork")
     ready = context.Event()
-    victim = context.Process(target=_hold_then_hang, args=(path, "victim", ready))
+    victim = context.Process(target=_hold_then_hang, args=(db, "victim", ready))
     victim.start()
     assert ready.wait(timeout=30)
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(timeout=10)
     assert victim.exitcode == -signal.SIGKILL
-    with BatchStore(path) as store:
+    with open_store(db) as store:
         held = store.get_batch(batch_id).counts
     assert held.num_leased > 0 and held.num_ok >= 20  # it died holding leases, after writing some results
-    victim_done = set(_finished_by(path))
+    victim_done = set(_finished_by(db))
 
     # The survivors' clocks are past the victim's 600 s leases (as if that much time had gone by).
-    reports = _run_workers(context, path, batch_id, offsets=[601.0] * 3, lease_s=30.0, chunk=25, work_s=0.001)
+    reports = _run_workers(context, db, batch_id, offsets=[601.0] * 3, lease_s=30.0, chunk=25, work_s=0.001)
     accepted = sorted([index for _, indexes_written, _ in reports for index in indexes_written] + list(victim_done))
     assert accepted == list(range(num_items))
-    with BatchStore(path) as store:
+    with open_store(db) as store:
         results = store.results(batch_id, limit=num_items)
     assert all(r.status == "ok" and r.result == {"echo": f"text-{r.index}"} for r in results)
     # What the victim finished ran once; what it held when killed ran again, once more.
@@ -662,19 +701,18 @@ def test_a_sigkilled_workers_leases_expire_and_the_others_finish_with_one_result
     assert {r.attempts for r in results[100:]} == {1}
 
 
-def _submit_forever(path, submitted):
-    store = BatchStore(path)
+def _submit_forever(db, submitted):
+    store = open_store(db)
     for number in range(10_000):
         store.submit(embed_batch(2000, key=f"batch-{number}"), time.time())
         submitted.value = number + 1
 
 
-def test_an_api_process_sigkilled_mid_submission_leaves_only_whole_batches(tmp_path):
-    path = tmp_path / "batch.db"
-    BatchStore(path).close()
+def test_an_api_process_sigkilled_mid_submission_leaves_only_whole_batches(db):
+    open_store(db).close()
     context = multiprocessing.get_context("fork")
     submitted = context.Value("i", 0)
-    api = context.Process(target=_submit_forever, args=(path, submitted))
+    api = context.Process(target=_submit_forever, args=(db, submitted))
     api.start()
     deadline = time.monotonic() + 30
     while submitted.value < 3 and time.monotonic() < deadline:
@@ -683,15 +721,15 @@ def test_an_api_process_sigkilled_mid_submission_leaves_only_whole_batches(tmp_p
     os.kill(api.pid, signal.SIGKILL)
     api.join(timeout=10)
     assert submitted.value >= 3
-    with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-        batches = db.execute("SELECT b.idempotency_key, b.num_items, COUNT(i.idx) FROM batches AS b "
-                             "LEFT JOIN items AS i ON i.batch_seq = b.seq GROUP BY b.seq").fetchall()
+    if not is_postgres_url(db):
+        assert query(db, "PRAGMA integrity_check") == [("ok",)]
+    batches = query(db, "SELECT b.idempotency_key, b.num_items, COUNT(i.idx) FROM batches AS b "
+                        "LEFT JOIN items AS i ON i.batch_seq = b.seq GROUP BY b.seq")
     # Every acknowledged submission is there, and at most the one in flight besides (committed, not yet counted).
     assert submitted.value <= len(batches) <= submitted.value + 1
     assert all(num_items == num_rows == 2000 for _, num_items, num_rows in batches)
     # A client retrying its last request after the crash gets its batch, or a new one if it never landed.
-    with BatchStore(path) as store:
+    with open_store(db) as store:
         _, created = store.submit(embed_batch(2000, key="batch-0"), time.time())
         assert not created
         assert store.claim("w", 10, LEASE_S, time.time())[0].key.index == 0

@@ -1,4 +1,4 @@
-"""The batch worker's loop with a fake Triton caller and a real SQLite queue."""
+"""The batch worker's loop with a fake Triton caller and a real queue (SQLite, then PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
+from tools.batch.engines import open_store
 from tools.batch.policy import BatchLimits, RetryPolicy, validate_submission
-from tools.batch.store import BatchStore
+from tools.batch.store_base import BatchQueue
 from tools.batch.triton_calls import CallOutcome
 from tools.batch.worker import BatchWorker, WorkerConfig, next_window
 
@@ -54,7 +55,7 @@ class FakeCaller:
         return outcomes
 
 
-def run_until_done(store: BatchStore, worker: BatchWorker, batch_id: str, timeout_s: float = 20.0) -> None:
+def run_until_done(store: BatchQueue, worker: BatchWorker, batch_id: str, timeout_s: float = 20.0) -> None:
     async def main():
         task = asyncio.create_task(worker.run())
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -66,7 +67,7 @@ def run_until_done(store: BatchStore, worker: BatchWorker, batch_id: str, timeou
     asyncio.run(main())
 
 
-def submit(store: BatchStore, items: list[str]) -> str:
+def submit(store: BatchQueue, items: list[str]) -> str:
     batch_id, _ = store.submit(validate_submission({"model": "embed", "items": items}, BatchLimits()), 0.0)
     return batch_id
 
@@ -77,8 +78,8 @@ def fast(**overrides) -> WorkerConfig:
     return WorkerConfig(**{**values, **overrides})
 
 
-def test_every_item_gets_its_own_result_in_requests_of_the_batch_size(tmp_path):
-    with BatchStore(tmp_path / "q.db") as store:
+def test_every_item_gets_its_own_result_in_requests_of_the_batch_size(db):
+    with open_store(db) as store:
         items = [f"text {i}" * (1 + i % 3) for i in range(30)]
         batch_id = submit(store, items)
         caller = FakeCaller()
@@ -90,8 +91,8 @@ def test_every_item_gets_its_own_result_in_requests_of_the_batch_size(tmp_path):
     assert caller.max_in_flight <= 3
 
 
-def test_busy_answers_are_retried_and_shrink_the_window_and_bad_ones_fail_at_once(tmp_path):
-    with BatchStore(tmp_path / "q.db", max_attempts=3) as store:
+def test_busy_answers_are_retried_and_shrink_the_window_and_bad_ones_fail_at_once(db):
+    with open_store(db, max_attempts=3) as store:
         batch_id = submit(store, ["ok", "busy twice", "broken", "busy forever"])
         caller = FakeCaller(busy={"busy twice": 2, "busy forever": 99}, broken=frozenset({"broken"}))
         worker = BatchWorker(store, fast(max_batch_items=1), {"embed": caller})
@@ -104,8 +105,8 @@ def test_busy_answers_are_retried_and_shrink_the_window_and_bad_ones_fail_at_onc
     assert worker.stats.items_retried >= 4 and worker.stats.items_failed == 2
 
 
-def test_items_of_a_model_the_worker_does_not_serve_fail_with_a_clear_error(tmp_path):
-    with BatchStore(tmp_path / "q.db") as store:
+def test_items_of_a_model_the_worker_does_not_serve_fail_with_a_clear_error(db):
+    with open_store(db) as store:
         batch_id = submit(store, ["a"])
         worker = BatchWorker(store, fast(), {"other": FakeCaller()})
         run_until_done(store, worker, batch_id)
@@ -113,8 +114,8 @@ def test_items_of_a_model_the_worker_does_not_serve_fail_with_a_clear_error(tmp_
     assert result.status == "failed" and "serves no model 'embed'" in result.error
 
 
-def test_a_stopped_worker_sends_what_it_holds_before_it_returns(tmp_path):
-    with BatchStore(tmp_path / "q.db") as store:
+def test_a_stopped_worker_sends_what_it_holds_before_it_returns(db):
+    with open_store(db) as store:
         batch_id = submit(store, [f"t{i}" for i in range(12)])
         caller = FakeCaller()
         worker = BatchWorker(store, fast(max_batch_items=20, max_in_flight=1, max_wait_s=60.0), {"embed": caller})

@@ -236,3 +236,12 @@ def test_every_query_reads_the_kit_or_triton_metrics():
             "embed_tenant_requests_total"} <= queried.keys()
     for name in queried:
         assert name.startswith(("nv_", "embed_", "llm_")), name
+
+
+def test_the_admin_key_comes_from_a_secret_never_from_the_repository():
+    env = {entry["name"]: entry for entry in deployment_container()["env"]}
+    assert "value" not in env["TRITON_ADMIN_KEY"]  # a literal would be a key baked into the repo
+    assert env["TRITON_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "triton-admin-key", "key": "key"}
+    server = compose()["services"]["tritonserver"]
+    # `${VAR:?message}`: compose refuses to start when the operator has not exported a key.
+    assert server["environment"]["TRITON_ADMIN_KEY"].startswith("${TRITON_ADMIN_KEY:?")

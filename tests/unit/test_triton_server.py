@@ -1,5 +1,6 @@
 """Command line, environment and start-up checks of the tritonserver launcher."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -110,9 +111,17 @@ def test_serve_exits_with_message_when_port_taken():
         sock.listen()
         port = sock.getsockname()[1]
         result = run_cli("serve", f"--http-port={port}", f"--grpc-port={free_port()}",
-                         f"--metrics-port={free_port()}")
+                         f"--metrics-port={free_port()}", "--model-control-mode=none")
     assert result.returncode == 2
     assert f"HTTP port {port} already in use" in result.stderr
+
+
+def test_serve_refuses_explicit_model_control_without_an_admin_key():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_ADMIN_KEY"}
+    result = subprocess.run([sys.executable, "-m", "tools", "serve", f"--http-port={free_port()}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert "explicit model control needs an admin key" in result.stderr and "--admin-key-file" in result.stderr
 
 
 def test_serve_rejects_bad_port_argument():

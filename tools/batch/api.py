@@ -7,7 +7,7 @@
     GET  /healthz                     the store answers
     GET  /openapi.json, /docs         the OpenAPI spec
 
-Every state change is one SQLite transaction in `BatchStore`, so the process can be killed
+Every state change is one transaction in the store (SQLite or PostgreSQL), so the process can be killed
 at any moment: a batch is either wholly accepted (and its id returned after the commit) or
 not at all, and a client that never saw the answer re-submits with the same idempotency key
 (`Idempotency-Key` header or body field) and gets the same batch. The body is parsed here,
@@ -26,8 +26,9 @@ from pathlib import Path
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
+from tools.batch.engines import open_store
 from tools.batch.policy import BatchLimits, SubmissionError, validate_submission
-from tools.batch.store import MAX_RESULTS_PAGE, BatchNotFound, BatchStore, BatchView, IdempotencyConflict
+from tools.batch.store_base import MAX_RESULTS_PAGE, BatchNotFound, BatchQueue, BatchView, IdempotencyConflict
 
 SUBMISSION_SCHEMA = {
     "type": "object",
@@ -66,21 +67,23 @@ def batch_json(view: BatchView) -> dict:
     }
 
 
-def create_app(db_path: Path, limits: BatchLimits | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+def create_app(db: str | Path, limits: BatchLimits | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+    """The API on the queue `db` names: a SQLite file or a postgresql:// URL (`engines.open_store`)."""
     limits = limits or BatchLimits()
-    # One connection, opened and used on the event loop's thread only: SQLite calls take
-    # milliseconds, and a single writer per process is what SQLite is best at.
-    opened: dict[str, BatchStore] = {}
+    # One connection, opened and used on the event loop's thread only: a store call takes about a
+    # millisecond, a single writer per process is what SQLite is best at, and PostgreSQL gets one
+    # connection per API process rather than a pool to size.
+    opened: dict[str, BatchQueue] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        opened["store"] = BatchStore(db_path)
+        opened["store"] = open_store(db)
         try:
             yield
         finally:
             opened.pop("store").close()
 
-    def store() -> BatchStore:
+    def store() -> BatchQueue:
         return opened["store"]
 
     app = FastAPI(title="triton-slo-kit batch inference API", version="1.0", lifespan=lifespan,
@@ -158,7 +161,7 @@ def create_app(db_path: Path, limits: BatchLimits | None = None, clock: Callable
     @app.get("/healthz")
     async def healthz():
         with contextlib.suppress(BatchNotFound):
-            store().get_batch("")  # one query against the file: it answers, or this raises (500)
+            store().get_batch("")  # one query against the store: it answers, or this raises (500)
         return {"status": "ok"}
 
     return app

@@ -1,35 +1,10 @@
-"""The durable queue of batch inference: one SQLite file shared by the API process and the workers.
+"""The SQLite engine of the batch queue: one file shared by the API process and the workers of one machine.
 
-Design
-------
-*Leases, not locks.* A worker `claim`s items: in one transaction it marks them leased to itself
-until `now_s + lease_s` and counts the attempt. A worker that is SIGKILLed holds its leases until
-they expire; the next `claim` (by anyone) finds them expired and puts them back in the queue (or
-ends them, below). Nothing has to notice the death, and no item is lost: processing is
-at-least-once.
+The queue's semantics (leases, first writer wins, bounded retries, cancel, the clock passed in)
+are those of every engine: see `tools.batch.store_base`. What is SQLite's own:
 
-*First writer wins.* At-least-once means two workers may compute the same item: one whose lease
-expired while it was slow (or paused, or cut off), and the one that took the item over. A final
-outcome (`complete`, a final `fail`) is therefore a conditional update, `... WHERE state !=
-'done'`, and the item row is the only place a result lives: the first final write lands, every
-later one changes nothing and returns False. There is exactly one result per item whatever the
-interleaving, and a slow worker's valid result is used rather than thrown away. A *retryable*
-failure is different: it puts the item back in the queue, so it is accepted only from the worker
-that holds the current lease; a stale worker's retryable failure would otherwise hand out an item
-that someone else is running. (The check is by worker, not by attempt: a worker that claimed the
-same item twice can requeue it from its older claim, which costs extra work, never a second result.)
-
-*Bounded retries.* Each claim counts an attempt. A retryable failure at the last attempt, and a
-lease that expires at the last attempt (a worker that dies on the item every time), end the item
-as failed, so a poisonous item cannot keep its batch open forever.
-
-*Cancel.* A cancelled batch's queued items end at once as cancelled; leased ones may still finish
-(their results are kept), and if their lease expires or they fail retryably they end as cancelled
-instead of going back to the queue. No item of a cancelled batch is ever queued, so claims never
-see one.
-
-*SQLite in WAL mode.* Readers (status and result pages from the API) never block the writer and
-the writer never blocks them; writers take turns. Every state change is one `BEGIN IMMEDIATE`
+*WAL mode.* Readers (status and result pages from the API) never block the writer and the
+writer never blocks them; writers take turns. Every state change is one `BEGIN IMMEDIATE`
 transaction, which takes the write lock up front, so a read-then-write (claim, fail) can never be
 overtaken between its read and its write by another process; `busy_timeout` makes the others
 wait their turn instead of failing. A SIGKILL in the middle of a transaction leaves nothing
@@ -37,13 +12,9 @@ behind: the uncommitted WAL frames are ignored on the next open. With `synchrono
 default) a committed submission also survives a power cut; `NORMAL` survives any process crash
 and costs fewer fsyncs.
 
-*The clock is passed in.* The store never reads time: `now_s` is an argument everywhere, so the
-tests expire leases and run out backoffs by moving a number instead of sleeping, and the policy
-in `tools.batch.policy` stays the only place that decides when. A fresh item is claimable from
-time 0, not from the API's `now_s`, so a worker whose clock reads a little behind still sees it.
-
 One `BatchStore` is one connection: open one per process (and per thread); never carry one
-across `fork`. WAL needs every process on one host, with the file on a local disk.
+across `fork`. WAL needs every process on one host, with the file on a local disk: workers on
+several machines share a `PostgresStore` (`tools.batch.pg_store`) instead.
 """
 
 from __future__ import annotations
@@ -53,14 +24,31 @@ import sqlite3
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-from tools.batch.policy import BatchStatus, ItemCounts, Submission, batch_status, request_fingerprint
+from tools.batch.policy import Submission
+from tools.batch.store_base import (
+    MAX_RESULTS_PAGE,
+    BatchNotFound,
+    BatchQueue,
+    BatchView,
+    ClaimedItem,
+    IdempotencyConflict,
+    ItemKey,
+    ItemNotFound,
+    ItemResult,
+    StoreUnavailable,
+    batch_view,
+    failure_write,
+    item_result,
+)
+
+# The names other modules have always imported from here.
+__all__ = ["MAX_RESULTS_PAGE", "BatchNotFound", "BatchStore", "BatchView", "ClaimedItem", "IdempotencyConflict",
+           "ItemKey", "ItemNotFound", "ItemResult", "StoreUnavailable"]
 
 SCHEMA_VERSION = 1
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
-MAX_RESULTS_PAGE = 10_000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -100,97 +88,21 @@ CREATE INDEX IF NOT EXISTS items_leases ON items(lease_expires_at) WHERE state =
 """
 
 
-class IdempotencyConflict(Exception):
-    """The idempotency key was already used for a batch with a different body (HTTP 409)."""
-
-    def __init__(self, idempotency_key: str, batch_id: str):
-        super().__init__(f"idempotency key {idempotency_key!r} was already used for batch {batch_id} "
-                         "with a different body")
-        self.idempotency_key = idempotency_key
-        self.batch_id = batch_id
-
-
-class BatchNotFound(LookupError):
-    """No batch has this id (HTTP 404)."""
-
-
-class ItemNotFound(LookupError):
-    """No item has this key: a worker bug, never a client's."""
-
-
-@dataclass(frozen=True)
-class ItemKey:
-    batch_id: str
-    index: int
-
-
-@dataclass(frozen=True)
-class ClaimedItem:
-    """An item leased to a worker."""
-
-    key: ItemKey
-    model: str
-    version: int | None
-    payload: object  # the item as submitted
-    attempt: int  # 1 on the first claim
-    claimed_at_s: float
-    lease_expires_at_s: float
-
-
-@dataclass(frozen=True)
-class BatchView:
-    """A batch as the API reports it."""
-
-    batch_id: str
-    model: str
-    version: int | None
-    idempotency_key: str | None
-    created_at_s: float
-    cancelled_at_s: float | None
-    finished_at_s: float | None  # when the last item became final; None while any is pending
-    counts: ItemCounts
-    status: BatchStatus
-
-    @property
-    def fraction_done(self) -> float:
-        return self.counts.fraction_done
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    """One item's outcome, as the results page reports it."""
-
-    index: int
-    status: str  # "ok", "failed", "cancelled" or "pending"
-    result: object | None  # when ok
-    error: str | None  # when failed (or cancelled after a failed attempt)
-    attempts: int
-
-
-def _check_now(now_s: float) -> None:
-    if not now_s >= 0:  # also refuses NaN, which would compare false everywhere and freeze the queue
-        raise ValueError(f"now_s must be a time >= 0, got {now_s}")
-
-
-def _check_worker(worker_id: str) -> None:
-    if not isinstance(worker_id, str) or not worker_id:
-        raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
-
-
-class BatchStore:
+class BatchStore(BatchQueue):
     """The queue, its results and its batches, in one SQLite file."""
 
     def __init__(self, path: str | Path, *, max_attempts: int = 5, busy_timeout_s: float = 30.0,
                  synchronous: str = "FULL"):
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        super().__init__(max_attempts)
         if not busy_timeout_s > 0:
             raise ValueError(f"busy_timeout_s must be > 0, got {busy_timeout_s}")
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, got {synchronous!r}")
-        self.max_attempts = max_attempts
         # isolation_level=None: no implicit transactions; each state change opens its own BEGIN IMMEDIATE.
-        self._db = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None)
+        try:
+            self._db = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None)
+        except sqlite3.OperationalError as err:  # a missing or unwritable directory
+            raise StoreUnavailable(f"cannot open the batch queue file {path}: {err}") from None
         try:
             self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -240,24 +152,11 @@ class BatchStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> BatchStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # -- the API side ---------------------------------------------------------------------------------------
 
-    def submit(self, submission: Submission, now_s: float) -> tuple[str, bool]:
-        """Store a batch and all its items as one transaction: (batch id, whether it was created now).
-
-        A submission with an idempotency key already used returns that batch (created False) when
-        the bodies match and raises `IdempotencyConflict` when they do not.
-        """
-        _check_now(now_s)
-        fingerprint = request_fingerprint(submission)
-        # Encoded before the transaction: nothing slow or failing happens while holding the write lock.
-        payloads = [json.dumps(item, ensure_ascii=False) for item in submission.items]
+    def _submit(self, submission: Submission, fingerprint: str, payloads: list[str], now_s: float) -> tuple[str, bool]:
+        # The write lock is held from the first statement: no other process can insert the same key
+        # between this check and the insert.
         with self._write() as db:
             key = submission.idempotency_key
             if key is not None:
@@ -278,13 +177,7 @@ class BatchStore:
             )
         return batch_id, True
 
-    def cancel(self, batch_id: str, now_s: float) -> bool:
-        """Cancel a batch: its queued items end as cancelled and nothing more is claimed.
-
-        Returns False when there was nothing to cancel: already cancelled, or already finished
-        (a finished batch keeps its results and its status).
-        """
-        _check_now(now_s)
+    def _cancel(self, batch_id: str, now_s: float) -> bool:
         with self._write() as db:
             row = db.execute("SELECT seq, cancelled_at FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
@@ -307,58 +200,29 @@ class BatchStore:
                              "FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 raise BatchNotFound(f"no batch {batch_id!r}")
-            seq, model, version, key, created_at, cancelled_at = row
+            seq, *batch = row
             by_state = db.execute("SELECT state, status, COUNT(*), MAX(finished_at) FROM items "
                                   "WHERE batch_seq = ? GROUP BY state, status", (seq,)).fetchall()
-        counted = {(state if state != "done" else status): count for state, status, count, _ in by_state}
-        counts = ItemCounts(num_queued=counted.get("queued", 0), num_leased=counted.get("leased", 0),
-                            num_ok=counted.get("ok", 0), num_failed=counted.get("failed", 0),
-                            num_cancelled=counted.get("cancelled", 0))
-        finished_at = None
-        if counts.num_pending == 0:
-            finished_at = max(last for state, _, _, last in by_state if state == "done")
-        return BatchView(batch_id=batch_id, model=model, version=version, idempotency_key=key,
-                         created_at_s=created_at, cancelled_at_s=cancelled_at, finished_at_s=finished_at,
-                         counts=counts, status=batch_status(counts, cancelled_at is not None))
+        return batch_view(batch_id, *batch, by_state)
 
-    def results(self, batch_id: str, offset: int = 0, limit: int = 1000) -> list[ItemResult]:
-        """Items `offset` .. `offset + limit - 1` of a batch, in input order, finished or not."""
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
-        if not 1 <= limit <= MAX_RESULTS_PAGE:
-            raise ValueError(f"limit must be in 1..{MAX_RESULTS_PAGE}, got {limit}")
+    def _results(self, batch_id: str, offset: int, limit: int) -> list[ItemResult]:
         with self._read() as db:
             row = db.execute("SELECT seq FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 raise BatchNotFound(f"no batch {batch_id!r}")
             rows = db.execute("SELECT idx, status, result, error, attempts FROM items WHERE batch_seq = ? "
                               "AND idx >= ? ORDER BY idx LIMIT ?", (row[0], offset, limit)).fetchall()
-        return [ItemResult(index=index, status=status or "pending",
-                           result=json.loads(result) if result is not None else None,
-                           error=error if status in ("failed", "cancelled") else None, attempts=attempts)
-                for index, status, result, error, attempts in rows]
+        return [item_result(*row) for row in rows]
 
     # -- the worker side ------------------------------------------------------------------------------------
 
-    def claim(self, worker_id: str, max_items: int, lease_s: float, now_s: float,
-              model: str | None = None) -> list[ClaimedItem]:
-        """Lease up to `max_items` claimable items to `worker_id` until `now_s + lease_s`.
-
-        Oldest batch first, each in index order; an item in retry backoff is skipped until its
-        time. Expired leases are dealt with first (`release_expired`), so a dead worker's items
-        are claimable again in the same call.
-        """
-        _check_worker(worker_id)
-        _check_now(now_s)
-        if max_items < 1:
-            raise ValueError(f"max_items must be >= 1, got {max_items}")
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    def _claim(self, worker_id: str, max_items: int, lease_s: float, now_s: float,
+               model: str | None) -> list[ClaimedItem]:
         by_model = "AND i.model = ?" if model is not None else ""
         params = (now_s, model, max_items) if model is not None else (now_s, max_items)
         expires_at = now_s + lease_s
         with self._write() as db:
-            self._release_expired(db, now_s)
+            self._release_expired_in(db, now_s)
             rows = db.execute(
                 "SELECT i.batch_seq, i.idx, i.attempts, i.payload, b.id, b.model, b.version "
                 "FROM items AS i JOIN batches AS b ON b.seq = i.batch_seq "
@@ -372,33 +236,17 @@ class BatchStore:
                             lease_expires_at_s=expires_at)
                 for _, index, attempts, payload, batch_id, batch_model, version in rows]
 
-    def extend_leases(self, keys: Sequence[ItemKey], worker_id: str, lease_s: float, now_s: float) -> int:
-        """Push the leases `worker_id` still holds on `keys` to `now_s + lease_s` (a long generation
-        outlives one lease); returns how many it still held."""
-        _check_worker(worker_id)
-        _check_now(now_s)
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    def _extend_leases(self, keys: Sequence[ItemKey], worker_id: str, expires_at_s: float) -> int:
         extended = 0
         with self._write() as db:
             for key in keys:
                 extended += db.execute(
                     "UPDATE items SET lease_expires_at = ? WHERE batch_seq = (SELECT seq FROM batches WHERE id = ?) "
                     "AND idx = ? AND state = 'leased' AND lease_owner = ?",
-                    (now_s + lease_s, key.batch_id, key.index, worker_id)).rowcount
+                    (expires_at_s, key.batch_id, key.index, worker_id)).rowcount
         return extended
 
-    def complete(self, item_key: ItemKey, worker_id: str, result: object, now_s: float) -> bool:
-        """Record an item's result. True when this was the item's final write; False when the item
-        already had one (another worker's result, a final failure or a cancel), which is kept."""
-        return self.complete_many([(item_key, result)], worker_id, now_s)[0]
-
-    def complete_many(self, outcomes: Sequence[tuple[ItemKey, object]], worker_id: str, now_s: float) -> list[bool]:
-        """`complete` for the items of one Triton request, in one transaction (one fsync, not one per item)."""
-        _check_worker(worker_id)
-        _check_now(now_s)
-        # Encoded before the transaction: a result that is not JSON fails before anything is written.
-        encoded = [(key, json.dumps(result, ensure_ascii=False)) for key, result in outcomes]
+    def _complete_many(self, encoded: Sequence[tuple[ItemKey, str]], worker_id: str, now_s: float) -> list[bool]:
         accepted = []
         with self._write() as db:
             for key, result in encoded:
@@ -415,58 +263,34 @@ class BatchStore:
                 accepted.append(written)
         return accepted
 
-    def fail(self, item_key: ItemKey, worker_id: str, error: str, retryable: bool, retry_at_s: float | None,
-             now_s: float) -> bool:
-        """Record a failed attempt. True when it changed the item, False when it was superseded.
-
-        Not retryable: the item ends as failed, first writer wins (as `complete`). Retryable:
-        only the worker holding the lease may say so; the item goes back to the queue, claimable
-        from `retry_at_s`, unless it has had `max_attempts` attempts (then it ends as failed) or its
-        batch was cancelled (then it ends as cancelled).
-        """
-        return self.fail_many([item_key], worker_id, error, retryable, retry_at_s, now_s)[0]
-
-    def fail_many(self, keys: Sequence[ItemKey], worker_id: str, error: str, retryable: bool,
-                  retry_at_s: float | None, now_s: float) -> list[bool]:
-        """`fail` for the items of one Triton request (which fail together), in one transaction."""
-        _check_worker(worker_id)
-        _check_now(now_s)
-        if retryable and (retry_at_s is None or not retry_at_s >= now_s):
-            raise ValueError(f"a retryable failure needs retry_at_s >= now_s ({now_s}), got {retry_at_s}")
+    def _fail_many(self, keys: Sequence[ItemKey], worker_id: str, error: str, retryable: bool,
+                   retry_at_s: float | None, now_s: float) -> list[bool]:
         changed = []
         with self._write() as db:
             for key in keys:
                 seq, state, owner, attempts, cancelled = self._item_state(db, key)
-                where = (seq, key.index)
-                if state == "done" or attempts == 0:
+                write = failure_write(state, owner, attempts, cancelled, worker_id, error, retryable,
+                                      self.max_attempts)
+                if write is None:
                     changed.append(False)
-                elif not retryable:
-                    db.execute("UPDATE items SET state = 'done', status = 'failed', error = ?, finished_at = ?, "
-                               "finished_by = ?, lease_owner = NULL, lease_expires_at = NULL "
-                               "WHERE batch_seq = ? AND idx = ?", (error, now_s, worker_id, *where))
-                    changed.append(True)
-                elif state != "leased" or owner != worker_id:
-                    changed.append(False)  # a stale lease: the item is someone else's (or queued) now
-                elif cancelled or attempts >= self.max_attempts:
-                    final_status = "cancelled" if cancelled else "failed"
-                    final_error = error if cancelled else f"{error} (gave up after {attempts} attempts)"
+                elif write.state == "done":
                     db.execute("UPDATE items SET state = 'done', status = ?, error = ?, finished_at = ?, "
                                "finished_by = ?, lease_owner = NULL, lease_expires_at = NULL "
-                               "WHERE batch_seq = ? AND idx = ?", (final_status, final_error, now_s, worker_id, *where))
+                               "WHERE batch_seq = ? AND idx = ?",
+                               (write.status, write.error, now_s, worker_id, seq, key.index))
                     changed.append(True)
                 else:
                     db.execute("UPDATE items SET state = 'queued', not_before = ?, error = ?, lease_owner = NULL, "
-                               "lease_expires_at = NULL WHERE batch_seq = ? AND idx = ?", (retry_at_s, error, *where))
+                               "lease_expires_at = NULL WHERE batch_seq = ? AND idx = ?",
+                               (retry_at_s, write.error, seq, key.index))
                     changed.append(True)
         return changed
 
-    def release_expired(self, now_s: float) -> int:
-        """Deal with every lease expired at `now_s` (claim does this too); returns how many."""
-        _check_now(now_s)
+    def _release_expired(self, now_s: float) -> int:
         with self._write() as db:
-            return self._release_expired(db, now_s)
+            return self._release_expired_in(db, now_s)
 
-    def _release_expired(self, db: sqlite3.Connection, now_s: float) -> int:
+    def _release_expired_in(self, db: sqlite3.Connection, now_s: float) -> int:
         # A cancelled batch's item is never handed out again; an item at its last attempt has had
         # its chances (a worker that dies on it every time must not keep its batch open).
         cancelled = db.execute(

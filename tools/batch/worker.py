@@ -1,6 +1,6 @@
 """A batch worker: pull items from the store, batch them, call tritonserver, record outcomes.
 
-The loop is thin glue around pure pieces: `BatchStore.claim` leases items, `form_batch`
+The loop is thin glue around pure pieces: the store's `claim` leases items, `form_batch`
 decides when a (model, version) queue is worth a Triton request (full, or its oldest item
 has waited the window), a caller from `triton_calls` sends it, and the outcomes go back in
 one transaction per request: results with `complete_many` (the first writer wins, so an
@@ -23,9 +23,10 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tools.batch.policy import ItemKind, RetryPolicy, form_batch
-from tools.batch.store import BatchStore, ClaimedItem
+from tools.batch.store_base import BatchQueue, ClaimedItem
 from tools.batch.triton_calls import CallOutcome
 
 log = logging.getLogger("tools.batch.worker")
@@ -76,7 +77,7 @@ class WorkerStats:
 
 
 class BatchWorker:
-    def __init__(self, store: BatchStore, config: WorkerConfig, callers: Mapping[str, Caller],
+    def __init__(self, store: BatchQueue, config: WorkerConfig, callers: Mapping[str, Caller],
                  clock: Callable[[], float] = time.time, rng: random.Random | None = None):
         self.store = store
         self.config = config
@@ -203,13 +204,16 @@ class BatchWorker:
                 self.store.extend_leases(keys, self.config.worker_id, self.config.lease_s, self.clock())
 
 
-def make_callers(grpc_url: str, models: Mapping[str, ItemKind], max_rows: int) -> tuple[dict[str, Caller], object]:
-    """One gRPC client and a caller per model; returns (callers, client) so the caller can close it."""
+def make_callers(grpc_url: str, models: Mapping[str, ItemKind], max_rows: int,
+                 tls_ca: Path | None = None) -> tuple[dict[str, Caller], object]:
+    """One gRPC client (over TLS when `tls_ca` is given) and a caller per model; returns
+    (callers, client) so the caller can close it."""
     import tritonclient.grpc.aio as grpcaio
 
     from tools.batch.triton_calls import EmbedCaller, LLMCaller
+    from tools.grpc_tls import client_tls_kwargs
 
-    client = grpcaio.InferenceServerClient(grpc_url)
+    client = grpcaio.InferenceServerClient(grpc_url, **client_tls_kwargs(tls_ca))
     callers: dict[str, Caller] = {}
     for name, kind in models.items():
         if kind is ItemKind.EMBED:
