@@ -158,11 +158,27 @@ def test_compose_builds_the_image_and_mounts_only_files_that_exist():
     assert (DOCKER / build["context"] / build["dockerfile"]).resolve() == (DOCKER / "Dockerfile").resolve()
     devices = services["tritonserver"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    named = set(compose().get("volumes", {}))
     for name, service in services.items():
         assert ":latest" not in service.get("image", ":x"), name
         for volume in service.get("volumes", []):
-            host = (DOCKER / volume.split(":")[0]).resolve()
+            source = volume.split(":")[0]
+            if source in named:
+                continue
+            host = (DOCKER / source).resolve()
             assert host.exists(), f"{name} mounts {host}, which does not exist"
+
+
+def test_locust_and_the_server_share_the_tenant_keys_file():
+    # The mix's tenants send tokens signed with the spec's keys file, which the server verifies.
+    from tools.spec import load_spec
+
+    services = compose()["services"]
+    keys_dir = load_spec(REPO / "serving.toml").tenant_auth.keys_file.parent.relative_to(REPO)
+    mount = f"kit-build:/opt/kit/{keys_dir}"
+    assert mount in services["tritonserver"]["volumes"] and mount in services["locust"]["volumes"]
+    assert "kit-build" in compose()["volumes"]
+    assert "WORKDIR /opt/kit" in (DOCKER / "Dockerfile").read_text()
     assert services["locust"]["profiles"] == ["load"]  # `up` without the profile needs no locustfile
 
 
