@@ -292,7 +292,7 @@ def parse_tenant_claim(params: Mapping[str, object]) -> str | None:
     tenant = params[names[0]]
     if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN:
         raise ValueError(f"parameter 'tenant' must be a non-empty string of at most {MAX_TENANT_LEN} chars")
-    if not TENANT_PATTERN.match(tenant):  # ASCII only: str.isalnum() would let any script's letters in
+    if not TENANT_PATTERN.fullmatch(tenant):  # ASCII only: str.isalnum() would let any script's letters in
         raise ValueError("parameter 'tenant' may contain only letters, digits, '-', '_' and '.'")
     return tenant
 

@@ -48,9 +48,11 @@ from python_backends.quotas import TENANT_PATTERN, parse_tenant, parse_tenant_cl
 
 TOKEN_VERSION = "v1"
 MAX_TOKEN_LEN = 256  # the longest valid token is 157 characters; anything longer is refused unparsed
-KEY_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-EXPIRY_PATTERN = re.compile(r"^[1-9][0-9]{0,11}$")
-SIGNATURE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{43}$")  # 32 bytes of HMAC-SHA256, base64url, no padding
+# Matched with fullmatch: `$` would also match before a trailing newline, and a field must
+# have exactly one spelling (no second form of a valid token).
+KEY_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,32}")
+EXPIRY_PATTERN = re.compile(r"[1-9][0-9]{0,11}")
+SIGNATURE_PATTERN = re.compile(r"[A-Za-z0-9_-]{43}")  # 32 bytes of HMAC-SHA256, base64url, no padding
 MIN_SECRET_BYTES = 32  # as long as the HMAC-SHA256 output: shorter keys are the weak link
 MAX_SECRET_BYTES = 1024
 MAX_KEYS = 16  # a keys file holds the keys being rotated, not a key per tenant
@@ -134,7 +136,7 @@ def _signature(secret: bytes, signed_text: bytes) -> str:
 
 def check_key(key_id: str, secret: bytes) -> None:
     """ValueError when a key id or secret is not fit to sign with."""
-    if not isinstance(key_id, str) or not KEY_ID_PATTERN.match(key_id):
+    if not isinstance(key_id, str) or not KEY_ID_PATTERN.fullmatch(key_id):
         raise ValueError(f"key id {key_id!r} must be 1-32 letters, digits, '_' or '-'")
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ValueError(f"key {key_id!r}: the secret is {len(secret)} bytes; it must be "
@@ -143,10 +145,10 @@ def check_key(key_id: str, secret: bytes) -> None:
 
 def issue_token(tenant: str, expiry_s: int, key_id: str, secret: bytes) -> str:
     """A token for `tenant`, valid until `expiry_s` (Unix seconds), signed with the key `key_id`."""
-    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise ValueError(f"tenant id {tenant!r} must be 1-64 letters, digits, '.', '_' or '-'")
     check_key(key_id, secret)
-    if isinstance(expiry_s, bool) or not isinstance(expiry_s, int) or not EXPIRY_PATTERN.match(str(expiry_s)):
+    if isinstance(expiry_s, bool) or not isinstance(expiry_s, int) or not EXPIRY_PATTERN.fullmatch(str(expiry_s)):
         raise ValueError(f"expiry {expiry_s!r} must be Unix seconds, a positive integer of at most 12 digits")
     signed_text = signing_input(tenant, expiry_s, key_id)
     return f"{signed_text.decode('ascii')}.{_signature(secret, signed_text)}"
@@ -170,13 +172,13 @@ def parse_token(token: object) -> TokenParts:
         raise _malformed(f"it does not start with '{TOKEN_VERSION}.' or has too few fields")
     head, expiry, key_id, signature = parts
     tenant = head[len(TOKEN_VERSION) + 1:]
-    if not TENANT_PATTERN.match(tenant):
+    if not TENANT_PATTERN.fullmatch(tenant):
         raise _malformed("the tenant field is not a tenant id (1-64 letters, digits, '.', '_' or '-')")
-    if not EXPIRY_PATTERN.match(expiry):
+    if not EXPIRY_PATTERN.fullmatch(expiry):
         raise _malformed("the expiry field is not Unix seconds")
-    if not KEY_ID_PATTERN.match(key_id):
+    if not KEY_ID_PATTERN.fullmatch(key_id):
         raise _malformed("the key id field is not 1-32 letters, digits, '_' or '-'")
-    if not SIGNATURE_PATTERN.match(signature):
+    if not SIGNATURE_PATTERN.fullmatch(signature):
         raise _malformed("the signature field is not 43 base64url characters")
     return TokenParts(tenant=tenant, expiry_s=int(expiry), key_id=key_id, signature=signature)
 
@@ -226,7 +228,7 @@ def parse_keys(text: str) -> dict[str, bytes]:
                          "(it holds the keys being rotated, not one per tenant)")
     keys = {}
     for key_id, encoded in data.items():
-        if not KEY_ID_PATTERN.match(key_id):
+        if not KEY_ID_PATTERN.fullmatch(key_id):
             raise ValueError(f"key id {key_id!r} must be 1-32 letters, digits, '_' or '-'")
         try:
             secret = decode_secret(encoded)

@@ -65,13 +65,13 @@ def duration_s(text: str) -> float:
 
 
 def key_id(text: str) -> str:
-    if not KEY_ID_PATTERN.match(text):
+    if not KEY_ID_PATTERN.fullmatch(text):
         raise argparse.ArgumentTypeError(f"key id {text!r} must be 1-32 letters, digits, '_' or '-'")
     return text
 
 
 def tenant_id(text: str) -> str:
-    if not TENANT_PATTERN.match(text):
+    if not TENANT_PATTERN.fullmatch(text):
         raise argparse.ArgumentTypeError(f"tenant id {text!r} must be 1-64 letters, digits, '.', '_' or '-'")
     if text == ANONYMOUS_TENANT:
         raise argparse.ArgumentTypeError(f"'{ANONYMOUS_TENANT}' is who a request without a token is; "

@@ -143,6 +143,11 @@ HEAD, EXPIRY, KEY_ID, SIGNATURE = VALID.rsplit(".", 3)
     (f"{HEAD}.{EXPIRY}.{KEY_ID}.{SIGNATURE[:-1]}", "signature field"),
     (f"{HEAD}.{EXPIRY}.{KEY_ID}.{SIGNATURE}=", "signature field"),
     (f"{HEAD}.{EXPIRY}.{KEY_ID}.{SIGNATURE[:-1]}+", "signature field"),
+    # A trailing newline on any field would make a second spelling of a valid token.
+    (f"{HEAD}\n.{EXPIRY}.{KEY_ID}.{SIGNATURE}", "tenant field"),
+    (f"{HEAD}.{EXPIRY}\n.{KEY_ID}.{SIGNATURE}", "expiry field"),
+    (f"{HEAD}.{EXPIRY}.{KEY_ID}\n.{SIGNATURE}", "key id field"),
+    (f"{VALID}\n", "signature field"),
 ])
 def test_a_malformed_token_says_which_part_is_wrong(bad, what):
     error = failure(lambda: verify_token(bad, KEYS, NOW))
@@ -346,10 +351,11 @@ def test_a_claim_naming_another_tenant_than_the_token_is_refused():
     assert error.reason is AuthFailure.TENANT_MISMATCH and "'team-b'" in str(error) and "'team-a'" in str(error)
 
 
-def test_a_claim_that_is_not_a_tenant_id_is_a_bad_request_before_anything_else():
+@pytest.mark.parametrize("claim", ["has space", "team-a\n", ""])
+def test_a_claim_that_is_not_a_tenant_id_is_a_bad_request_before_anything_else(claim):
     for config in (AUTH_OFF, ANONYMOUS, REQUIRED):
         with pytest.raises(ValueError, match="parameter 'tenant'"):
-            resolve_tenant({"tenant": "has space", "tenant_token": VALID}, config, KEYS, NOW)
+            resolve_tenant({"tenant": claim, "tenant_token": VALID}, config, KEYS, NOW)
 
 
 @pytest.mark.parametrize(("params", "reason"), [
