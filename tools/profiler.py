@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import json_format
 
+from python_backends.admission import ADMIT_ALL
 from tools.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
-from tools.derivation import BatchingKnobs, LatencyCurve
+from tools.derivation import Admission, BatchingKnobs, LatencyCurve
 from tools.gen_config import encoder_config, router_config
 from tools.latency_profile import PROFILE_DIR, Hardware, LatencyProfile, ModelProfile, Overhead, save_profile
 from tools.loadgen import batch_compute_ns
@@ -76,6 +77,13 @@ def detect_hardware(name: str | None) -> Hardware:
 def probe_knobs(name: str, max_batch: int) -> BatchingKnobs:
     return BatchingKnobs(model_name=name, max_batch_size=max_batch, preferred_batch_size=1, max_queue_delay_us=0,
                          default_timeout_us=0, max_queue_size=0, instance_count=1)
+
+
+def profiling_router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int]):
+    """The router as the overhead probe runs it: one instance and no admission bound, since the
+    probe sends one request at a time and measures the router's own cost, not its refusals."""
+    return router_config(model, spec, bucket_max_batch, instances=1,
+                         admission=Admission(policy=ADMIT_ALL, max_queue_size=0))
 
 
 def load_with_config(client, config, control_headers: Mapping[str, str] | None = None) -> None:
@@ -182,7 +190,7 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
                 load_with_config(client, config, control_headers)
                 models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress)
             limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
-            load_with_config(client, router_config(model, spec, limits, instances=1), control_headers)
+            load_with_config(client, profiling_router_config(model, spec, limits), control_headers)
             first = model.encoder_name(model.bucket_lens[0])
             overhead = measure_overhead(client, model, first, models[first].curve.at(1), overhead_requests,
                                         cpu_seconds)
