@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help="an item's lease; a dead worker's items come back after it (default 60)")
     worker_options.add_argument("--max-attempts", type=int, default=20,
                                 help="attempts per item before a retryable failure (server busy, crashed "
-                                     "instance, timeout) is final; backoff doubles from 0.5 s to 30 s (default 20)")
+                                     "instance, timeout) is final; backoff doubles from 0.5 s to 30 s, "
+                                     "at most 1 s after a busy refusal (default 20)")
     sub.add_parser("serve", parents=[common, api_options, worker_options], help="the API and --workers workers")
     sub.choices["serve"].add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     sub.add_parser("api", parents=[common, api_options], help="the REST API alone")

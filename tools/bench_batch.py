@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -42,6 +43,18 @@ from tools.triton_server import ModelControlMode, ServerConfig, ServerError, Tri
 TARGET_RATIO = 0.8
 
 
+ENGINES = ("sqlite", "postgres")
+SETUP_OF_ENGINE = {"sqlite": "batch_api", "postgres": "batch_api_postgres"}
+
+
+def engine_list(value: str) -> tuple[str, ...]:
+    engines = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [engine for engine in engines if engine not in ENGINES]
+    if not engines or unknown:
+        raise argparse.ArgumentTypeError(f"engines are a comma-separated subset of {', '.join(ENGINES)}, got {value!r}")
+    return engines
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/batch.json"),
                         help="result JSON (default: %(default)s)")
@@ -52,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=8, help="requests in flight per worker (default 8)")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="direct client's requests in flight (default: workers x max-in-flight)")
+    parser.add_argument("--engines", type=engine_list, default=ENGINES, metavar="ENGINE,...",
+                        help="queue engines to run the batch API on: sqlite, postgres (a local PostgreSQL this "
+                             "bench starts) (default: both)")
     parser.add_argument("--quick", action="store_true", help="short form for the test suite: 300 items, 1 round")
 
 
@@ -90,14 +106,17 @@ async def run_direct(grpc_url: str, texts: list[str], rows: int, concurrency: in
     return time.perf_counter() - started
 
 
-def run_batch_api(grpc_url: str, texts: list[str], rows: int, workers: int, max_in_flight: int) -> float:
-    """Seconds from the POST of every text to the last result read back through the API."""
+def run_batch_api(grpc_url: str, texts: list[str], rows: int, workers: int, max_in_flight: int,
+                  db: str | None = None) -> float:
+    """Seconds from the POST of every text to the last result read back through the API, on the
+    queue `db` (a PostgreSQL URL), or on a fresh SQLite file when None."""
     import httpx
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     port = free_port()
     log = (workdir / "serve.log").open("w")
-    service = subprocess.Popen([sys.executable, "-m", "tools", "batch", "serve", "--db", str(workdir / "queue.db"),
+    queue = db or str(workdir / "queue.db")
+    service = subprocess.Popen([sys.executable, "-m", "tools", "batch", "serve", "--db", queue,
                                 "--port", str(port), "--workers", str(workers), "--grpc-url", grpc_url,
                                 "--max-batch-items", str(rows), "--max-in-flight", str(max_in_flight)],
                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -159,23 +178,37 @@ def run(args: argparse.Namespace) -> int:
                           load_models=(model.name, *(model.encoder_name(b) for b in model.bucket_lens)))
     print(f"batch benchmark on {hardware.description}: {items} texts, {rounds} round(s) of each setup, "
           f"{args.rows} rows per request", flush=True)
-    runs: dict[str, list[float]] = {"direct": [], "batch_api": []}
+    setups = ["direct", *(SETUP_OF_ENGINE[engine] for engine in args.engines)]
+    runs: dict[str, list[float]] = {setup: [] for setup in setups}
     try:
-        with TritonServer(config, log_path=REPO_ROOT / "build" / "bench" / "batch.log") as server:
+        with contextlib.ExitStack() as stack:
+            server = stack.enter_context(TritonServer(config, log_path=REPO_ROOT / "build" / "bench" / "batch.log"))
+            postgres_url = None
+            if "postgres" in args.engines:
+                from tools.batch.pg_server import LocalPostgres
+
+                pg_dir = Path(tempfile.mkdtemp(prefix="bench-batch-pg-"))
+                stack.callback(shutil.rmtree, pg_dir, True)
+                # PostgreSQL's defaults (fsync on): the figure is what a durable queue costs.
+                postgres_url = stack.enter_context(LocalPostgres(pg_dir, port=0)).url
             asyncio.run(run_direct(server.grpc_url, texts[:50], args.rows, 2))  # warm-up
             for round_index in range(rounds):
-                for setup in ("direct", "batch_api") if round_index % 2 == 0 else ("batch_api", "direct"):
+                # Alternate the order each round, so no setup always runs on a warmer (or hotter) machine.
+                for setup in setups if round_index % 2 == 0 else setups[::-1]:
                     if setup == "direct":
                         seconds = asyncio.run(run_direct(server.grpc_url, texts, args.rows, concurrency))
                     else:
-                        seconds = run_batch_api(server.grpc_url, texts, args.rows, args.workers, args.max_in_flight)
+                        db = postgres_url if setup == SETUP_OF_ENGINE["postgres"] else None
+                        seconds = run_batch_api(server.grpc_url, texts, args.rows, args.workers, args.max_in_flight,
+                                                db=db)
                     runs[setup].append(items / seconds)
                     print(f"  round {round_index + 1} {setup}: {items / seconds:.1f} items/s ({seconds:.1f} s)",
                           flush=True)
-    except ServerError as err:
+    except (ServerError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    direct, batch_api = statistics.median(runs["direct"]), statistics.median(runs["batch_api"])
+    medians = {setup: statistics.median(values) for setup, values in runs.items()}
+    direct = medians["direct"]
     report = {
         "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
         "command": "python -m tools bench batch " + " ".join(sys.argv[3:]),
@@ -184,14 +217,18 @@ def run(args: argparse.Namespace) -> int:
         "rows_per_request": args.rows,
         "direct": {"items_per_s": round(direct, 1), "runs": [round(r, 1) for r in runs["direct"]],
                    "concurrency": concurrency},
-        "batch_api": {"items_per_s": round(batch_api, 1), "runs": [round(r, 1) for r in runs["batch_api"]],
-                      "workers": args.workers, "max_in_flight_per_worker": args.max_in_flight},
-        "ratio": round(batch_api / direct, 3),
+        **{setup: {"items_per_s": round(medians[setup], 1), "runs": [round(r, 1) for r in runs[setup]],
+                   "ratio": round(medians[setup] / direct, 3), "workers": args.workers,
+                   "max_in_flight_per_worker": args.max_in_flight}
+           for setup in setups if setup != "direct"},
         "target_ratio": TARGET_RATIO,
-        "note": "clients, API, workers and server on the same machine",
+        "note": "clients, API, workers, queue and server on the same machine",
     }
+    if "batch_api" in medians:
+        report["ratio"] = report["batch_api"]["ratio"]  # the default (SQLite) engine's, the headline figure
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"direct {direct:.1f} items/s, batch API {batch_api:.1f} items/s: {report['ratio']:.0%} of direct "
-          f"(target {TARGET_RATIO:.0%}); wrote {args.out}", flush=True)
+    figures = ", ".join(f"{setup} {medians[setup]:.1f} items/s ({medians[setup] / direct:.0%} of direct)"
+                        for setup in setups if setup != "direct")
+    print(f"direct {direct:.1f} items/s; {figures}; target {TARGET_RATIO:.0%}; wrote {args.out}", flush=True)
     return 0

@@ -7,8 +7,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from tools.batch.api import create_app
-from tools.batch.policy import BatchLimits
+from tools.batch.api import create_app, results_page_json
+from tools.batch.policy import BatchLimits, BatchStatus, ItemCounts
+from tools.batch.store_base import BatchView, ItemResult
 
 
 @pytest.fixture
@@ -67,3 +68,23 @@ def test_the_openapi_spec_documents_the_submission_body(client):
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/v1/batches"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["model", "items"]
+
+
+def test_a_results_page_splices_the_stored_results_into_valid_json():
+    view = BatchView(batch_id="b1", model="embed", version=None, idempotency_key=None, created_at_s=0.0,
+                     cancelled_at_s=None, finished_at_s=None, status=BatchStatus.RUNNING,
+                     counts=ItemCounts(num_queued=1, num_ok=2, num_failed=1, num_leased=1))
+    page = [ItemResult(3, "ok", json.dumps({"embedding": [0.5, -1e-7]}), None, 1),
+            ItemResult(4, "ok", json.dumps({"text": "naïve \"quoted\" ✓"}, ensure_ascii=False), None, 2),
+            ItemResult(5, "failed", None, 'invalid: bad "item" — ünïcode', 1),
+            ItemResult(6, "pending", None, None, 0)]
+    assert json.loads(results_page_json(view, 3, page)) == {
+        "id": "b1", "status": "running", "offset": 3, "total": 5, "next_offset": None,
+        "results": [{"index": 3, "status": "ok", "result": {"embedding": [0.5, -1e-7]}, "error": None, "attempts": 1},
+                    {"index": 4, "status": "ok", "result": {"text": "naïve \"quoted\" ✓"}, "error": None,
+                     "attempts": 2},
+                    {"index": 5, "status": "failed", "result": None, "error": 'invalid: bad "item" — ünïcode',
+                     "attempts": 1},
+                    {"index": 6, "status": "pending", "result": None, "error": None, "attempts": 0}]}
+    assert json.loads(results_page_json(view, 0, page[:1]))["next_offset"] == 1
+    assert json.loads(results_page_json(view, 0, []))["results"] == []

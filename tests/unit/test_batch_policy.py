@@ -207,16 +207,27 @@ def test_backoff_refuses_impossible_arguments(args, message):
 
 def test_retry_policy_gives_a_retry_time_until_the_last_attempt():
     policy = RetryPolicy(max_attempts=3, base_s=1.0, max_s=10.0, jitter_fraction=0.0)
-    assert policy.retry_at_s("rejected", attempt=1, rng_value=0.3, now_s=100.0) == 101.0
-    assert policy.retry_at_s("rejected", attempt=2, rng_value=0.3, now_s=100.0) == 102.0
-    assert policy.retry_at_s("rejected", attempt=3, rng_value=0.3, now_s=100.0) is None
+    assert policy.retry_at_s("crashed", attempt=1, rng_value=0.3, now_s=100.0) == 101.0
+    assert policy.retry_at_s("crashed", attempt=2, rng_value=0.3, now_s=100.0) == 102.0
+    assert policy.retry_at_s("crashed", attempt=3, rng_value=0.3, now_s=100.0) is None
     assert policy.retry_at_s("invalid", attempt=1, rng_value=0.3, now_s=100.0) is None
+
+
+def test_busy_refusals_back_off_at_most_busy_max_s_while_crashes_back_off_to_max_s():
+    policy = RetryPolicy(max_attempts=10, base_s=0.5, max_s=30.0, busy_max_s=1.0, jitter_fraction=0.0)
+    assert [policy.retry_at_s("rejected", attempt=a, rng_value=0.0, now_s=0.0) for a in (1, 2, 3, 6)] == [
+        0.5, 1.0, 1.0, 1.0]
+    assert [policy.retry_at_s("crashed", attempt=a, rng_value=0.0, now_s=0.0) for a in (1, 2, 3, 6)] == [
+        0.5, 1.0, 2.0, 16.0]
+    # A cap below the base is the whole delay.
+    assert RetryPolicy(base_s=0.5, busy_max_s=0.2, jitter_fraction=0.0).retry_at_s("rejected", 1, 0.0, 0.0) == 0.2
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
     ({"base_s": 2.0, "max_s": 1.0}, "need 0 < base_s <= max_s"),
     ({"jitter_fraction": -0.5}, "jitter_fraction must be in"),
+    ({"busy_max_s": 0.0}, "busy_max_s must be > 0, got 0.0"),
 ])
 def test_retry_policy_refuses_impossible_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -20,15 +20,22 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from tools.batch.engines import open_store
 from tools.batch.policy import BatchLimits, SubmissionError, validate_submission
-from tools.batch.store_base import MAX_RESULTS_PAGE, BatchNotFound, BatchQueue, BatchView, IdempotencyConflict
+from tools.batch.store_base import (
+    MAX_RESULTS_PAGE,
+    BatchNotFound,
+    BatchQueue,
+    BatchView,
+    IdempotencyConflict,
+    ItemResult,
+)
 
 SUBMISSION_SCHEMA = {
     "type": "object",
@@ -65,6 +72,19 @@ def batch_json(view: BatchView) -> dict:
                    "ok": counts.num_ok, "failed": counts.num_failed, "cancelled": counts.num_cancelled},
         "progress": round(view.fraction_done, 6),
     }
+
+
+def results_page_json(view: BatchView, offset: int, page: Sequence[ItemResult]) -> str:
+    """The results page as JSON text: the stored results are spliced in as they are, since
+    decoding and re-encoding a page of embeddings costs far more CPU than serving it."""
+    end = offset + len(page)
+    head = json.dumps({"id": view.batch_id, "status": str(view.status), "offset": offset,
+                       "total": view.counts.num_items,
+                       "next_offset": end if end < view.counts.num_items else None}, ensure_ascii=False)
+    items = ",".join(
+        f'{{"index":{r.index},"status":{json.dumps(r.status)},"result":{r.result_json or "null"},'
+        f'"error":{json.dumps(r.error, ensure_ascii=False)},"attempts":{r.attempts}}}' for r in page)
+    return f'{head[:-1]},"results":[{items}]}}'
 
 
 def create_app(db: str | Path, limits: BatchLimits | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -139,16 +159,7 @@ def create_app(db: str | Path, limits: BatchLimits | None = None, clock: Callabl
             page = store().results(batch_id, offset, limit)
         except BatchNotFound:
             return error(404, f"no batch {batch_id!r}")
-        end = offset + len(page)
-        return {
-            "id": batch_id,
-            "status": str(view.status),
-            "offset": offset,
-            "total": view.counts.num_items,
-            "next_offset": end if end < view.counts.num_items else None,
-            "results": [{"index": r.index, "status": r.status, "result": r.result, "error": r.error,
-                         "attempts": r.attempts} for r in page],
-        }
+        return Response(results_page_json(view, offset, page), media_type="application/json")
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(batch_id: str):

@@ -260,10 +260,18 @@ class RetryPolicy:
     base_s: float = 0.5  # delay after the first failed attempt (before jitter)
     max_s: float = 30.0  # longest delay
     jitter_fraction: float = 0.5  # up to this share of the delay is taken off at random
+    # Longest delay after a busy refusal. Admission refuses while the work in flight is over its
+    # bound, and that work drains within about one latency target: waiting longer only stretches
+    # the batch's tail. What slows a worker down under refusals is its in-flight window
+    # (`worker.next_window`), not this delay. Crashes, timeouts and an unreachable server still
+    # back off up to `max_s`.
+    busy_max_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not self.busy_max_s > 0:
+            raise ValueError(f"busy_max_s must be > 0, got {self.busy_max_s}")
         # Reuse the function's checks so the policy and the function can never disagree.
         next_retry_delay_s(1, self.base_s, self.max_s, self.jitter_fraction, 0.0)
 
@@ -271,7 +279,8 @@ class RetryPolicy:
         """When the item may be tried again, or None when this failure is final."""
         if not should_retry(outcome_kind, attempt, self.max_attempts):
             return None
-        return now_s + next_retry_delay_s(attempt, self.base_s, self.max_s, self.jitter_fraction, rng_value)
+        max_s = min(self.max_s, self.busy_max_s) if outcome_kind == OutcomeKind.REJECTED else self.max_s
+        return now_s + next_retry_delay_s(attempt, min(self.base_s, max_s), max_s, self.jitter_fraction, rng_value)
 
 
 class Batchable(Protocol):

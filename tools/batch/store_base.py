@@ -125,9 +125,15 @@ class ItemResult:
 
     index: int
     status: str  # "ok", "failed", "cancelled" or "pending"
-    result: object | None  # when ok
+    # When ok: the result as stored, JSON text. Kept as text so that a results page can be
+    # written without decoding and re-encoding every embedding (most of a page's cost).
+    result_json: str | None
     error: str | None  # when failed (or cancelled after a failed attempt)
     attempts: int
+
+    @property
+    def result(self) -> object | None:
+        return json.loads(self.result_json) if self.result_json is not None else None
 
 
 @dataclass(frozen=True)
@@ -179,8 +185,7 @@ def batch_view(batch_id: str, model: str, version: int | None, idempotency_key: 
 
 def item_result(index: int, status: str | None, result_json: str | None, error: str | None,
                 attempts: int) -> ItemResult:
-    return ItemResult(index=index, status=status or "pending",
-                      result=json.loads(result_json) if result_json is not None else None,
+    return ItemResult(index=index, status=status or "pending", result_json=result_json,
                       error=error if status in ("failed", "cancelled") else None, attempts=attempts)
 
 

@@ -127,12 +127,19 @@ class BatchWorker:
             future.cancel()
 
     def _claim(self) -> int:
-        """Lease what the worker can send within about one round of its requests."""
-        room = self.config.max_in_flight * self.config.max_batch_items - self.num_held
-        if room <= 0:
+        """Lease, in one transaction, what fills the free slots of the in-flight window, and never
+        more than one round of requests (max_in_flight x max_batch_items) held at once.
+
+        Claiming one request's worth per loop would add one request per answer received, so
+        the window would never fill: the worker would run one or two requests at a time."""
+        per_request = self.config.max_batch_items
+        room = self.config.max_in_flight * per_request - self.num_held
+        pending = sum(len(items) for items in self._pending.values())
+        free_slots = max(1, int(self._window)) - len(self._in_flight)
+        wanted = min(room, free_slots * per_request - pending)
+        if wanted <= 0:
             return 0
-        items = self.store.claim(self.config.worker_id, min(room, self.config.max_batch_items),
-                                 self.config.lease_s, self.clock())
+        items = self.store.claim(self.config.worker_id, wanted, self.config.lease_s, self.clock())
         for item in items:
             self._pending.setdefault((item.model, item.version), []).append(item)
         return len(items)
