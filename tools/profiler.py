@@ -79,6 +79,15 @@ def probe_knobs(name: str, max_batch: int) -> BatchingKnobs:
                          default_timeout_us=0, max_queue_size=0, instance_count=1)
 
 
+def profiled_version(model: EmbedModelSpec) -> int:
+    """The encoder version whose c(b) the profile records: the one serving most unpinned traffic
+    (the lowest of a tie), else the first. Its curve sets every version's knobs; a cheaper
+    version (INT8) then runs with room to spare, never over its budget."""
+    if model.traffic:
+        return min(model.traffic, key=lambda version: (-model.traffic[version], version))
+    return model.versions[0]
+
+
 def profiling_router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int]):
     """The router as the overhead probe runs it: one instance and no admission bound, since the
     probe sends one request at a time and measures the router's own cost, not its refusals."""
@@ -184,8 +193,9 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
             stop_ms = model.slo_p95_ms / 2
             for bucket_len in model.bucket_lens:
                 name = model.encoder_name(bucket_len)
+                # One version loaded, so that requests and statistics are both that version's.
                 config = encoder_config(name, bucket_len, probe_knobs(name, MAX_PROBE_BATCH), hardware,
-                                        model.versions)
+                                        (profiled_version(model),))
                 config.ClearField("dynamic_batching")  # one request = one execution of exactly b rows
                 load_with_config(client, config, control_headers)
                 models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress)
