@@ -97,13 +97,6 @@ def grpc_admin_metadata(key: str | None) -> dict[str, str]:
     return {GRPC_ADMIN_METADATA: key} if key else {}
 
 
-def redact(command: list[str], key: str | None) -> list[str]:
-    """`command` with the key replaced, for anything that prints or logs a command line."""
-    if not key:
-        return list(command)
-    return [part.replace(key, "***") for part in command]
-
-
 def add_key_file_argument(parser: argparse.ArgumentParser) -> None:
     """The `--admin-key-file` option of the tools that call restricted endpoints."""
     parser.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",

@@ -14,8 +14,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-TLS_CA_ENV = "TRITON_GRPC_TLS_CA"  # the load tests read it where a command line is not theirs
-
 
 class TlsConfigError(ValueError):
     """A TLS file that was asked for is missing or is not PEM."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
-from tools.grpc_tls import TlsConfigError, add_ca_argument, client_tls_kwargs
+from tools.grpc_tls import TlsConfigError, add_ca_argument, check_pem, client_tls_kwargs
 from tools.loadgen import (
     LoadTarget,
     RateSearch,
@@ -315,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: workload {args.workload}: {err}", file=sys.stderr)
         return 2
     try:
-        client_tls_kwargs(args.grpc_tls_ca)
+        if args.grpc_tls_ca is not None:
+            check_pem(args.grpc_tls_ca, "gRPC TLS CA certificate")
     except TlsConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

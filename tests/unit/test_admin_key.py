@@ -19,7 +19,6 @@ from tools.admin_key import (
     find_admin_key,
     grpc_admin_metadata,
     read_key_file,
-    redact,
     restricted_api_args,
     write_new_key,
 )
@@ -85,7 +84,6 @@ def test_the_server_restricts_the_control_apis_on_both_protocols_and_leaves_the_
     assert http_flag in command and grpc_flag in command
     assert not any("restricted" in part for part in build_command(ServerConfig(), FAKE, Path("/b")))
     assert KEY not in repr(ServerConfig(admin_key=KEY))  # configs get printed; the key must not be
-    assert all(KEY not in part for part in redact(command, KEY))
 
 
 def test_clients_send_the_key_under_each_protocols_name():
