@@ -7,12 +7,13 @@ encoder version serves) live in `python_backends.embed`, `python_backends.bucket
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +42,27 @@ from python_backends.embed import (
     row_cosines,
 )
 from python_backends.errors import InvalidInput
+from python_backends.metric_buffer import DeltaBuffer
 from python_backends.quotas import SharedBuckets, admit
 from python_backends.routing import RoutingSource
 from python_backends.tenant_auth import AuthError, AuthFailure, AuthMode, KeySource, resolve_tenant
 from python_backends.tokenization import TextTokenizer
 
 MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load on a busy server
+
+
+class BufferedCounter:
+    """A counter or gauge whose increments go to the instance's `DeltaBuffer`, not to Triton
+    one call at a time (see `python_backends.metric_buffer`)."""
+
+    __slots__ = ("metric", "sink")
+
+    def __init__(self, metric, sink):
+        self.metric = metric
+        self.sink = sink
+
+    def increment(self, amount):
+        self.sink(self.metric, amount)
 
 
 def shared_dir():
@@ -76,10 +92,17 @@ class TritonPythonModel:
                                    (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram),
                                    (AUTH_FAILURE_COUNTER, counter)):
             self.metric_families[name] = pb_utils.MetricFamily(name=name, description=text, kind=kind)
-        self.truncated = self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": self.model})
+        # Counter and gauge increments are summed here and handed to Triton by a flusher
+        # thread every few hundred ms: one call per moved series instead of several per request.
+        self.metric_lock = threading.Lock()
+        self.metric_deltas = DeltaBuffer()
+        self.flusher_stop = threading.Event()
+        self.flusher = threading.Thread(target=self._flush_loop, name="metric-flush", daemon=True)
+        self.truncated = self._buffered(
+            self.metric_families["embed_truncated_rows_total"].Metric(labels={"model": self.model}))
         self.bucket_metrics = {
             length: tuple(
-                self.metric_families[name].Metric(labels={"model": self.model, "bucket": str(length)})
+                self._buffered(self.metric_families[name].Metric(labels={"model": self.model, "bucket": str(length)}))
                 for name in BUCKET_COUNTERS
             )
             for length in config.bucket_lens
@@ -87,17 +110,21 @@ class TritonPythonModel:
         self.version_metrics = {}
         self.shadow_metrics = {}
         self.tenant_metrics = {}
-        self.shadow_tasks = set()
+        # Chunks of a request bound for different buckets go out side by side (one thread per
+        # extra lane); shadows run after the answer, at most MAX_SHADOWS_IN_FLIGHT at a time.
+        self.lane_pool = ThreadPoolExecutor(max(1, len(config.bucket_lens) - 1), thread_name_prefix="lane")
+        self.shadow_pool = ThreadPoolExecutor(MAX_SHADOWS_IN_FLIGHT, thread_name_prefix="shadow")
+        self.shadow_slots = threading.BoundedSemaphore(MAX_SHADOWS_IN_FLIGHT)
         # Tenant authentication: each instance reads the keys file itself (a stat a second at
         # most), so a rotated key reaches every instance without a restart.
         self.auth = config.auth
         self.key_source = (KeySource(config.auth.keys_path())
                            if config.auth.mode is not AuthMode.OFF else None)
-        self.unauthenticated = self.metric_families[TENANT_COUNTER[0]].Metric(
-            labels={"model": self.model, **UNAUTHENTICATED_LABELS})
+        self.unauthenticated = self._buffered(self.metric_families[TENANT_COUNTER[0]].Metric(
+            labels={"model": self.model, **UNAUTHENTICATED_LABELS}))
         self.auth_failures = {
-            reason: self.metric_families[AUTH_FAILURE_COUNTER[0]].Metric(
-                labels={"model": self.model, "reason": reason.value})
+            reason: self._buffered(self.metric_families[AUTH_FAILURE_COUNTER[0]].Metric(
+                labels={"model": self.model, "reason": reason.value}))
             for reason in AuthFailure
         }
         # Quotas hold across every instance of the router (each its own process) of this
@@ -109,26 +136,55 @@ class TritonPythonModel:
         self.admission = config.admission
         self.work = SharedWork(Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-work.bin",
                                instance_slot(args["model_instance_name"]))
+        self.flusher.start()
 
     def finalize(self):
+        self.flusher_stop.set()
+        self.flusher.join()
+        self.shadow_pool.shutdown(wait=True)
+        self.lane_pool.shutdown(wait=True)
+        self._flush()  # what moved since the last flush, shadows included
         self.quota_buckets.close()
         self.work.close()
+
+    def _buffered(self, metric):
+        return BufferedCounter(metric, self._add_delta)
+
+    def _add_delta(self, metric, amount):
+        with self.metric_lock:
+            self.metric_deltas.add(metric, amount)
+
+    def _flush(self):
+        with self.metric_lock:
+            now = time.monotonic()
+            moved = self.metric_deltas.drain(now) if self.metric_deltas.due(now) or self.flusher_stop.is_set() else []
+        for metric, amount in moved:
+            metric.increment(amount)
+
+    def _flush_loop(self):
+        while not self.flusher_stop.wait(self.metric_deltas.interval_s):
+            try:
+                self._flush()
+            except Exception as err:  # a metrics hiccup must not stop the flusher (or serving)
+                self.logger.log_warn(f"flushing router metrics failed: {err}")
 
     def _tenant_outcome(self, tenant, outcome):
         label = self.tenants.metric_label(tenant)
         key = (label, outcome)
         if key not in self.tenant_metrics:
             tier = self.tenants.tier_of(tenant).name if label != "other" else self.tenants.default_tier
-            self.tenant_metrics[key] = self.metric_families[TENANT_COUNTER[0]].Metric(
-                labels={"model": self.model, "tenant": label, "tier": tier, "outcome": outcome})
+            self.tenant_metrics[key] = self._buffered(self.metric_families[TENANT_COUNTER[0]].Metric(
+                labels={"model": self.model, "tenant": label, "tier": tier, "outcome": outcome}))
         self.tenant_metrics[key].increment(1)
 
     def _metrics_of(self, version):
         """Outcome counters, latency histogram and in-flight gauge of one encoder version."""
         if version not in self.version_metrics:
             labels = {"model": self.model, "version": str(version)}
-            outcomes = {outcome: self.metric_families[VERSION_COUNTER[0]].Metric(labels={**labels, "outcome": outcome})
-                        for outcome in ("ok", "error", "rejected")}
+            outcomes = {outcome: self._buffered(self.metric_families[VERSION_COUNTER[0]].Metric(
+                labels={**labels, "outcome": outcome})) for outcome in ("ok", "error", "rejected")}
+            # Histograms cannot be summed ahead: each latency is observed as it happens. The
+            # in-flight gauge is not buffered either: a rollout unloads a version once it reads 0.
             latency = self.metric_families[VERSION_LATENCY[0]].Metric(labels=labels, buckets=list(LATENCY_BUCKETS_S))
             inflight = self.metric_families[VERSION_INFLIGHT[0]].Metric(labels=labels)
             self.version_metrics[version] = (outcomes, latency, inflight)
@@ -169,20 +225,24 @@ class TritonPythonModel:
             error=pb_utils.TritonError(f"bucket model {model_name} v{version}: {message}", code)
         )
 
-    async def execute(self, requests):
-        return list(await asyncio.gather(*(self._serve(request) for request in requests)))
+    def execute(self, requests):
+        # Synchronous on purpose: each instance serves one request at a time (the router has
+        # instances enough for the requests in flight at peak), and a blocking BLS call costs
+        # the stub less CPU than an asyncio round trip through an executor thread (measured:
+        # 1.9 -> 1.3 CPU ms per request in the router's process on 2 vCPU).
+        return [self._serve(request) for request in requests]
 
-    async def _run_chunks(self, prepared, version):
+    def _run_chunks(self, prepared, version):
         """Send every chunk to `version` of its bucket model.
 
         Returns ((model name, error) of the first failure, None), or (None, the reassembled embedding).
         """
         responses = [None] * len(prepared.chunks)
 
-        async def run_lane(lane):
+        def run_lane(lane):
             for index in lane:
                 chunk = prepared.chunks[index]
-                responses[index] = await pb_utils.InferenceRequest(
+                responses[index] = pb_utils.InferenceRequest(
                     model_name=chunk.model_name,
                     model_version=version,
                     inputs=[
@@ -190,11 +250,15 @@ class TritonPythonModel:
                         pb_utils.Tensor("ATTENTION_MASK", chunk.attention_mask),
                     ],
                     requested_output_names=["EMBEDDING"],
-                ).async_exec()
+                ).exec()
                 if responses[index].has_error():
                     return
 
-        await asyncio.gather(*(run_lane(lane) for lane in prepared.lanes()))
+        first, *others = prepared.lanes()
+        pending = [self.lane_pool.submit(run_lane, lane) for lane in others]
+        run_lane(first)
+        for lane in pending:
+            lane.result()
         # A lane stops at its first failed chunk (later ones stay None); report that failure.
         for chunk, response in zip(prepared.chunks, responses, strict=True):
             if response is not None and response.has_error():
@@ -206,7 +270,7 @@ class TritonPythonModel:
         keys = self.key_source.keys(time.monotonic(), on_error=self.logger.log_warn) if self.key_source else {}
         return resolve_tenant(params, self.auth, keys, time.time())
 
-    async def _serve(self, request):
+    def _serve(self, request):
         started = time.monotonic()
         try:
             options = parse_request_options(request.parameters(), self._tenant_of)
@@ -224,14 +288,14 @@ class TritonPythonModel:
             self._tenant_outcome(options.tenant, "over_quota")
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 quota.message(options.tenant), pb_utils.TritonError.UNAVAILABLE))
-        response = await self._serve_admitted(request, options, started)
+        response = self._serve_admitted(request, options, started)
         outcome = "ok"
         if response.has_error():
             outcome = "rejected" if response.error().code() == pb_utils.TritonError.UNAVAILABLE else "error"
         self._tenant_outcome(options.tenant, outcome)
         return response
 
-    async def _serve_admitted(self, request, options, started):
+    def _serve_admitted(self, request, options, started):
         try:
             text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
             prepared = self.router.prepare(text.reshape(-1).tolist(), None, options)
@@ -252,7 +316,7 @@ class TritonPythonModel:
         outcomes, latency, inflight = self._metrics_of(version)
         inflight.increment(1)
         try:
-            failure, embedding = await self._run_chunks(prepared, version)
+            failure, embedding = self._run_chunks(prepared, version)
         finally:
             inflight.increment(-1)
             self.work.add(-own_work_ms)
@@ -267,11 +331,9 @@ class TritonPythonModel:
         latency.observe(time.monotonic() - started)
         outcomes["ok"].increment(1)
         baseline = table.shadows(version, random.random()) if pinned is None else None
-        if baseline is not None and len(self.shadow_tasks) < MAX_SHADOWS_IN_FLIGHT:
+        if baseline is not None and self.shadow_slots.acquire(blocking=False):
             # Repeat the request on the baseline after answering: the client never waits for it.
-            task = asyncio.get_running_loop().create_task(self._shadow(prepared, embedding, baseline, version))
-            self.shadow_tasks.add(task)
-            task.add_done_callback(self.shadow_tasks.discard)
+            self.shadow_pool.submit(self._shadow, prepared, embedding, baseline, version)
         for chunk in prepared.chunks:
             rows, real, padded = self.bucket_metrics[chunk.chunk.bucket_len]
             rows.increment(len(chunk.chunk.row_indices))
@@ -287,14 +349,15 @@ class TritonPythonModel:
             ]
         )
 
-    async def _shadow(self, prepared, served, baseline, candidate):
+    def _shadow(self, prepared, served, baseline, candidate):
         try:
-            failure, reference = await self._run_chunks(prepared, baseline)
+            failure, reference = self._run_chunks(prepared, baseline)
+            if failure is not None:
+                return  # the baseline was busy or is going away: no sample
+            metric = self._shadow_metric(baseline, candidate)
+            for cosine in row_cosines(served, reference):
+                metric.observe(float(cosine))
         except Exception as err:  # a shadow must never take the router down
             self.logger.log_warn(f"shadow request on version {baseline} failed: {err}")
-            return
-        if failure is not None:
-            return  # the baseline was busy or is going away: no sample
-        metric = self._shadow_metric(baseline, candidate)
-        for cosine in row_cosines(served, reference):
-            metric.observe(float(cosine))
+        finally:
+            self.shadow_slots.release()

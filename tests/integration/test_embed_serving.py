@@ -131,9 +131,14 @@ def test_router_metric_counts_rows_per_bucket(triton, http_client):
                 values[bucket] = float(value)
         return values
 
+    # The router hands its counters to Triton every half second (python_backends.metric_buffer):
+    # let the counts of earlier requests land before the baseline, then wait for this one's.
+    time.sleep(1.2)
     before = rows_metric()
     http_embed(http_client, [text_with_tokens(10), text_with_tokens(10), text_with_tokens(90)])
-    after = rows_metric()
+    deadline = time.monotonic() + 5.0
+    while (after := rows_metric())["16"] - before["16"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert after["16"] - before["16"] == 2
     assert after["128"] - before["128"] == 1
     assert after["32"] == before["32"]

@@ -129,6 +129,15 @@ def metric(server, name: str, **labels) -> float:
     return total
 
 
+def settled(read, check, timeout_s: float = 5.0):
+    """Read a router metric until `check` holds: the router hands its counters to Triton
+    every half second (python_backends.metric_buffer), so a count shows up a little late."""
+    deadline = time.monotonic() + timeout_s
+    while not check(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
 def encoder_requests(server) -> float:
     """Requests the bucket models have taken, served or failed."""
     return sum(metric(server, name, model=f"encoder_{bucket}")
@@ -144,7 +153,8 @@ def test_a_valid_token_is_served_under_its_own_tenants_quota(server, http, keys_
     assert over.status() == "503" and "tenant 'team-a' is over its quota" in over.message(), over.message()
     # Team B is in the same tier with a bucket of its own: A's flood took nothing from it.
     assert embed(http, REQUIRED, {"tenant_token": b}).as_numpy("EMBEDDING").shape == (1, 384)
-    assert metric(server, "embed_tenant_requests_total", model=REQUIRED, tenant="team-a", outcome="over_quota") >= 1
+    assert settled(lambda: metric(server, "embed_tenant_requests_total", model=REQUIRED, tenant="team-a",
+                                  outcome="over_quota"), lambda n: n >= 1) >= 1
 
 
 @pytest.mark.parametrize("model", [REQUIRED, OPEN])
@@ -162,6 +172,7 @@ def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(s
         "too long": ("v1." + "x" * 300, "the limit is 256"),
     }
     before_encoders = encoder_requests(server)
+    time.sleep(1.2)  # earlier tests' refusals reach the counter first (see `settled`)
     before_refused = metric(server, "embed_tenant_requests_total", model=model, outcome="unauthenticated")
     for name, (bad, reason) in cases.items():
         error = refused(lambda bad=bad: embed(http, model, {"tenant_token": bad}))
@@ -180,10 +191,13 @@ def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(s
         client.close()
     # None of them reached a bucket model, each was counted, and the server serves on.
     assert encoder_requests(server) - before_encoders == 1  # the valid gRPC request only
-    refusals = metric(server, "embed_tenant_requests_total", model=model, outcome="unauthenticated")
+    refusals = settled(lambda: metric(server, "embed_tenant_requests_total", model=model, outcome="unauthenticated"),
+                       lambda n: n - before_refused >= len(cases) + 1)
     assert refusals - before_refused == len(cases) + 1
-    assert metric(server, "embed_auth_failures_total", model=model, reason="bad_signature") >= 3
-    assert metric(server, "embed_auth_failures_total", model=model, reason="expired") >= 1
+    assert settled(lambda: metric(server, "embed_auth_failures_total", model=model, reason="bad_signature"),
+                   lambda n: n >= 3) >= 3
+    assert settled(lambda: metric(server, "embed_auth_failures_total", model=model, reason="expired"),
+                   lambda n: n >= 1) >= 1
     assert embed(http, model, {"tenant_token": valid}).as_numpy("EMBEDDING").shape == (1, 384)
     assert server.is_ready()
 
@@ -210,8 +224,8 @@ def test_a_missing_token_is_refused_in_required_mode_and_anonymous_in_anonymous_
             results.append(err.message())
     assert results[:BURST] == [(1, 384)] * BURST
     assert "tenant 'anonymous' is over its quota" in results[BURST]
-    assert metric(server, "embed_tenant_requests_total", model=OPEN, tenant="anonymous", tier="batch",
-                  outcome="ok") == BURST
+    assert settled(lambda: metric(server, "embed_tenant_requests_total", model=OPEN, tenant="anonymous", tier="batch",
+                                  outcome="ok"), lambda n: n >= BURST) == BURST
 
 
 @pytest.mark.parametrize("model", [REQUIRED, OPEN])
