@@ -16,12 +16,19 @@ import pytest
 
 from .conftest import REPO
 
+SLOW_MACHINE_GOODPUT_RPS = 96.0  # bench goodput's slo_bucketed on 2 vCPU, 2026-11-22 (the slower day)
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("overload") / "overload.json"
     subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
-    run = subprocess.run([sys.executable, "-m", "tools", "bench", "overload", "--quick", "--out", str(out)],
+    # A fixed flood, not 3x whatever results/goodput.json holds: that file is written on
+    # whichever machine last ran the benchmark, and the same 2 vCPU have measured 96 req/s
+    # on one day and 160 on another. 3 x 96 is 3x goodput on the slow kind of machine CI
+    # may get, and still well past goodput on the fast kind.
+    run = subprocess.run([sys.executable, "-m", "tools", "bench", "overload", "--quick", "--goodput-rps",
+                          str(SLOW_MACHINE_GOODPUT_RPS), "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(out.read_text())
