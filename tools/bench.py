@@ -22,8 +22,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -187,13 +189,39 @@ def measure_ceiling(texts: list[str], profile: LatencyProfile, bucket_lens: tupl
     return {"rows_per_s": len(texts) / total_s, "rows": len(texts), "buckets": per_bucket}
 
 
-async def search_goodput(target: LoadTarget, options: GoodputOptions, log) -> tuple[float, list[StepResult]]:
+def cpu_breakdown(before: Mapping[str, float], after: Mapping[str, float], result: StepResult,
+                  cores: int) -> dict[str, Any]:
+    """Where one step's CPU went: ms per request sent, by part (the server process, each
+    model's backend stubs, the load generator), and the share of the machine they used.
+
+    Per request *sent*: a request refused at admission costs little, so under refusals the
+    cost of a served request is higher than these figures.
+    """
+    spent = {part: max(seconds - before.get(part, 0.0), 0.0) for part, seconds in after.items()}
+    spent["load_generator"] = result.client_cpu_s
+    total_s = sum(spent.values())
+    per_request = {part: round(seconds * 1000.0 / result.num_sent, 3) if result.num_sent else 0.0
+                   for part, seconds in sorted(spent.items())}
+    return {"cpu_ms_per_request": per_request,
+            "cpu_ms_per_request_total": round(sum(per_request.values()), 3),
+            "cpu_utilization": round(total_s / (result.duration_s * cores), 3) if result.duration_s else 0.0}
+
+
+async def search_goodput(target: LoadTarget, options: GoodputOptions, log,
+                         cpu_by_part: Callable[[], Mapping[str, float]] | None = None,
+                         ) -> tuple[float, list[StepResult], list[dict[str, Any]]]:
+    """The goodput search; with `cpu_by_part` (the local server's CPU seconds by part), each
+    step's `cpu_breakdown` too (empty dicts without it)."""
     await run_open_loop(target, options.start_rps, min(3.0, options.step_s), seed=0)  # warm up, discarded
     search = RateSearch(options.start_rps, max_steps=options.max_steps, rel_tolerance=0.10)
     steps: list[StepResult] = []
+    breakdowns: list[dict[str, Any]] = []
+    cores = os.cpu_count() or 1
     seed = 1
     while (rate := search.next_rate()) is not None:
+        before = cpu_by_part() if cpu_by_part else {}
         result = await run_open_loop(target, rate, options.step_s, seed=seed)
+        breakdowns.append(cpu_breakdown(before, cpu_by_part(), result, cores) if cpu_by_part else {})
         seed += 1
         search.record(rate, result)
         steps.append(result)
@@ -202,7 +230,7 @@ async def search_goodput(target: LoadTarget, options: GoodputOptions, log) -> tu
             f"{result.num_rejected} rejected, "
             f"p95 {result.p95_ms:7.1f} ms, {result.throughput_rps:6.1f} rps done  [{verdict}]")
         await asyncio.sleep(1.0)  # let queues drain between steps
-    return search.best_rate, steps
+    return search.best_rate, steps, breakdowns
 
 
 def run_setup(setup: str, repository: Path, texts: list[str], slo_ms: float, options: GoodputOptions,
@@ -212,10 +240,10 @@ def run_setup(setup: str, repository: Path, texts: list[str], slo_ms: float, opt
     log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
     with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
         target = LoadTarget(grpc_url=server.grpc_url, model="embed", texts=tuple(texts), slo_ms=slo_ms)
-        goodput, steps = asyncio.run(search_goodput(target, options, log))
+        goodput, steps, breakdowns = asyncio.run(search_goodput(target, options, log, server.cpu_seconds_by_part))
     log(f"  {setup}: goodput {goodput:.1f} rps")
     return {"goodput_rps": goodput, "repository": str(repository.relative_to(REPO_ROOT)),
-            "steps": [flatten_step(s) for s in steps]}
+            "steps": [{**flatten_step(step), **cpu} for step, cpu in zip(steps, breakdowns, strict=True)]}
 
 
 def plot_goodput(report: dict, path: Path) -> None:

@@ -263,6 +263,38 @@ def process_group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float:
     return total / tick
 
 
+SERVER_PART = "tritonserver"  # the server process itself, in `process_group_cpu_by_part`
+
+
+def stub_model_name(cmdline: Sequence[str]) -> str | None:
+    """The model a Python backend stub serves, from its command line (argv[1] is
+    `<repository>/<model>/<version>/model.py`); None for any other process."""
+    if len(cmdline) < 2 or not cmdline[0].endswith("triton_python_backend_stub"):
+        return None
+    parts = Path(cmdline[1]).parts
+    return parts[-3] if len(parts) >= 3 else None
+
+
+def process_group_cpu_by_part(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
+    """CPU seconds used so far by the live processes of a server's process group, by part:
+    `tritonserver` (the server process, whose pid is the group id) and one entry per model
+    (all of its Python backend stubs); other members of the group count as `other`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parts: dict[str, float] = {}
+    for entry in proc.glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            cmdline = (entry.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        pid = int(entry.parent.name)
+        part = SERVER_PART if pid == pgid else (stub_model_name(cmdline) or "other")
+        parts[part] = parts.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return parts
+
+
 def _detach_and_die_with_parent() -> None:
     """Runs in the child before exec: own process group (so stop() reaches the Python
     backend stubs too), and SIGTERM when the launching process dies, so a killed CLI or
@@ -301,6 +333,11 @@ class TritonServer:
         """CPU seconds the server and its backend stubs have used so far (they share a process group)."""
         assert self.process is not None, "start() first"
         return process_group_cpu_seconds(self.process.pid)
+
+    def cpu_seconds_by_part(self) -> dict[str, float]:
+        """The same, split into the server process and each model's backend stubs."""
+        assert self.process is not None, "start() first"
+        return process_group_cpu_by_part(self.process.pid)
 
     def start(self) -> None:
         if not self.config.model_repository.is_dir():

@@ -1,7 +1,10 @@
-"""The goodput benchmark's setups: generated configs, quotas taken out, nothing else changed."""
+"""The goodput benchmark: its setups (generated configs, quotas taken out) and where each step's CPU went."""
 
-from tools.bench import embed_plan, padded_only_plan, without_tenant_quotas
+import pytest
+
+from tools.bench import cpu_breakdown, embed_plan, padded_only_plan, without_tenant_quotas
 from tools.latency_profile import load_profile
+from tools.loadgen import summarize_step
 from tools.spec import load_spec
 
 
@@ -37,3 +40,21 @@ def test_the_generated_plan_itself_is_left_alone():
     plan = setups["slo_bucketed"]
     without_tenant_quotas(plan, spec.models[0].name)
     assert "tenants" in {m.name: m for m in plan}[spec.models[0].name].config.parameters
+
+
+def test_cpu_breakdown_charges_each_part_per_request_sent():
+    step = summarize_step(mode="open", load=100, duration_s=10.0, latencies_ms=[50.0] * 900, errors=[],
+                          slo_ms=200, client_cpu_s=0.5, rejections=["busy"] * 100)
+    before = {"tritonserver": 10.0, "embed": 4.0}
+    after = {"tritonserver": 11.0, "embed": 6.0, "encoder_16": 3.0}  # a stub that started during the step
+    cpu = cpu_breakdown(before, after, step, cores=2)
+    assert cpu["cpu_ms_per_request"] == {"embed": 2.0, "encoder_16": 3.0, "load_generator": 0.5, "tritonserver": 1.0}
+    assert cpu["cpu_ms_per_request_total"] == pytest.approx(6.5)
+    assert cpu["cpu_utilization"] == pytest.approx(6.5 / 20.0)
+
+
+def test_cpu_breakdown_of_a_step_that_sent_nothing_is_zero():
+    step = summarize_step(mode="open", load=1, duration_s=1.0, latencies_ms=[], errors=[], slo_ms=200)
+    cpu = cpu_breakdown({}, {"tritonserver": 0.1}, step, cores=2)
+    assert cpu["cpu_ms_per_request"] == {"load_generator": 0.0, "tritonserver": 0.0}
+    assert cpu["cpu_utilization"] == pytest.approx(0.05)

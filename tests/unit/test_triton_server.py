@@ -160,6 +160,31 @@ def test_process_group_cpu_seconds_sums_the_group_only(tmp_path):
     assert process_group_cpu_seconds(999, proc=tmp_path) == 0.0
 
 
+def test_process_group_cpu_by_part_splits_the_server_from_each_models_stubs(tmp_path):
+    import os
+
+    from tools.triton_server import process_group_cpu_by_part
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def process(pid, pgrp, utime, argv):
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", "1", str(pgrp)] + ["0"] * 8 + [str(utime), "0"] + ["0"] * 10
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (x) " + " ".join(fields))
+        (tmp_path / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+
+    stub = "/opt/backends/python/triton_python_backend_stub"
+    process(100, 100, 2 * tick, ["tritonserver", "--model-repository", "/repo"])
+    process(101, 100, tick, [stub, "/repo/embed/1/model.py", "shm", "embed_0_0", "DEFAULT"])
+    process(102, 100, tick, [stub, "/repo/embed/1/model.py", "shm", "embed_0_1", "DEFAULT"])
+    process(103, 100, 3 * tick, [stub, "/repo/encoder_16/2/model.py", "shm", "encoder_16_0_0", "DEFAULT"])
+    process(104, 100, tick, ["sh", "-c", "true"])
+    process(200, 200, 50 * tick, [stub, "/repo/embed/1/model.py"])  # another server's group
+    assert process_group_cpu_by_part(100, proc=tmp_path) == pytest.approx(
+        {"tritonserver": 2.0, "embed": 2.0, "encoder_16": 3.0, "other": 1.0})
+    assert process_group_cpu_by_part(999, proc=tmp_path) == {}
+
+
 def test_find_distribution_with_a_triton_home_runs_its_server_with_the_wheels_stub(tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "tritonserver").write_text("")
