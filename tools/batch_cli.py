@@ -225,8 +225,11 @@ def run_postgres(args: argparse.Namespace) -> int:
         server.start()
     except RuntimeError as err:
         raise SystemExit(f"error: cannot start PostgreSQL: {err}") from None
-    # SIGTERM as Ctrl-C: the finally below stops the server either way.
+    # SIGTERM as Ctrl-C: the finally below stops the server either way. SIGINT explicitly too:
+    # a shell script's background job (`... &`) starts with SIGINT ignored, and Python keeps
+    # an inherited "ignore", which would leave this server deaf to the signal that stops it.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(server.url)
     print(f"PostgreSQL listening on {args.host}:{server.port}, data in {server.data_dir}, log {server.log_path}; "
           f"Ctrl-C stops it.\nQueue on it: python -m tools batch serve --db {server.url}", flush=True)
