@@ -282,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"comma-separated subset of {', '.join(SETUPS)} (default: all)")
     goodput.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
     goodput.add_argument("--start-rps", type=float, default=4.0, help="first rate of each search (default: 4)")
-    goodput.add_argument("--max-steps", type=int, default=9, help="measured rates per setup at most (default: 9)")
+    goodput.add_argument("--max-steps", type=int, default=11, help="measured rates per setup at most (default: 11)")
     goodput.add_argument("--quick", action="store_true",
                          help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run")
     goodput.set_defaults(benchmark_run=run_goodput)
