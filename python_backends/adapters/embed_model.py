@@ -52,7 +52,7 @@ MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load 
 
 
 class BufferedCounter:
-    """A counter or gauge whose increments go to the instance's `DeltaBuffer`, not to Triton
+    """A counter whose increments go to the instance's `DeltaBuffer`, not to Triton
     one call at a time (see `python_backends.metric_buffer`)."""
 
     __slots__ = ("metric", "sink")
@@ -92,8 +92,8 @@ class TritonPythonModel:
                                    (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram),
                                    (AUTH_FAILURE_COUNTER, counter)):
             self.metric_families[name] = pb_utils.MetricFamily(name=name, description=text, kind=kind)
-        # Counter and gauge increments are summed here and handed to Triton by a flusher
-        # thread every few hundred ms: one call per moved series instead of several per request.
+        # Counter increments are summed here and handed to Triton by a flusher thread every
+        # half second: one call per moved series instead of several per request.
         self.metric_lock = threading.Lock()
         self.metric_deltas = DeltaBuffer()
         self.flusher_stop = threading.Event()
