@@ -248,21 +248,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def process_group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float:
-    """User + system CPU seconds used so far by the live processes of one process group
-    (tritonserver and its Python backend stubs); 0.0 where there is no /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in proc.glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # the process ended while we looked
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
 SERVER_PART = "tritonserver"  # the server process itself, in `process_group_cpu_by_part`
 
 
@@ -284,15 +269,27 @@ def process_group_cpu_by_part(pgid: int, proc: Path = Path("/proc")) -> dict[str
     for entry in proc.glob("[0-9]*/stat"):
         try:
             fields = entry.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
-            cmdline = (entry.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, IndexError):
             continue  # the process ended while we looked
+        if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
+            continue
         pid = int(entry.parent.name)
-        part = SERVER_PART if pid == pgid else (stub_model_name(cmdline) or "other")
+        if pid == pgid:
+            part = SERVER_PART
+        else:
+            try:
+                cmdline = (entry.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                cmdline = []  # ended since its stat was read: its CPU still counts
+            part = stub_model_name(cmdline) or "other"
         parts[part] = parts.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return parts
+
+
+def process_group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float:
+    """User + system CPU seconds used so far by the live processes of one process group
+    (tritonserver and its Python backend stubs); 0.0 where there is no /proc."""
+    return float(sum(process_group_cpu_by_part(pgid, proc).values()))
 
 
 def _detach_and_die_with_parent() -> None:

@@ -11,6 +11,17 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 BUCKETS = (16, 32, 64, 128, 256)
+# The router hands its counters to Triton every half second (python_backends.metric_buffer):
+# wait this long for counts of earlier requests to land before taking a baseline.
+ROUTER_COUNTERS_LAG_S = 1.2
+
+
+def settled(read, check, timeout_s: float = 5.0):
+    """Read a router metric until `check` holds (a count shows up within the flush interval)."""
+    deadline = time.monotonic() + timeout_s
+    while not check(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import tritonclient.http as httpclient
 
 from tests.integration.helpers import (
     BUCKETS,
+    ROUTER_COUNTERS_LAG_S,
     all_counts,
     as_tenant,
     cosines,
@@ -24,6 +25,7 @@ from tests.integration.helpers import (
     http_embed,
     model_counts,
     reference_embeddings,
+    settled,
     text_with_tokens,
     token_count,
 )
@@ -131,14 +133,11 @@ def test_router_metric_counts_rows_per_bucket(triton, http_client):
                 values[bucket] = float(value)
         return values
 
-    # The router hands its counters to Triton every half second (python_backends.metric_buffer):
-    # let the counts of earlier requests land before the baseline, then wait for this one's.
-    time.sleep(1.2)
+    # Counts of earlier requests land before the baseline; then wait for this one's.
+    time.sleep(ROUTER_COUNTERS_LAG_S)
     before = rows_metric()
     http_embed(http_client, [text_with_tokens(10), text_with_tokens(10), text_with_tokens(90)])
-    deadline = time.monotonic() + 5.0
-    while (after := rows_metric())["16"] - before["16"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    after = settled(rows_metric, lambda rows: rows["16"] - before["16"] >= 2)
     assert after["16"] - before["16"] == 2
     assert after["128"] - before["128"] == 1
     assert after["32"] == before["32"]

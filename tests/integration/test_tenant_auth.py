@@ -26,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from python_backends.quotas import TenantPolicy, TierPolicy
 from python_backends.tenant_auth import AuthConfig, AuthMode, encode_secret, parse_keys
+from tests.integration.helpers import ROUTER_COUNTERS_LAG_S, settled
 from tools.spec import load_spec
 from tools.tenant_token import add_key, drop_key, issue
 from tools.triton_server import ServerConfig, TritonServer, free_port
@@ -129,15 +130,6 @@ def metric(server, name: str, **labels) -> float:
     return total
 
 
-def settled(read, check, timeout_s: float = 5.0):
-    """Read a router metric until `check` holds: the router hands its counters to Triton
-    every half second (python_backends.metric_buffer), so a count shows up a little late."""
-    deadline = time.monotonic() + timeout_s
-    while not check(value := read()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return value
-
-
 def encoder_requests(server) -> float:
     """Requests the bucket models have taken, served or failed."""
     return sum(metric(server, name, model=f"encoder_{bucket}")
@@ -172,7 +164,7 @@ def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(s
         "too long": ("v1." + "x" * 300, "the limit is 256"),
     }
     before_encoders = encoder_requests(server)
-    time.sleep(1.2)  # earlier tests' refusals reach the counter first (see `settled`)
+    time.sleep(ROUTER_COUNTERS_LAG_S)  # earlier tests' refusals reach the counter first
     before_refused = metric(server, "embed_tenant_requests_total", model=model, outcome="unauthenticated")
     for name, (bad, reason) in cases.items():
         error = refused(lambda bad=bad: embed(http, model, {"tenant_token": bad}))
