@@ -5,15 +5,20 @@ a few hundred requests a second the router's half-dozen increments per request c
 CPU than tokenizing (measured with py-spy on 2 vCPU: about 40% of the router's samples).
 A `DeltaBuffer` adds the increments up per metric and `drain` returns one net amount per
 metric, so a flush every `interval_s` makes one call per metric series that moved instead
-of one per request. Counters stay exact, only late by at most the interval. A gauge read
-by something that acts on it at once (the in-flight count a rollout drains to zero) stays
-unbuffered.
+of one per request. Counters and gauges moved by increments stay exact, only late by at
+most the interval: whoever acts on a buffered gauge (a rollout draining a version's
+in-flight count to zero) waits one interval longer than it otherwise would.
+
+A histogram has no bulk call, so an `ObservationBuffer` keeps each observation until the
+flush replays it: the CPU is the same, but the round trip leaves the request's path (at
+200 requests/s on 2 vCPU the router held each request measurably longer for it).
 
 Pure: the clock is passed in. The adapter holds the lock and calls Triton.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -50,3 +55,36 @@ class DeltaBuffer(Generic[K]):
         self._deltas = {}
         self._last_drain_s = now_s
         return moved
+
+
+DEFAULT_MAX_PENDING_OBSERVATIONS = 100_000  # about 3 minutes at 500 requests/s
+
+
+class ObservationBuffer(Generic[K]):
+    """Histogram observations waiting for the next flush, oldest first.
+
+    Bounded: should the flusher stall, the oldest observations give way (counted, and
+    reported by the next drain) rather than the process growing without end.
+    """
+
+    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING_OBSERVATIONS):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self._pending: deque[tuple[K, float]] = deque(maxlen=max_pending)
+        self._dropped = 0
+
+    def add(self, key: K, value: float) -> None:
+        if len(self._pending) == self._pending.maxlen:
+            self._dropped += 1
+        self._pending.append((key, value))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def drain(self) -> tuple[list[tuple[K, float]], int]:
+        """Every waiting observation in the order made, and how many gave way since the last
+        drain; empties the buffer."""
+        moved, dropped = list(self._pending), self._dropped
+        self._pending.clear()
+        self._dropped = 0
+        return moved, dropped

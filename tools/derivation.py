@@ -96,6 +96,7 @@ class BucketDemand:
     max_utilization: float = 0.8  # plan instances to run at most this busy at peak
     queue_timeout: bool = True  # write the queue-policy timeout; False leaves the early rejection to the queue bound
     shared_batch: int = 0  # batch this bucket needs at peak when it shares the device (plan_shared_batches); 0: alone
+    latency_target_ms: float = 0.0  # latency the router's admission steers answers to (admission_target_ms); 0: S - o
 
 
 @dataclass(frozen=True)
@@ -241,9 +242,17 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
     # Linger only as long as it pays: wait for the batch the peak traffic needs (never past
     # the knee), filled at the peak rate. When one row at a time keeps up, waiting buys
     # nothing (the hardware would idle anyway) and the linger is zero. Below peak, batches
-    # dispatch part-full when the linger runs out, still inside the budget.
+    # dispatch part-full when the linger runs out, still inside the budget. The budget is
+    # what is left of the latency the router's admission steers to (S - o without it) after
+    # a batch ahead and the request's own: a longer linger would make answers late at any
+    # load, and admission, which can only cure lateness that load causes, would refuse
+    # traffic the cores have room for.
     c_pref = curve.at(preferred)
-    linger_budget_ms = max(0.0, slo - overhead - 2 * c_pref)
+    if demand.latency_target_ms:
+        target_ms, target_name, target_text = demand.latency_target_ms, "T", f"{demand.latency_target_ms:.1f}"
+    else:
+        target_ms, target_name, target_text = slo - overhead, "S - o", f"{slo:.0f} - {overhead:.1f}"
+    linger_budget_ms = max(0.0, target_ms - 2 * c_pref)
     if demand.shared_batch:
         needed_batch = min(demand.shared_batch, preferred)
         need_text = "with the other buckets on this device"
@@ -265,7 +274,8 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
                      "so waiting buys nothing")
     delay_us = int(delay_ms * 1000)
     reasons["max_queue_delay_microseconds"] = (
-        f"min(budget S - o - 2·c(b_pref) = {slo:.0f} - {overhead:.1f} - 2·{c_pref:.1f} = {linger_budget_ms:.1f} ms; "
+        f"min(budget {target_name} - 2·c(b_pref) = {target_text} - 2·{c_pref:.1f} = {linger_budget_ms:.1f} ms"
+        f"{', T = the latency admission steers answers to' if demand.latency_target_ms else ''}; "
         f"{fill_text}) = {delay_ms:.1f} ms"
     )
 
@@ -345,6 +355,29 @@ class Admission:
     reasons: dict[str, str] = field(default_factory=dict)  # knob -> why
 
 
+def _wait_budget(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float) -> tuple[int, float, float]:
+    """(slowest bucket, its c(1), W = S - o - c_slowest(1)); ValueError when W <= 0."""
+    slowest_bucket = max(curves, key=lambda bucket: curves[bucket].at(1))
+    slowest_ms = curves[slowest_bucket].at(1)
+    wait_budget_ms = slo_p95_ms - overhead_ms - slowest_ms
+    if wait_budget_ms <= 0:
+        raise ValueError(f"SLO {slo_p95_ms:.0f} ms leaves no room for queued work: overhead {overhead_ms:.1f} ms "
+                         f"plus one row of bucket {slowest_bucket} ({slowest_ms:.1f} ms) already fill it")
+    return slowest_bucket, slowest_ms, wait_budget_ms
+
+
+def admission_target_ms(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float) -> float:
+    """The latency the router's admission steers its answers to: S - o - 3/4 of the router
+    queue's wait (see `derive_admission`). The bucket lingers are derived inside it."""
+    _, _, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
+    queue_wait_ms = wait_budget_ms * (1.0 - ADMISSION_WORK_SHARE)
+    # Answers the router sees miss the client's SLO by the router queue's wait, near zero below
+    # capacity and up to `queue_wait_ms` at overload. Measured at 3x goodput (60 s): aiming at
+    # S - o - qw/2 let the admitted p95 reach 200.4 ms, and qw in full cut goodput from 88 to 72
+    # req/s; three quarters of it keeps the overload within the SLO.
+    return slo_p95_ms - overhead_ms - 0.75 * queue_wait_ms
+
+
 def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int, int], lanes: int,
                      slo_p95_ms: float, overhead_ms: float, peak_rps: float) -> Admission:
     """How much the router lets in, so that what it admits still meets the SLO under overload.
@@ -356,20 +389,11 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     brings in that time (Little's law), at least one request.
     """
     row_cost_ms = {bucket: curve.at(preferred[bucket]) / preferred[bucket] for bucket, curve in curves.items()}
-    slowest_bucket = max(curves, key=lambda bucket: curves[bucket].at(1))
-    slowest_ms = curves[slowest_bucket].at(1)
-    wait_budget_ms = slo_p95_ms - overhead_ms - slowest_ms
-    if wait_budget_ms <= 0:
-        raise ValueError(f"SLO {slo_p95_ms:.0f} ms leaves no room for queued work: overhead {overhead_ms:.1f} ms "
-                         f"plus one row of bucket {slowest_bucket} ({slowest_ms:.1f} ms) already fill it")
+    slowest_bucket, slowest_ms, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
     max_work_ms = wait_budget_ms * ADMISSION_WORK_SHARE
     queue_wait_ms = wait_budget_ms - max_work_ms
     max_queue_size = max(1, math.floor(peak_rps * queue_wait_ms / 1000.0))
-    # Answers the router sees miss the client's SLO by the router queue's wait, near zero below
-    # capacity and up to `queue_wait_ms` at overload. Measured at 3x goodput (60 s): aiming at
-    # S - o - qw/2 let the admitted p95 reach 200.4 ms, and qw in full cut goodput from 88 to 72
-    # req/s; three quarters of it keeps the overload within the SLO.
-    target_ms = slo_p95_ms - overhead_ms - 0.75 * queue_wait_ms
+    target_ms = admission_target_ms(curves, slo_p95_ms, overhead_ms)
     min_work_ms = min(slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
     costs = ", ".join(f"{b}: {c:.2f}" for b, c in sorted(row_cost_ms.items()))

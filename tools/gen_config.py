@@ -27,6 +27,7 @@ from tools.derivation import (
     BucketDemand,
     InfeasibleSLO,
     SharedLoad,
+    admission_target_ms,
     derive_admission,
     derive_knobs,
     derive_router_instances,
@@ -294,6 +295,11 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
     lanes = hardware.lanes(profile.hardware.cpu_count)
     generated: list[GeneratedModel] = []
     bucket_max_batch: dict[int, int] = {}
+    curves = {b: profile.curve(model.encoder_name(b)) for b in model.bucket_lens}
+    try:
+        latency_target_ms = admission_target_ms(curves, model.slo_p95_ms, overhead.p95_ms)
+    except ValueError as err:
+        raise InfeasibleSLO(f"{model.name}: {err}") from None
     demands = {}
     for bucket_len in model.bucket_lens:
         name = model.encoder_name(bucket_len)
@@ -306,6 +312,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             max_instances=hardware.max_instances,
             lanes=lanes,
             queue_timeout=model.queue_timeouts,
+            latency_target_ms=latency_target_ms,
         )
     # The buckets share one device: plan the batches peak traffic needs across all of them.
     # On a CPU the router path runs on the same cores, so its measured CPU per request is
@@ -356,7 +363,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
                                                           model.max_router_instances)
     try:
         admission = derive_admission(
-            {b: profile.curve(model.encoder_name(b)) for b in model.bucket_lens},
+            curves,
             {b: next(g.knobs.preferred_batch_size for g in generated if g.name == model.encoder_name(b))
              for b in model.bucket_lens},
             lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps)

@@ -31,7 +31,8 @@ import requests
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from python_backends.routing import RoutingTable, read_routing_table, write_routing_table
+from python_backends.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
+from python_backends.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
 from tools.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
 from tools.gen_config import ROUTING_FILE
 from tools.rollout_policy import (
@@ -51,6 +52,11 @@ from tools.triton_server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 
 DEFAULT_RECORDS = REPO_ROOT / "rollouts"
 FINAL_STATES = ("promoted", "rolled_back", "aborted", "failed")
+
+# Before trusting the router's in-flight gauge at zero: every router instance has re-read the
+# routing file (so no new request picks the drained version) and has flushed its buffered
+# gauge at least once since (a flush may run late by up to one more interval on busy cores).
+DRAIN_SETTLE_S = RoutingSource.check_interval_s + 2 * DEFAULT_FLUSH_INTERVAL_S
 
 
 class RolloutError(RuntimeError):
@@ -313,7 +319,7 @@ class Rollout:
     def _wait_drain(self, version: int) -> dict:
         """Wait until the router has no request in flight on `version`; return what was seen."""
         started = time.monotonic()
-        self.sleep(0.5)  # routers still holding the previous table pick it up within a quarter second
+        self.sleep(DRAIN_SETTLE_S)
         peak = 0.0
         while True:
             inflight = self._snapshot().version(version).inflight

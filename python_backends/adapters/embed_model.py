@@ -42,7 +42,7 @@ from python_backends.embed import (
     row_cosines,
 )
 from python_backends.errors import InvalidInput
-from python_backends.metric_buffer import DeltaBuffer
+from python_backends.metric_buffer import DeltaBuffer, ObservationBuffer
 from python_backends.quotas import SharedBuckets, admit
 from python_backends.routing import RoutingSource
 from python_backends.tenant_auth import AuthError, AuthFailure, AuthMode, KeySource, resolve_tenant
@@ -92,10 +92,12 @@ class TritonPythonModel:
                                    (VERSION_LATENCY, histogram), (SHADOW_COSINE, histogram),
                                    (AUTH_FAILURE_COUNTER, counter)):
             self.metric_families[name] = pb_utils.MetricFamily(name=name, description=text, kind=kind)
-        # Counter increments are summed here and handed to Triton by a flusher thread every
-        # half second: one call per moved series instead of several per request.
+        # Counter and gauge increments are summed here and handed to Triton by a flusher
+        # thread every half second: one call per moved series instead of several per request.
+        # Latency observations wait for the same flush: it replays them off the request's path.
         self.metric_lock = threading.Lock()
         self.metric_deltas = DeltaBuffer()
+        self.observations = ObservationBuffer()
         self.flusher_stop = threading.Event()
         self.flusher = threading.Thread(target=self._flush_loop, name="metric-flush", daemon=True)
         self.truncated = self._buffered(
@@ -154,12 +156,21 @@ class TritonPythonModel:
         with self.metric_lock:
             self.metric_deltas.add(metric, amount)
 
+    def _observe(self, metric, value):
+        with self.metric_lock:
+            self.observations.add(metric, value)
+
     def _flush(self):
         with self.metric_lock:
             now = time.monotonic()
             moved = self.metric_deltas.drain(now) if self.metric_deltas.due(now) or self.flusher_stop.is_set() else []
+            observed, dropped = self.observations.drain()
         for metric, amount in moved:
             metric.increment(amount)
+        for metric, value in observed:
+            metric.observe(value)
+        if dropped:
+            self.logger.log_warn(f"{dropped} latency observations dropped: the metrics flush fell behind")
 
     def _flush_loop(self):
         while not self.flusher_stop.wait(self.metric_deltas.interval_s):
@@ -183,10 +194,10 @@ class TritonPythonModel:
             labels = {"model": self.model, "version": str(version)}
             outcomes = {outcome: self._buffered(self.metric_families[VERSION_COUNTER[0]].Metric(
                 labels={**labels, "outcome": outcome})) for outcome in ("ok", "error", "rejected")}
-            # Histograms cannot be summed ahead: each latency is observed as it happens. The
-            # in-flight gauge is not buffered either: a rollout unloads a version once it reads 0.
+            # The in-flight gauge is buffered like the counters (a rollout draining a version
+            # allows for the flush interval); latencies are replayed one by one at the flush.
             latency = self.metric_families[VERSION_LATENCY[0]].Metric(labels=labels, buckets=list(LATENCY_BUCKETS_S))
-            inflight = self.metric_families[VERSION_INFLIGHT[0]].Metric(labels=labels)
+            inflight = self._buffered(self.metric_families[VERSION_INFLIGHT[0]].Metric(labels=labels))
             self.version_metrics[version] = (outcomes, latency, inflight)
         return self.version_metrics[version]
 
@@ -328,7 +339,7 @@ class TritonPythonModel:
             if code != pb_utils.TritonError.NOT_FOUND:  # a retired pinned version is the client's mistake
                 outcomes["rejected" if code == pb_utils.TritonError.UNAVAILABLE else "error"].increment(1)
             return response
-        latency.observe(time.monotonic() - started)
+        self._observe(latency, time.monotonic() - started)
         outcomes["ok"].increment(1)
         baseline = table.shadows(version, random.random()) if pinned is None else None
         if baseline is not None and self.shadow_slots.acquire(blocking=False):

@@ -16,7 +16,7 @@ from python_backends.admission import (
     instance_slot,
     tier_share,
 )
-from tools.derivation import ADMISSION_WORK_SHARE, LatencyCurve, derive_admission
+from tools.derivation import ADMISSION_WORK_SHARE, LatencyCurve, admission_target_ms, derive_admission
 
 POLICY = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0)
 
@@ -148,6 +148,17 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.max_queue_size == max(1, expected_queue)
     assert "c_256(1)" in admission.reasons["admission"] and "Little" not in admission.reasons["admission"]
     assert "peak 100 req/s" in admission.reasons["max_queue_size"]
+
+
+def test_the_lateness_target_is_the_slo_less_overhead_and_most_of_the_router_queue_wait():
+    # W = 200 - 5 - 80 = 115 ms; the router queue's share is half of it, 57.5 ms, and answers
+    # the router sees may be late by three quarters of that before the client's SLO is.
+    target = admission_target_ms(CURVES, slo_p95_ms=200.0, overhead_ms=5.0)
+    assert target == pytest.approx(200.0 - 5.0 - 0.75 * 115.0 * (1 - ADMISSION_WORK_SHARE))
+    admission = derive_admission(CURVES, {16: 4, 256: 2}, 2, 200.0, 5.0, 100.0)
+    assert admission.policy.target_ms == pytest.approx(target)  # gen-config derives the lingers inside it
+    with pytest.raises(ValueError, match="bucket 256"):
+        admission_target_ms(CURVES, slo_p95_ms=80.0, overhead_ms=5.0)
 
 
 def test_a_tighter_slo_admits_less_and_queues_less():

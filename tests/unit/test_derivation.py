@@ -73,6 +73,20 @@ def test_linger_is_capped_by_how_fast_traffic_fills_the_batch():
     assert knobs.max_queue_delay_us == 15000
 
 
+def test_linger_fits_inside_the_latency_admission_steers_to():
+    # Slow traffic would want a long wait for the knee batch of 16 (15 rows at 100 rows/s =
+    # 150 ms, inside S - o - 2·c(16) = 457 ms); with admission aiming answers at 120 ms the
+    # linger leaves room for a batch ahead and the request's own: 120 - 2·20 = 80 ms.
+    free = derive_knobs(demand(slo=500.0, expected=100.0, peak=100.0, shared_batch=16), CURVE)
+    held = derive_knobs(demand(slo=500.0, expected=100.0, peak=100.0, shared_batch=16, latency_target_ms=120.0), CURVE)
+    assert free.max_queue_delay_us == 150000
+    assert held.max_queue_delay_us == 80000
+    assert "T - 2·c(b_pref) = 120.0 - 2·20.0 = 80.0 ms" in held.reasons["max_queue_delay_microseconds"]
+    # A target that a batch ahead and the request's own already fill leaves no linger at all.
+    none = derive_knobs(demand(slo=500.0, expected=100.0, peak=100.0, shared_batch=16, latency_target_ms=30.0), CURVE)
+    assert none.max_queue_delay_us == 0
+
+
 def test_no_linger_when_single_rows_carry_the_traffic():
     # 100 rows/s against 250 rows/s unbatched at 80%: waiting would only add latency.
     knobs = derive_knobs(demand(slo=500.0, expected=100.0, peak=150.0), CURVE)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from python_backends.metric_buffer import DeltaBuffer
+from python_backends.metric_buffer import DeltaBuffer, ObservationBuffer
 
 
 def test_increments_add_up_per_metric_and_drain_empties_the_buffer():
@@ -49,3 +49,29 @@ def test_counts_are_never_lost_across_drains():
 def test_a_non_positive_interval_is_refused(interval_s):
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         DeltaBuffer(interval_s=interval_s)
+
+
+def test_observations_are_replayed_one_by_one_in_the_order_made():
+    buffer: ObservationBuffer[str] = ObservationBuffer()
+    buffer.add("latency_v1", 0.05)
+    buffer.add("latency_v2", 0.2)
+    buffer.add("latency_v1", 0.05)  # equal values stay two observations
+    assert buffer.drain() == ([("latency_v1", 0.05), ("latency_v2", 0.2), ("latency_v1", 0.05)], 0)
+    assert len(buffer) == 0
+    assert buffer.drain() == ([], 0)
+
+
+def test_a_stalled_flush_drops_the_oldest_observations_and_counts_them():
+    buffer: ObservationBuffer[str] = ObservationBuffer(max_pending=3)
+    for value in (1.0, 2.0, 3.0, 4.0, 5.0):
+        buffer.add("latency", value)
+    observed, dropped = buffer.drain()
+    assert [value for _, value in observed] == [3.0, 4.0, 5.0]
+    assert dropped == 2
+    buffer.add("latency", 6.0)
+    assert buffer.drain() == ([("latency", 6.0)], 0)  # each drop is reported once
+
+
+def test_an_observation_buffer_needs_room_for_one():
+    with pytest.raises(ValueError, match="max_pending must be >= 1"):
+        ObservationBuffer(max_pending=0)
