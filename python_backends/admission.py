@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +169,8 @@ class SharedWork:
 
     Each instance writes only its own slot. `admit` reads the total, decides and adds the
     request's work under an exclusive file lock, so two instances deciding at the same moment
-    cannot both take the last room; releasing work needs no lock (an aligned 8-byte store).
+    cannot both take the last room. An instance's worker threads share its slot and its file
+    lock (a `flock` does not exclude threads of one process), so a thread lock comes first.
     """
 
     def __init__(self, path: Path, slot: int):
@@ -185,6 +187,7 @@ class SharedWork:
             os.close(self._fd)
             raise
         self.offset = slot * _VALUE.size
+        self._lock = threading.Lock()
         self._mine = 0.0
         self._store()
 
@@ -211,6 +214,10 @@ class SharedWork:
         """Feed an admitted request's latency back into the shared bound."""
         if not policy.adaptive:
             return
+        with self._lock:
+            self._record_latency(policy, latency_ms)
+
+    def _record_latency(self, policy: AdmissionPolicy, latency_ms: float) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             probing = self._shared(1) == 0.0
@@ -226,23 +233,29 @@ class SharedWork:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def add(self, work_ms: float) -> None:
+        with self._lock:
+            self._add(work_ms)
+
+    def _add(self, work_ms: float) -> None:
         total = self._mine + work_ms
         self._mine = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
         self._store()
 
     def admit(self, policy: AdmissionPolicy, own_work_ms: float, share: float = 1.0) -> AdmissionDecision:
         """Decide on a request and, when admitted, count its work, as one step."""
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            decision = decide(policy, self.total_ms(), own_work_ms, share, self.bound_ms(policy))
-            if decision.admitted:
-                self.add(own_work_ms)
-            return decision
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                decision = decide(policy, self.total_ms(), own_work_ms, share, self.bound_ms(policy))
+                if decision.admitted:
+                    self._add(own_work_ms)
+                return decision
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        self._mine = 0.0
-        self._store()
+        with self._lock:
+            self._mine = 0.0
+            self._store()
         self._map.close()
         os.close(self._fd)

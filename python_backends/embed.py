@@ -66,6 +66,7 @@ class RouterConfig:
     tenants: TenantPolicy = UNLIMITED  # tiers and quotas of tenants (spec [tenants])
     admission: AdmissionPolicy = ADMIT_ALL  # how much work may be in flight (derived from the profile)
     auth: AuthConfig = AUTH_OFF  # how a request proves its tenant (spec [tenants.auth])
+    max_concurrent_requests: int = 32  # requests one instance serves at once (its worker threads)
 
     @property
     def max_tokens(self) -> int:
@@ -108,6 +109,7 @@ def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> Route
         tenants=parse_tenant_policy(model_name, parameters.get("tenants", "")),
         admission=parse_admission(model_name, parameters.get("admission", ""), bucket_lens),
         auth=parse_auth_parameter(model_name, parameters.get("tenant_auth", "")),
+        max_concurrent_requests=integer("max_concurrent_requests", 32, 1),
     )
 
 

@@ -114,19 +114,49 @@ class BatchingKnobs:
     warnings: tuple[str, ...] = ()  # capacity shortfalls and other things to act on
 
 
-def derive_router_instances(peak_rps: float, slo_p95_ms: float, max_instances: int) -> tuple[int, str]:
-    """Router instances: one request in flight each, so Little's law at peak with W = S.
+@dataclass(frozen=True)
+class RouterPlan:
+    """How many router instances, and how many requests each serves at once."""
 
-    A Python router instance holds a request until every bucket has answered it; requests
-    that would wait for a free instance pay that wait against their SLO. Requests in
-    flight at peak: L = peak rate x S at most (a request that takes longer has missed).
+    instance_count: int
+    max_concurrent_requests: int  # worker threads per instance
+    reasons: dict[str, str] = field(default_factory=dict)  # knob -> why
+
+
+def derive_router(peak_rps: float, slo_p95_ms: float, host_cores: int, max_instances: int,
+                  admission: AdmissionPolicy) -> RouterPlan:
+    """Router instances and their worker threads.
+
+    An instance does not hold a request: it checks and admits it and hands it to a worker
+    thread, which waits on the buckets and answers. Instances are only for the Python work
+    (a process runs Python on one core at a time): one per host core. Workers are what
+    waits: enough across the instances for every request admission can let in at once (its
+    upper bound of work over the cheapest row's cost), and at least Little's law at peak,
+    so that admission, never a missing thread, decides who waits on the cores.
     """
-    in_flight = max(1, math.ceil(peak_rps * slo_p95_ms / 1000.0))
-    count = min(in_flight, max_instances)
-    reason = f"Little's law at peak: {peak_rps:.1f} req/s x {slo_p95_ms:.0f} ms = {in_flight} in flight"
-    if count < in_flight:
-        reason += f", capped at {max_instances} by the spec"
-    return count, reason
+    instances = max(1, min(host_cores, max_instances))
+    little = max(1, math.ceil(peak_rps * slo_p95_ms / 1000.0))
+    if admission.max_work_ms > 0:
+        cheapest_ms = min(admission.row_cost_ms.values())
+        admissible = math.ceil(admission.max_limit_ms * admission.lanes / cheapest_ms)
+        admissible_text = (f"admission lets in at most {admission.max_limit_ms:.1f} ms x {admission.lanes} lanes "
+                           f"/ {cheapest_ms:.2f} ms (the cheapest row) = {admissible} requests")
+    else:
+        admissible, admissible_text = 0, "admission is off"
+    in_flight = max(little, admissible)
+    per_instance = math.ceil(in_flight / instances)
+    return RouterPlan(
+        instance_count=instances,
+        max_concurrent_requests=per_instance,
+        reasons={
+            "instance_count": (f"one per host core ({host_cores}), for the Python work of checking, tokenizing and "
+                               f"admitting; an instance holds no request" +
+                               (f"; capped at {max_instances} by the spec" if instances < host_cores else "")),
+            "max_concurrent_requests": (f"worker threads per instance: max(Little's law at peak {peak_rps:.1f} req/s "
+                                        f"x {slo_p95_ms:.0f} ms = {little}; {admissible_text}) = {in_flight} in "
+                                        f"flight over {instances} instance(s) = {per_instance}"),
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -367,15 +397,12 @@ def _wait_budget(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead
 
 
 def admission_target_ms(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float) -> float:
-    """The latency the router's admission steers its answers to: S - o - 3/4 of the router
-    queue's wait (see `derive_admission`). The bucket lingers are derived inside it."""
-    _, _, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
-    queue_wait_ms = wait_budget_ms * (1.0 - ADMISSION_WORK_SHARE)
-    # Answers the router sees miss the client's SLO by the router queue's wait, near zero below
-    # capacity and up to `queue_wait_ms` at overload. Measured at 3x goodput (60 s): aiming at
-    # S - o - qw/2 let the admitted p95 reach 200.4 ms, and qw in full cut goodput from 88 to 72
-    # req/s; three quarters of it keeps the overload within the SLO.
-    return slo_p95_ms - overhead_ms - 0.75 * queue_wait_ms
+    """The latency the router's admission steers its answers to: S - o. The router hands
+    each request to a worker as it arrives, so nothing waits in its queue before admission
+    starts the clock, and what the router measures is the client's latency less o. The
+    bucket lingers are derived inside it. ValueError when S - o - c_slowest(1) <= 0."""
+    _wait_budget(curves, slo_p95_ms, overhead_ms)
+    return slo_p95_ms - overhead_ms
 
 
 def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int, int], lanes: int,
@@ -383,10 +410,12 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     """How much the router lets in, so that what it admits still meets the SLO under overload.
 
     A row of bucket b costs c_b(p_b) / p_b of a lane at its preferred batch p_b. A request
-    finishes after about o + (wait in the router queue) + (work ahead of it) + its own
-    batch, so the waiting budget is W = S - o - max_b c_b(1). `ADMISSION_WORK_SHARE` of W
-    bounds the work in flight; the rest is the router queue's: it holds what peak traffic
-    brings in that time (Little's law), at least one request.
+    finishes after about o + (work ahead of it) + its own batch, so the waiting budget is
+    W = S - o - max_b c_b(1). The bound on work in flight starts at `ADMISSION_WORK_SHARE`
+    of W and adapts to the answers (`admission_target_ms`). The router queue only holds
+    requests while an instance hands earlier ones to its workers; its bound is what peak
+    traffic brings in over the rest of W (Little's law), at least one request, so that only
+    a stalled router fills it.
     """
     row_cost_ms = {bucket: curve.at(preferred[bucket]) / preferred[bucket] for bucket, curve in curves.items()}
     slowest_bucket, slowest_ms, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
@@ -407,12 +436,13 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
             "admission": (f"admit while work in flight <= the bound, which starts at {ADMISSION_WORK_SHARE:.0%} of "
                           f"{budget}: {max_work_ms:.1f} ms per lane ({lanes} lanes), halved for each tenant tier "
                           f"below the default; row cost ms by bucket (c(p)/p): {costs}"),
-            "admission_bound": (f"adapts to the answers so that 5% come back later than S - o - (the router queue's "
-                                f"wait) x 3/4 = {target_ms:.1f} ms (-5% per late one, +0.27% per one on time, "
+            "admission_bound": (f"adapts to the answers so that 5% come back later than S - o = {target_ms:.1f} ms "
+                                f"(-5% per late one, +0.27% per one on time, "
                                 f"+2% until the first late one); between one row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and "
                                 f"S - o = {max_limit_ms:.1f} ms"),
-            "max_queue_size": (f"the rest of W, {queue_wait_ms:.1f} ms, is the router queue's: peak "
-                               f"{peak_rps:.0f} req/s x {queue_wait_ms:.1f} ms = {max_queue_size} (at least 1)"),
+            "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
+                               f"its workers; bound: peak {peak_rps:.0f} req/s x the rest of W, {queue_wait_ms:.1f} ms "
+                               f"= {max_queue_size} (at least 1)"),
         },
     )

@@ -26,11 +26,12 @@ from tools.derivation import (
     BatchingKnobs,
     BucketDemand,
     InfeasibleSLO,
+    RouterPlan,
     SharedLoad,
     admission_target_ms,
     derive_admission,
     derive_knobs,
-    derive_router_instances,
+    derive_router,
     plan_shared_batches,
     preferred_batch,
 )
@@ -160,7 +161,7 @@ ROUTER_VERSIONS = (1,)  # the router itself has one version; the encoder version
 
 
 def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
-                  instances: int, admission: Admission) -> mc.ModelConfig:
+                  router: RouterPlan, admission: Admission) -> mc.ModelConfig:
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=model.max_request_rows)
     config.version_policy.specific.versions.extend(ROUTER_VERSIONS)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
@@ -168,17 +169,17 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     _tensor(config.output, "TOKENS", mc.TYPE_INT32, [1])
     _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])  # the encoder version that served the row
     batching = config.dynamic_batching
-    # The router's queue orders requests by tenant tier; it must not batch them: one
-    # execution answers all its requests together, so a short request would wait for a
-    # long one's bucket. A preferred size of 1 dispatches each single-row request alone.
+    # The router's queue orders requests by tenant tier and hands each to an instance as it
+    # comes (a preferred size of 1, no linger): the instance passes it to a worker at once,
+    # so nothing is gained by waiting for company.
     batching.preferred_batch_size.append(1)
     batching.priority_levels = len(spec.tiers)
     batching.default_priority_level = spec.tier(spec.default_tier).priority
-    # A full router queue turns requests away in C++, before any Python runs: under overload
-    # that is the cheap rejection, and it bounds the wait before admission.
+    # A full router queue turns requests away in C++, before any Python runs: it only fills
+    # when the router's instances stall, and then it bounds the wait before admission.
     batching.default_queue_policy.max_queue_size = admission.max_queue_size
     group = config.instance_group.add()
-    group.count = instances
+    group.count = router.instance_count
     group.kind = mc.ModelInstanceGroup.KIND_CPU  # tokenization is CPU work on every node
     params = config.parameters
     params["bucket_lens"].string_value = ",".join(str(b) for b in model.bucket_lens)
@@ -190,6 +191,7 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     params["tenants"].string_value = spec.tenant_policy().to_json()
     params["admission"].string_value = admission.policy.to_json()
     params["tenant_auth"].string_value = spec.auth_config().to_json()
+    params["max_concurrent_requests"].string_value = str(router.max_concurrent_requests)
     return config
 
 
@@ -359,8 +361,6 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             versions=model.versions,
             knobs=knobs,
         ))
-    instances, instances_reason = derive_router_instances(model.peak_rps, model.slo_p95_ms,
-                                                          model.max_router_instances)
     try:
         admission = derive_admission(
             curves,
@@ -369,6 +369,8 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps)
     except ValueError as err:
         raise InfeasibleSLO(f"{model.name}: {err}") from None
+    router = derive_router(model.peak_rps, model.slo_p95_ms, profile.hardware.cpu_count, model.max_router_instances,
+                           admission.policy)
     router_header = (
         *provenance(spec, profile),
         "",
@@ -383,7 +385,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         "bucket_max_batch: each bucket's derived max_batch_size; larger requests are sent in chunks.",
         "preferred_batch_size 1: the router's queue orders by priority but never batches, so a request",
         "never waits for another request's slower bucket.",
-        f"instance_count: {instances_reason}",
+        *(f"{knob}: {reason}" for knob, reason in router.reasons.items()),
         *(f"{knob}: {reason}" for knob, reason in admission.reasons.items()),
         "A request refused by either gets UNAVAILABLE (HTTP 503) at once instead of a late answer.",
         f"version_weights: the encoder version split at start (spec `traffic`); {ROUTING_FILE} in this folder,",
@@ -391,7 +393,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
     )
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=router_config(model, spec, bucket_max_batch, instances, admission),
+        config=router_config(model, spec, bucket_max_batch, router, admission),
         header=router_header,
         adapter="embed_model",
         versions=ROUTER_VERSIONS,
@@ -432,8 +434,8 @@ def check(files: dict[Path, str], repository: Path) -> list[str]:
     return problems
 
 
-ROUTER_KNOBS = ("tenants", "tenant_auth", "bucket_max_batch", "instance_count", "admission", "max_queue_size",
-                "version_weights")
+ROUTER_KNOBS = ("tenants", "tenant_auth", "bucket_max_batch", "instance_count", "max_concurrent_requests",
+                "admission", "admission_bound", "max_queue_size", "version_weights")
 
 
 def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfile) -> str:

@@ -31,7 +31,7 @@ from google.protobuf import json_format
 
 from python_backends.admission import ADMIT_ALL
 from tools.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
-from tools.derivation import Admission, BatchingKnobs, LatencyCurve
+from tools.derivation import Admission, BatchingKnobs, LatencyCurve, RouterPlan
 from tools.gen_config import encoder_config, router_config
 from tools.latency_profile import PROFILE_DIR, Hardware, LatencyProfile, ModelProfile, Overhead, save_profile
 from tools.loadgen import batch_compute_ns
@@ -91,7 +91,7 @@ def profiled_version(model: EmbedModelSpec) -> int:
 def profiling_router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int]):
     """The router as the overhead probe runs it: one instance and no admission bound, since the
     probe sends one request at a time and measures the router's own cost, not its refusals."""
-    return router_config(model, spec, bucket_max_batch, instances=1,
+    return router_config(model, spec, bucket_max_batch, RouterPlan(instance_count=1, max_concurrent_requests=1),
                          admission=Admission(policy=ADMIT_ALL, max_queue_size=0))
 
 

@@ -88,7 +88,7 @@ class EmbedModelSpec:
     bucket_lens: tuple[int, ...]  # bucket sequence lengths, ascending
     encoder_prefix: str  # bucket model name = prefix + length
     max_request_rows: int  # rows one client request may carry (the router's max_batch_size)
-    max_router_instances: int  # cap on router instances (each holds one request in flight)
+    max_router_instances: int  # cap on router instances (one per host core is derived)
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
     queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
     precision: dict[int, str] = field(default_factory=dict)  # encoder version -> "fp32" or "int8" (build recipe)

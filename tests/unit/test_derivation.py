@@ -150,13 +150,22 @@ def test_queue_timeout_can_be_left_to_the_queue_bound():
     assert without.max_queue_size == with_timeout.max_queue_size > 0
 
 
-def test_router_instances_cover_requests_in_flight_at_peak():
-    from tools.derivation import derive_router_instances
+def test_router_has_an_instance_per_core_and_workers_for_all_that_admission_lets_in():
+    from python_backends.admission import ADMIT_ALL, AdmissionPolicy
+    from tools.derivation import derive_router
 
-    assert derive_router_instances(60.0, 200.0, 16) == (12, "Little's law at peak: 60.0 req/s x 200 ms = 12 in flight")
-    count, reason = derive_router_instances(500.0, 200.0, 16)
-    assert count == 16 and "capped at 16" in reason
-    assert derive_router_instances(1.0, 50.0, 16)[0] == 1
+    admission = AdmissionPolicy(row_cost_ms={16: 5.0, 256: 80.0}, lanes=2, max_work_ms=60.0, target_ms=195.0,
+                                min_work_ms=40.0, max_limit_ms=195.0)
+    plan = derive_router(peak_rps=100.0, slo_p95_ms=200.0, host_cores=2, max_instances=8, admission=admission)
+    # 195 ms x 2 lanes of 5 ms rows = 78 requests in flight at most (Little's law at peak: 20).
+    assert (plan.instance_count, plan.max_concurrent_requests) == (2, 39)
+    assert "78 requests" in plan.reasons["max_concurrent_requests"]
+    assert "an instance holds no request" in plan.reasons["instance_count"]
+    # Without admission Little's law at peak sizes the workers; the spec caps the instances.
+    busy = derive_router(peak_rps=500.0, slo_p95_ms=200.0, host_cores=16, max_instances=4, admission=ADMIT_ALL)
+    assert (busy.instance_count, busy.max_concurrent_requests) == (4, 25)
+    assert "capped at 4" in busy.reasons["instance_count"]
+    assert derive_router(1.0, 50.0, 1, 8, ADMIT_ALL).max_concurrent_requests == 1
 
 
 def test_shared_device_batches_grow_where_they_free_the_most_time():

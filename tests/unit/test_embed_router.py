@@ -147,6 +147,12 @@ def test_router_config_reads_the_version_split(params, weights, routing_file):
     assert config.routing_file == routing_file
 
 
+def test_router_config_reads_how_many_requests_an_instance_serves_at_once():
+    base = {"bucket_lens": "16", "bucket_max_batch": "16:4"}
+    assert parse_router_config("embed", {**base, "max_concurrent_requests": "42"}).max_concurrent_requests == 42
+    assert parse_router_config("embed", base).max_concurrent_requests == 32
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
@@ -158,6 +164,8 @@ def test_router_config_reads_the_version_split(params, weights, routing_file):
         ({"bucket_lens": "16", "bucket_max_batch": "16=4"}, "is not 'length:max_batch'"),
         ({"bucket_lens": "16", "bucket_max_batch": "16:4", "max_text_bytes": "lots"},
          "max_text_bytes='lots' is not an integer"),
+        ({"bucket_lens": "16", "bucket_max_batch": "16:4", "max_concurrent_requests": "0"},
+         "max_concurrent_requests=0 must be >= 1"),
         ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": "1=100"},
          "version_weights='1=100': weight entry '1=100' is not 'version:weight'"),
         ({"bucket_lens": "16", "bucket_max_batch": "16:4", "version_weights": ""},

@@ -15,6 +15,7 @@ def test_the_overhead_probe_router_has_one_instance_and_admits_everything():
     config = profiling_router_config(model, spec, {length: 8 for length in model.bucket_lens})
     assert config.name == model.name
     assert [group.count for group in config.instance_group] == [1]
+    assert config.parameters["max_concurrent_requests"].string_value == "1"  # one request at a time
     admission = AdmissionPolicy.from_json(config.parameters["admission"].string_value)
     assert admission == ADMIT_ALL
     assert config.dynamic_batching.default_queue_policy.max_queue_size == 0  # unbounded: nothing refused
