@@ -413,15 +413,15 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     finishes after about o + (work ahead of it) + its own batch, so the waiting budget is
     W = S - o - max_b c_b(1). The bound on work in flight starts at `ADMISSION_WORK_SHARE`
     of W and adapts to the answers (`admission_target_ms`). The router queue only holds
-    requests while an instance hands earlier ones to its workers; its bound is what peak
-    traffic brings in over the rest of W (Little's law), at least one request, so that only
-    a stalled router fills it.
+    requests while an instance hands earlier ones to its workers (or waits for a busy core);
+    its bound is what peak traffic brings in over S - o (Little's law), at least one
+    request: a request held longer than that is late anyway.
     """
     row_cost_ms = {bucket: curve.at(preferred[bucket]) / preferred[bucket] for bucket, curve in curves.items()}
     slowest_bucket, slowest_ms, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
     max_work_ms = wait_budget_ms * ADMISSION_WORK_SHARE
-    queue_wait_ms = wait_budget_ms - max_work_ms
-    max_queue_size = max(1, math.floor(peak_rps * queue_wait_ms / 1000.0))
+    hand_off_ms = slo_p95_ms - overhead_ms
+    max_queue_size = max(1, math.ceil(peak_rps * hand_off_ms / 1000.0))
     target_ms = admission_target_ms(curves, slo_p95_ms, overhead_ms)
     min_work_ms = min(slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
@@ -442,7 +442,8 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"({min_work_ms:.1f} ms per lane) and "
                                 f"S - o = {max_limit_ms:.1f} ms"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
-                               f"its workers; bound: peak {peak_rps:.0f} req/s x the rest of W, {queue_wait_ms:.1f} ms "
-                               f"= {max_queue_size} (at least 1)"),
+                               f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
+                               f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
+                               f"{max_queue_size} (a request held longer is late anyway)"),
         },
     )

@@ -169,11 +169,10 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
     assert admission.policy.target_ms == pytest.approx(195.0)  # S - o: nothing waits before admission
-    # The rest of the budget is the router queue's, by Little's law at peak.
-    expected_queue = int(100.0 * wait_budget_ms * (1 - ADMISSION_WORK_SHARE) / 1000.0)
-    assert admission.max_queue_size == max(1, expected_queue)
+    # The router queue is a hand-off buffer: Little's law at peak over S - o, 100 x 195 ms.
+    assert admission.max_queue_size == 20
     assert "c_256(1)" in admission.reasons["admission"] and "Little" not in admission.reasons["admission"]
-    assert "peak 100 req/s" in admission.reasons["max_queue_size"]
+    assert "at peak over S - o: 100 req/s" in admission.reasons["max_queue_size"]
 
 
 def test_the_lateness_target_is_the_slo_less_the_overhead():
