@@ -168,18 +168,18 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.lanes == 2
     assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
-    assert admission.policy.target_ms == pytest.approx(195.0)  # S - o: nothing waits before admission
+    assert admission.policy.target_ms < 195.0  # room for the wait before the router takes a request
     # The router queue is a hand-off buffer: Little's law at peak over S - o, 100 x 195 ms.
     assert admission.max_queue_size == 20
     assert "c_256(1)" in admission.reasons["admission"] and "Little" not in admission.reasons["admission"]
     assert "at peak over S - o: 100 req/s" in admission.reasons["max_queue_size"]
 
 
-def test_the_lateness_target_is_the_slo_less_the_overhead():
-    # The router hands each request to a worker as it comes, so the clock admission reads
-    # starts when the client's does, less the overhead o.
+def test_the_lateness_target_leaves_room_for_the_wait_admission_cannot_see():
+    # W = 200 - 5 - 80 = 115 ms; the bound on work starts at half of it, and three quarters
+    # of the other half is kept for the wait before the router takes a request.
     target = admission_target_ms(CURVES, slo_p95_ms=200.0, overhead_ms=5.0)
-    assert target == pytest.approx(195.0)
+    assert target == pytest.approx(200.0 - 5.0 - 0.75 * 115.0 * (1 - ADMISSION_WORK_SHARE))
     admission = derive_admission(CURVES, {16: 4, 256: 2}, 2, 200.0, 5.0, 100.0)
     assert admission.policy.target_ms == pytest.approx(target)  # gen-config derives the lingers inside it
     with pytest.raises(ValueError, match="bucket 256"):
