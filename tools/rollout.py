@@ -319,8 +319,8 @@ class Rollout:
     def _wait_drain(self, version: int) -> dict:
         """Wait until the router has no request in flight on `version`; return what was seen."""
         started = time.monotonic()
+        peak = self._snapshot().version(version).inflight  # what was in flight when draining began
         self.sleep(DRAIN_SETTLE_S)
-        peak = 0.0
         while True:
             inflight = self._snapshot().version(version).inflight
             peak = max(peak, inflight)

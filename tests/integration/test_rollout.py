@@ -278,7 +278,7 @@ def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary
         # Requests pinned to the old version, back to back, until the tool starts draining it:
         # whatever is in flight then must finish before v1 is unloaded.
         client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
-        rows = [long_text] * 24
+        rows = [long_text] * 48  # long enough to be in flight when draining begins
         while not stop_old.is_set():
             try:
                 if json.loads(state_file.read_text()).get("status") in ("draining", "promoted"):
