@@ -70,7 +70,7 @@ class Accepted:
 
 
 class BufferedCounter:
-    """A counter whose increments go to the instance's `DeltaBuffer`, not to Triton
+    """A counter or gauge whose increments go to the instance's `DeltaBuffer`, not to Triton
     one call at a time (see `python_backends.metric_buffer`)."""
 
     __slots__ = ("metric", "sink")
@@ -218,19 +218,17 @@ class TritonPythonModel:
     def _metrics_of(self, version):
         """Outcome counters, latency histogram and in-flight gauge of one encoder version."""
         with self.metric_create_lock:
-            return self._version_metrics(version)
-
-    def _version_metrics(self, version):
-        if version not in self.version_metrics:
-            labels = {"model": self.model, "version": str(version)}
-            outcomes = {outcome: self._buffered(self.metric_families[VERSION_COUNTER[0]].Metric(
-                labels={**labels, "outcome": outcome})) for outcome in ("ok", "error", "rejected")}
-            # The in-flight gauge is buffered like the counters (a rollout draining a version
-            # allows for the flush interval); latencies are replayed one by one at the flush.
-            latency = self.metric_families[VERSION_LATENCY[0]].Metric(labels=labels, buckets=list(LATENCY_BUCKETS_S))
-            inflight = self._buffered(self.metric_families[VERSION_INFLIGHT[0]].Metric(labels=labels))
-            self.version_metrics[version] = (outcomes, latency, inflight)
-        return self.version_metrics[version]
+            if version not in self.version_metrics:
+                labels = {"model": self.model, "version": str(version)}
+                outcomes = {outcome: self._buffered(self.metric_families[VERSION_COUNTER[0]].Metric(
+                    labels={**labels, "outcome": outcome})) for outcome in ("ok", "error", "rejected")}
+                # The in-flight gauge is buffered like the counters (a rollout draining a version
+                # allows for the flush interval); latencies are replayed one by one at the flush.
+                latency = self.metric_families[VERSION_LATENCY[0]].Metric(
+                    labels=labels, buckets=list(LATENCY_BUCKETS_S))
+                inflight = self._buffered(self.metric_families[VERSION_INFLIGHT[0]].Metric(labels=labels))
+                self.version_metrics[version] = (outcomes, latency, inflight)
+            return self.version_metrics[version]
 
     def _shadow_metric(self, baseline, candidate):
         key = (baseline, candidate)
@@ -399,15 +397,13 @@ class TritonPythonModel:
         return Accepted(prepared, version, pinned, table, own_work_ms, started)
 
     def _serve_admitted(self, accepted):
-        prepared, version, pinned, table, own_work_ms, started = (
-            accepted.prepared, accepted.version, accepted.pinned, accepted.table, accepted.own_work_ms,
-            accepted.started)
+        prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
         outcomes, latency, inflight = self._metrics_of(version)
         try:
             failure, embedding = self._run_chunks(prepared, version)
         finally:
             inflight.increment(-1)
-            self.work.add(-own_work_ms)
+            self.work.add(-accepted.own_work_ms)
             self.work.record_latency(self.admission, (time.monotonic() - started) * 1000.0)
         if failure is not None:
             model_name, error = failure
@@ -418,7 +414,7 @@ class TritonPythonModel:
             return response
         self._observe(latency, time.monotonic() - started)
         outcomes["ok"].increment(1)
-        baseline = table.shadows(version, random.random()) if pinned is None else None
+        baseline = accepted.table.shadows(version, random.random()) if pinned is None else None
         if baseline is not None and self.shadow_slots.acquire(blocking=False):
             # Repeat the request on the baseline after answering: the client never waits for it.
             self.shadow_pool.submit(self._shadow, prepared, embedding, baseline, version)
