@@ -60,21 +60,22 @@ def embed_plan(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedMode
     return [m for m in plan_all(spec, profile) if m.name not in llm_names]
 
 
-def without_tenant_quotas(plan: list[GeneratedModel], router_name: str) -> list[GeneratedModel]:
-    """The plan with the router's per-tenant quotas taken out.
+def without_tenant_quotas(plan: list[GeneratedModel], model_name: str) -> list[GeneratedModel]:
+    """The plan with the per-tenant quotas of `model_name` taken out.
 
     Every benchmark request comes from one anonymous tenant, whose tier quota (a business
-    limit, 150 req/s for the standard tier in this repo's spec) would otherwise cap the
-    goodput of a fast machine. Quotas are measured by `bench overload`; this benchmark
-    measures batching. Authentication, admission and the queues stay as generated.
+    limit: 150 req/s and 200 generated tokens/s for the standard tier in this repo's spec)
+    would otherwise cap what a fast machine shows. Quotas are measured by `bench overload`;
+    the benchmarks measure batching. Authentication, admission and the queues stay as
+    generated.
     """
     out = []
     for model in plan:
-        if model.name == router_name and "tenants" in model.config.parameters:
+        if model.name == model_name and "tenants" in model.config.parameters:
             config = mc.ModelConfig()
             config.CopyFrom(model.config)
             del config.parameters["tenants"]
-            header = (*model.header, "Benchmark copy: the per-tenant quotas are taken out (`bench goodput` "
+            header = (*model.header, "Benchmark copy: the per-tenant quotas are taken out (the benchmark "
                       "sends every request as one anonymous tenant).")
             model = dataclasses.replace(model, config=config, header=header)
         out.append(model)

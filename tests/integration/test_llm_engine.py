@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from python_backends.llm_engine import EngineConfig, LLMEngine, build_inputs
+from python_backends.llm_model import GROUP_SPLIT_SLOTS
 from python_backends.llm_scheduler import FinishReason
 from tests.integration.helpers import CHAT_QUESTIONS
 
@@ -89,8 +90,10 @@ def test_greedy_output_is_transformers_generate(alone):
         assert alone[index] == expected, QUESTIONS[index]
 
 
-def test_full_batch_with_chunked_prefill_matches_each_request_alone(alone):
+@pytest.mark.parametrize("split_slots", [GROUP_SPLIT_SLOTS, 0, 1 << 20], ids=["default", "one_per_group", "one_group"])
+def test_full_batch_with_chunked_prefill_matches_each_request_alone(alone, split_slots):
     llm = engine(max_num_seqs=8, max_num_batched_tokens=32)  # the long prompt takes several chunks
+    llm.model.group_split_slots = split_slots  # decodes attend in padded groups of any split: same tokens
     results = generate(llm, {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS)})
     assert {i: results[f"r{i}"][0] for i in range(len(QUESTIONS))} == alone
     assert llm.scheduler.blocks.num_used == 0

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_llm import DEFAULT_CHAT_WORKLOAD, load_chat_workload, plan_requests, summarise
+from tools.bench_llm import DEFAULT_CHAT_WORKLOAD, load_chat_workload, plan_requests, setup_model, summarise
+from tools.gen_config import plan_llm_model
+from tools.latency_profile import load_profile
 from tools.llm_client import Generation
+from tools.spec import load_spec
 
 
 def test_plan_is_open_loop_poisson_reproducible_and_spreads_lengths():
@@ -66,3 +69,21 @@ def test_summary_counts_tokens_received_inside_the_window_and_client_side_latenc
     assert summary["ttft_p95_s"] == pytest.approx(1.0, abs=0.03)
     assert summary["tpot_p95_s"] == pytest.approx(10.0 / 8, abs=0.1)  # (12 - 2) s over 8 tokens after the first
     assert summary["drain_s"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("setup", ["static", "continuous"])
+def test_each_setup_serves_the_spec_engine_without_tenant_quotas(setup):
+    spec = load_spec()
+    profile = load_profile(spec.profile)
+    llm = spec.llm_models[0]
+    (served, *_) = plan_llm_model(llm, spec, profile)
+    assert "tenants" in served.config.parameters  # what `serve` runs has the quotas
+    model = setup_model(llm, setup, spec, profile)
+    params = model.config.parameters
+    assert model.name == llm.name
+    assert params["batching"].string_value == setup
+    assert params["kv_cache_mb"].string_value == f"{llm.kv_cache_mb:g}"
+    assert params["max_num_seqs"].string_value == str(llm.max_num_seqs)
+    assert "tenants" not in params  # one anonymous tenant sends everything: its quota would cap the figures
+    assert "tenant_auth" in params
+    assert "quotas are taken out" in model.config_text()
