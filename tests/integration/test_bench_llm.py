@@ -7,14 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_short_llm_benchmark_compares_static_and_continuous_on_the_same_arrivals(tmp_path):
     out = tmp_path / "llm.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tools", "bench", "llm", "--duration", "10", "--rate", "1", "--seed", "1",
-         "--drain-timeout", "240", "--out", str(out)],
+        [sys.executable, "-m", "tools", "bench", "llm", "--duration", "10", "--warmup", "2", "--rate", "1",
+         "--seed", "1", "--drain-timeout", "240", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -28,12 +30,15 @@ def test_short_llm_benchmark_compares_static_and_continuous_on_the_same_arrivals
         assert figures["tokens_per_s"] > 0 and figures["completion_tokens"] > 0
         assert 0 < figures["ttft_p50_s"] <= figures["ttft_p95_s"]
         assert figures["tpot_p95_s"] > 0
+        # Tokens/s over time, in bins of timeline_bin_s, from the first request to the last answer.
+        timeline = figures["timeline_tokens_per_s"]
+        assert sum(timeline) * report["timeline_bin_s"] == pytest.approx(figures["completion_tokens"])
     assert set(report["ratios"]) == {"tokens_per_s_continuous_vs_static", "ttft_p95_continuous_vs_static"}
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
 def test_bad_benchmark_arguments_are_refused():
-    for args in (["--setups", "dynamic"], ["--rate", "0"], ["--model", "gpt"]):
+    for args in (["--setups", "dynamic"], ["--rate", "0"], ["--model", "gpt"], ["--duration", "30", "--warmup", "30"]):
         result = subprocess.run([sys.executable, "-m", "tools", "bench", "llm", *args],
                                 cwd=REPO, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, args

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_llm import DEFAULT_CHAT_WORKLOAD, load_chat_workload, plan_requests, setup_model, summarise
+from tools.bench_llm import (
+    DEFAULT_CHAT_WORKLOAD,
+    load_chat_workload,
+    plan_requests,
+    setup_model,
+    summarise,
+    tokens_per_s_timeline,
+)
 from tools.gen_config import plan_llm_model
 from tools.latency_profile import load_profile
 from tools.llm_client import Generation
@@ -69,6 +76,29 @@ def test_summary_counts_tokens_received_inside_the_window_and_client_side_latenc
     assert summary["ttft_p95_s"] == pytest.approx(1.0, abs=0.03)
     assert summary["tpot_p95_s"] == pytest.approx(10.0 / 8, abs=0.1)  # (12 - 2) s over 8 tokens after the first
     assert summary["drain_s"] == pytest.approx(2.0)
+    assert summary["timeline_tokens_per_s"] == [pytest.approx(8 / 10), pytest.approx(4 / 10)]  # 0-10 s, 10-20 s
+
+
+def test_steady_state_leaves_the_warm_up_out_of_tokens_and_latencies():
+    generations = [
+        record(0.0, [1.0, 5.0, 20.0, 31.0], [1, 2, 3, 4]),  # sent in the warm-up: only its tokens after 10 s count
+        record(12.0, [12.5, 14.0, 30.0, 50.0], [1, 2, 3, 4]),  # sent in the steady state: its tokens to 30 s
+        record(25.0, [29.0], [1]),
+    ]
+    summary = summarise(generations, start_s=0.0, window_s=30.0, warmup_s=10.0)
+    assert summary["tokens_per_s"] == pytest.approx((1 + 3 + 1) / 20)
+    assert summary["ttft_p50_s"] == pytest.approx((0.5 + 4.0) / 2)  # the warm-up request's 1 s TTFT is left out
+    assert summary["latency_p95_s"] == pytest.approx(4 + 0.95 * 34, abs=0.01)  # the steady requests: 38 and 4 s
+    assert summary["completion_tokens"] == 9  # every request still counts in the totals
+    with pytest.raises(ValueError, match="warm-up"):
+        summarise(generations, start_s=0.0, window_s=30.0, warmup_s=30.0)
+
+
+def test_timeline_bins_tokens_received():
+    generations = [record(0.0, [0.5, 1.5, 2.5, 3.5], [1, 2, 3, 4]), record(1.0, [1.2, 3.9], [2, 6])]
+    assert tokens_per_s_timeline(generations, 0.0, 4.0, bin_s=2.0) == [pytest.approx(4 / 2), pytest.approx(6 / 2)]
+    # The last bin is whole, past the end if need be.
+    assert tokens_per_s_timeline(generations, 0.0, 3.0, bin_s=2.0) == [pytest.approx(2.0), pytest.approx(3.0)]
 
 
 @pytest.mark.parametrize("setup", ["static", "continuous"])
