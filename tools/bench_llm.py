@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
     parser.add_argument("--workload", type=Path, default=DEFAULT_CHAT_WORKLOAD,
                         help="chat workload (default: %(default)s)")
-    parser.add_argument("--rate", type=float, default=3.0,
+    parser.add_argument("--rate", type=float, default=3.75,
                         help="arrivals per second (default: %(default)s, about the most the continuous engine "
                              "carries on 2 vCPU with p95 time to first token under 1 s)")
     parser.add_argument("--duration", type=float, default=180.0,
