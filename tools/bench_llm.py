@@ -80,17 +80,21 @@ def tokens_per_s_timeline(generations: Sequence[Generation], start_s: float, end
     return [round((received[i + 1] - received[i]) / bin_s, 2) for i in range(bins)]
 
 
+def _completed(generation: Generation) -> bool:
+    return generation.error is None and generation.finish_reason is not None
+
+
 def summarise(generations: Sequence[Generation], start_s: float, window_s: float, warmup_s: float = 0.0,
-              bin_s: float = 10.0) -> dict:
+              bin_s: float = TIMELINE_BIN_S) -> dict:
     """The figures of one setup from what its client received. `start_s` is when the first
     request was sent, `window_s` how long requests kept arriving; the steady state is
     [start_s + warmup_s, start_s + window_s]: its tokens/s, and the latencies of the
     requests sent in it."""
     if not 0.0 <= warmup_s < window_s:
         raise ValueError(f"the warm-up ({warmup_s} s) must be shorter than the window ({window_s} s)")
-    ok = [g for g in generations if g.error is None and g.finish_reason is not None]
+    ok = [g for g in generations if _completed(g)]
     steady = [g for g in generations if g.sent_s >= start_s + warmup_s]
-    steady_ok = [g for g in steady if g.error is None and g.finish_reason is not None]
+    steady_ok = [g for g in steady if _completed(g)]
     ttfts = [g.ttft_s for g in steady if g.ttft_s is not None]
     tpots = [g.tpot_s for g in steady_ok if g.tpot_s is not None]
     end_s = max((g.arrivals_s[-1] for g in ok if g.arrivals_s), default=start_s)
@@ -152,7 +156,7 @@ def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], w
         log(f"  {setup}: {len(planned)} requests over {window_s:.0f} s ...")
         generations, start = drive(server.grpc_url, planned, drain_timeout_s, log)
         served = parse_exposition(fetch_text(server.metrics_url), keep=lambda name: name.startswith("llm_"))
-    result = summarise(generations, start, window_s, warmup_s, TIMELINE_BIN_S)
+    result = summarise(generations, start, window_s, warmup_s)
     # How much prefill the prefix cache saved: the engine's count over the prompts' tokens.
     result["prompt_tokens"] = sum(g.prompt_tokens or 0 for g in generations)
     result["prefix_cache_hit_tokens"] = int(sum(v for (name, _), v in served.items()
@@ -194,11 +198,11 @@ def plot(report: dict, path: Path) -> None:
     right.set_yscale("log")
     right.set_title("Time to first token")
     right.legend()
-    bin_s = report.get("timeline_bin_s", TIMELINE_BIN_S)
+    bin_s = report["timeline_bin_s"]
     for setup in setups:
-        rates = report[setup].get("timeline_tokens_per_s", [])
+        rates = report[setup]["timeline_tokens_per_s"]
         over_time.step([(i + 1) * bin_s for i in range(len(rates))], rates, color=colours[setup], label=setup)
-    over_time.axvspan(0, report.get("warmup_s", 0.0), color="#eeeeee", label="warm-up")
+    over_time.axvspan(0, report["warmup_s"], color="#eeeeee", label="warm-up")
     over_time.axvline(report["duration_s"], color="black", linestyle=":", label="last arrival")
     over_time.set_xlabel("seconds since the first request")
     over_time.set_ylabel("output tokens/s")
