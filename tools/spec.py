@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends.buckets import validate_buckets
+from python_backends.llm_scheduler import BatchingPolicy
 from python_backends.quotas import TENANT_PATTERN, TenantPolicy
 from python_backends.quotas import TierPolicy as TenantTier  # a tier of the spec is the policy's tier
 from python_backends.tenant_auth import ANONYMOUS_TENANT, MAX_CLOCK_SKEW_S, AuthConfig, AuthMode
@@ -23,6 +24,7 @@ DEFAULT_SPEC = REPO_ROOT / "serving.toml"
 
 
 ENCODER_PRECISIONS = ("fp32", "int8")  # what build-models can make of an encoder version
+LLM_BATCHING = tuple(policy.value for policy in BatchingPolicy)  # the LLM engine's batching policies
 
 
 class SpecError(ValueError):
@@ -107,7 +109,7 @@ class LLMModelSpec:
 
     name: str  # the model clients call
     versions: tuple[int, ...]  # versions of the model folder to serve
-    batching: str  # "continuous", or "static" (the baseline the benchmark compares against)
+    batching: str  # "continuous", or "static" / "static_retiring" (the baselines the benchmark compares against)
     kv_cache_mb: float  # memory the KV cache may use: the admission constraint
     block_size: int  # token slots per KV block
     max_num_seqs: int  # sequences decoding together at most
@@ -354,8 +356,8 @@ def parse_llm_model(name: str, raw: dict, at: str) -> LLMModelSpec:
     if not versions or min(versions) < 1:
         raise SpecError(f"{at}: versions must be a non-empty list of integers >= 1")
     batching = str(raw.get("batching", "continuous"))
-    if batching not in ("continuous", "static"):
-        raise SpecError(f"{at}: batching must be 'continuous' or 'static', got {batching!r}")
+    if batching not in LLM_BATCHING:
+        raise SpecError(f"{at}: batching must be one of {', '.join(map(repr, LLM_BATCHING))}, got {batching!r}")
     llm = LLMModelSpec(
         name=name,
         versions=versions,

@@ -13,7 +13,7 @@ import pytest
 
 from python_backends.llm_engine import EngineConfig, LLMEngine, build_inputs
 from python_backends.llm_model import GROUP_SPLIT_SLOTS
-from python_backends.llm_scheduler import FinishReason
+from python_backends.llm_scheduler import BatchingPolicy, FinishReason
 from tests.integration.helpers import CHAT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,6 +98,21 @@ def test_full_batch_with_chunked_prefill_matches_each_request_alone(alone, split
     assert {i: results[f"r{i}"][0] for i in range(len(QUESTIONS))} == alone
     assert llm.scheduler.blocks.num_used == 0
     assert llm.stats().num_generated_tokens == sum(r[1][-1].num_output_tokens for r in results.values())
+
+
+@pytest.mark.parametrize("policy", [BatchingPolicy.STATIC, BatchingPolicy.STATIC_RETIRING])
+def test_static_batches_give_each_request_its_output_alone(alone, policy):
+    # Under `static`, members that finished early keep recomputing their last token in every
+    # step until the batch ends: those padding rows must not change anyone's tokens.
+    # Every other request asks for 8 tokens fewer, so it finishes first and pads the batch.
+    llm = engine(max_num_seqs=8, policy=policy)
+    results = generate(llm, {f"r{i}": chat(q, max_tokens=MAX_TOKENS - 8 * (i % 2)) for i, q in enumerate(QUESTIONS)})
+    for i, text in alone.items():
+        if i % 2 == 0:
+            assert results[f"r{i}"][0] == text, QUESTIONS[i]
+        else:  # the same greedy tokens, fewer of them
+            assert text.startswith(results[f"r{i}"][0]), QUESTIONS[i]
+    assert llm.scheduler.blocks.num_used == 0 and not llm.scheduler.padding
 
 
 def test_preempted_sequences_recompute_to_the_same_output(alone):

@@ -11,6 +11,7 @@ from tools.bench_llm import (
     DEFAULT_CHAT_WORKLOAD,
     load_chat_workload,
     plan_requests,
+    ratios,
     setup_model,
     summarise,
     tokens_per_s_timeline,
@@ -101,7 +102,19 @@ def test_timeline_bins_tokens_received():
     assert tokens_per_s_timeline(generations, 0.0, 3.0, bin_s=2.0) == [pytest.approx(2.0), pytest.approx(3.0)]
 
 
-@pytest.mark.parametrize("setup", ["static", "continuous"])
+def test_ratios_compare_continuous_with_each_baseline_that_ran():
+    report = {"static": {"tokens_per_s": 80.0, "ttft_p95_s": 40.0},
+              "static_retiring": {"tokens_per_s": 200.0, "ttft_p95_s": 20.0},
+              "continuous": {"tokens_per_s": 240.0, "ttft_p95_s": 0.5}}
+    assert ratios(report) == {"tokens_per_s_continuous_vs_static": 3.0, "ttft_p95_continuous_vs_static": 0.013,
+                              "tokens_per_s_continuous_vs_static_retiring": 1.2,
+                              "ttft_p95_continuous_vs_static_retiring": 0.025}
+    del report["static_retiring"]
+    report["static"] = {"tokens_per_s": 0.0, "ttft_p95_s": None}  # a baseline that delivered nothing
+    assert ratios(report) == {"tokens_per_s_continuous_vs_static": None, "ttft_p95_continuous_vs_static": None}
+
+
+@pytest.mark.parametrize("setup", ["static", "static_retiring", "continuous"])
 def test_each_setup_serves_the_spec_engine_without_tenant_quotas(setup):
     spec = load_spec()
     profile = load_profile(spec.profile)

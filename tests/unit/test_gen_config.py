@@ -415,7 +415,7 @@ def test_llm_infer_is_the_plain_infer_front_of_the_llm(plan):
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"kv_cache_mb": 0}, "'kv_cache_mb' must be > 0"),
-    ({"batching": "eager"}, "batching must be 'continuous' or 'static'"),
+    ({"batching": "eager"}, "batching must be one of 'continuous', 'static', 'static_retiring'"),
     ({"max_num_batched_tokens": 4}, r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"),
     ({"default_max_tokens": 2048}, r"default_max_tokens \(2048\) must be < max_model_len"),
     ({"max_num_seqs": None}, "missing 'max_num_seqs'"),

@@ -50,7 +50,13 @@ class FakeRunner:
             self.computed[seq_id] = 0  # its blocks were freed
         sampled = {}
         for chunk in output.chunks:
-            seq = self.scheduler.sequences[chunk.seq_id]
+            seq = self.scheduler.sequence(chunk.seq_id)
+            table = self.scheduler.blocks.block_table(chunk.seq_id)
+            if chunk.padding:  # a finished member of a static batch: its last token again, in its own blocks
+                assert seq.status is SequenceStatus.FINISHED and not chunk.samples and chunk.num_tokens == 1
+                assert chunk.start == seq.num_tokens - 1
+                assert len(table) * self.scheduler.config.block_size >= seq.num_tokens
+                continue
             held = self.computed.get(chunk.seq_id, 0)
             if held == 0 and chunk.start > 0:
                 assert tuple(seq.token_ids()[:chunk.start]) in self.prefixes, "skipped tokens nobody computed"
@@ -61,7 +67,6 @@ class FakeRunner:
             tokens = seq.token_ids()
             for end in range(size, chunk.start + chunk.num_tokens + 1, size):
                 self.prefixes.add(tuple(tokens[:end]))
-            table = self.scheduler.blocks.block_table(chunk.seq_id)
             assert len(table) * self.scheduler.config.block_size >= chunk.start + chunk.num_tokens
             if chunk.samples:
                 sampled[chunk.seq_id] = next_token(seq.token_ids())
@@ -333,23 +338,63 @@ def test_scheduler_config_is_validated(overrides, message):
 # --- the static baseline ---------------------------------------------------------------
 
 
-def test_static_batch_runs_to_completion_before_the_next_one_forms():
+def rows(output: SchedulerOutput) -> list[str]:
+    """A step's rows: seq ids, a padding row marked with '~'."""
+    return [("~" if c.padding else "") + c.seq_id for c in output.chunks]
+
+
+def test_static_batch_computes_every_member_until_the_last_one_finishes():
     sched = scheduler(policy=BatchingPolicy.STATIC, max_num_seqs=2)
     sched.add("long", prompt(4), SamplingParams(max_tokens=6), now=0.0)
     sched.add("short", prompt(4, seed=2), SamplingParams(max_tokens=2), now=0.0)
     sched.add("late", prompt(4, seed=3), SamplingParams(max_tokens=2), now=0.0)
     runner = FakeRunner(sched)
     first, _ = runner.step()
-    assert [c.seq_id for c in first.chunks] == ["long", "short"]
+    assert rows(first) == ["long", "short"]
     # Blocks for prompt + max_tokens are reserved at admission: 10 tokens -> 3 blocks of 4.
     assert len(sched.blocks.block_table("long")) == 3
-    scheduled = [[c.seq_id for c in runner.step()[0].chunks] for _ in range(5)]
+    second, events = runner.step()
+    assert rows(second) == ["long", "short"]
+    assert [(e.seq_id, e.finish_reason) for e in events] == [("long", None), ("short", FinishReason.LENGTH)]
+    # "short" is answered, but its row and its blocks stay with the batch; "late" waits.
+    scheduled = [rows(runner.step()[0]) for _ in range(4)]
+    assert scheduled == [["long", "~short"]] * 4
+    assert sched.num_running == 0 and not sched.padding and sched.blocks.num_used == 0
+    assert rows(runner.step()[0]) == ["late"]
+
+
+def test_static_retiring_batch_drops_finished_members_but_admits_nobody_until_it_ends():
+    sched = scheduler(policy=BatchingPolicy.STATIC_RETIRING, max_num_seqs=2)
+    sched.add("long", prompt(4), SamplingParams(max_tokens=6), now=0.0)
+    sched.add("short", prompt(4, seed=2), SamplingParams(max_tokens=2), now=0.0)
+    sched.add("late", prompt(4, seed=3), SamplingParams(max_tokens=2), now=0.0)
+    runner = FakeRunner(sched)
+    assert rows(runner.step()[0]) == ["long", "short"]
+    assert len(sched.blocks.block_table("long")) == 3  # prompt + max_tokens reserved, as in static
+    scheduled = [rows(runner.step()[0]) for _ in range(5)]
     assert scheduled == [["long", "short"], ["long"], ["long"], ["long"], ["long"]]  # "late" waits
-    assert [c.seq_id for c in runner.step()[0].chunks] == ["late"]
+    assert sched.blocks.block_table("short") == []  # freed when it finished
+    assert rows(runner.step()[0]) == ["late"]
 
 
-def test_static_batch_prefills_whole_prompts_and_outputs_match_the_reference():
-    sched = scheduler(policy=BatchingPolicy.STATIC, max_num_batched_tokens=8)
+def test_a_cancelled_member_of_a_static_batch_keeps_its_row_until_the_batch_ends():
+    sched = scheduler(policy=BatchingPolicy.STATIC, max_num_seqs=2)
+    sched.add("a", prompt(4), SamplingParams(max_tokens=8), now=0.0)
+    sched.add("b", prompt(4, seed=2), SamplingParams(max_tokens=8), now=0.0)
+    runner = FakeRunner(sched)
+    runner.step()
+    held = sched.blocks.num_used
+    assert sched.abort("a") is not None
+    assert sched.blocks.num_used == held and rows(runner.step()[0]) == ["b", "~a"]
+    with pytest.raises(KeyError, match="already in the engine"):  # its id is still the batch's
+        sched.add("a", prompt(4), SamplingParams(max_tokens=2), now=1.0)
+    assert sched.abort("b") is not None  # the last member: the batch ends, every block returns
+    assert not sched.has_work and not sched.padding and sched.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("policy", [BatchingPolicy.STATIC, BatchingPolicy.STATIC_RETIRING])
+def test_static_batch_prefills_whole_prompts_and_outputs_match_the_reference(policy):
+    sched = scheduler(policy=policy, max_num_batched_tokens=8)
     prompts = {f"r{i}": prompt(10 + i, seed=i) for i in range(3)}
     for seq_id, tokens in prompts.items():
         sched.add(seq_id, tokens, SamplingParams(max_tokens=4), now=0.0)
@@ -365,6 +410,7 @@ def test_static_batch_prefills_whole_prompts_and_outputs_match_the_reference():
 
 def test_unknown_batching_policy_is_named():
     assert BatchingPolicy.parse("static") is BatchingPolicy.STATIC
+    assert BatchingPolicy.parse("static_retiring") is BatchingPolicy.STATIC_RETIRING
     with pytest.raises(ValueError, match="unknown batching policy 'greedy'"):
         BatchingPolicy.parse("greedy")
 
@@ -463,8 +509,9 @@ def test_a_preempted_sequence_recomputes_from_its_own_cached_blocks():
     assert outputs["younger"] == reference(prompt(10, seed=2), 16)
 
 
-def test_static_batches_use_the_cache_too():
-    sched = scheduler(policy=BatchingPolicy.STATIC)
+@pytest.mark.parametrize("policy", [BatchingPolicy.STATIC, BatchingPolicy.STATIC_RETIRING])
+def test_static_batches_use_the_cache_too(policy):
+    sched = scheduler(policy=policy)
     shared = prompt(9, seed=4)
     sched.add("a", shared, SamplingParams(max_tokens=2), now=0.0)
     runner = FakeRunner(sched)
