@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+STREAM_CLOSED = "stream closed"  # the error of a request still running when its stream was closed
+
 
 @dataclass
 class Generation:
@@ -140,7 +142,7 @@ class LLMStream:
         self.client.close()
         with self._lock:
             for generation in self._pending.values():
-                generation.error = generation.error or "stream closed"
+                generation.error = generation.error or STREAM_CLOSED
                 generation.done.set()
             self._pending.clear()
 

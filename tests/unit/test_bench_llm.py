@@ -18,7 +18,7 @@ from tools.bench_llm import (
 )
 from tools.gen_config import plan_llm_model
 from tools.latency_profile import load_profile
-from tools.llm_client import Generation
+from tools.llm_client import STREAM_CLOSED, Generation
 from tools.spec import load_spec
 
 
@@ -66,13 +66,15 @@ def test_summary_counts_tokens_received_inside_the_window_and_client_side_latenc
     generations = [
         record(0.0, [0.5, 1.0, 1.5], [1, 2, 3]),  # all three tokens inside the 10 s window
         record(1.0, [2.0, 9.0, 12.0], [1, 5, 9]),  # 5 tokens by t=10, 9 by the end
-        record(2.0, [], [], finish=None),  # never answered: failed, no TTFT
+        record(2.0, [], [], finish=None),  # still running at the drain deadline: unfinished, no TTFT
+        record(3.0, [], [], finish=None),  # refused by the server: failed
     ]
-    generations[2].error = "stream closed"
+    generations[2].error = STREAM_CLOSED
+    generations[3].error = "invalid request: the prompt is empty"
     summary = summarise(generations, start_s=0.0, window_s=10.0)
     assert summary["tokens_per_s"] == pytest.approx((3 + 5) / 10)
     assert summary["completion_tokens"] == 12 and summary["tokens_per_s_to_drain"] == pytest.approx(12 / 12.0)
-    assert (summary["requests"], summary["completed"], summary["failed"]) == (3, 2, 1)
+    assert (summary["requests"], summary["completed"], summary["failed"], summary["unfinished"]) == (4, 2, 1, 1)
     assert summary["ttft_p50_s"] == pytest.approx(0.75)  # interpolated between 0.5 and 1.0
     assert summary["ttft_p95_s"] == pytest.approx(1.0, abs=0.03)
     assert summary["tpot_p95_s"] == pytest.approx(10.0 / 8, abs=0.1)  # (12 - 2) s over 8 tokens after the first
