@@ -31,7 +31,8 @@ max_tokens up front (so it never preempts), and runs until its last sequence fin
   letting new requests join.
 
 A sequence finishes on a stop token, at `max_tokens`, at the context limit, or when it is
-aborted (the client cancelled or went away); its blocks return to the pool at once.
+aborted (the client cancelled or went away); its blocks return to the pool at once (under
+`static`, when its batch ends).
 """
 
 from __future__ import annotations
