@@ -343,12 +343,18 @@ def rows(output: SchedulerOutput) -> list[str]:
     return [("~" if c.padding else "") + c.seq_id for c in output.chunks]
 
 
-def test_static_batch_computes_every_member_until_the_last_one_finishes():
-    sched = scheduler(policy=BatchingPolicy.STATIC, max_num_seqs=2)
+def long_short_and_late(policy: BatchingPolicy) -> tuple[Scheduler, FakeRunner]:
+    """A batch of two ("long" and "short", which finishes first) and "late" waiting behind it."""
+    sched = scheduler(policy=policy, max_num_seqs=2)
     sched.add("long", prompt(4), SamplingParams(max_tokens=6), now=0.0)
     sched.add("short", prompt(4, seed=2), SamplingParams(max_tokens=2), now=0.0)
     sched.add("late", prompt(4, seed=3), SamplingParams(max_tokens=2), now=0.0)
     runner = FakeRunner(sched)
+    return sched, runner
+
+
+def test_static_batch_computes_every_member_until_the_last_one_finishes():
+    sched, runner = long_short_and_late(BatchingPolicy.STATIC)
     first, _ = runner.step()
     assert rows(first) == ["long", "short"]
     # Blocks for prompt + max_tokens are reserved at admission: 10 tokens -> 3 blocks of 4.
@@ -364,11 +370,7 @@ def test_static_batch_computes_every_member_until_the_last_one_finishes():
 
 
 def test_static_retiring_batch_drops_finished_members_but_admits_nobody_until_it_ends():
-    sched = scheduler(policy=BatchingPolicy.STATIC_RETIRING, max_num_seqs=2)
-    sched.add("long", prompt(4), SamplingParams(max_tokens=6), now=0.0)
-    sched.add("short", prompt(4, seed=2), SamplingParams(max_tokens=2), now=0.0)
-    sched.add("late", prompt(4, seed=3), SamplingParams(max_tokens=2), now=0.0)
-    runner = FakeRunner(sched)
+    sched, runner = long_short_and_late(BatchingPolicy.STATIC_RETIRING)
     assert rows(runner.step()[0]) == ["long", "short"]
     assert len(sched.blocks.block_table("long")) == 3  # prompt + max_tokens reserved, as in static
     scheduled = [rows(runner.step()[0]) for _ in range(5)]
