@@ -11,8 +11,13 @@ the cost of a tokenization, and a client may retry it later or elsewhere.
 
 Work is counted in device time, not requests: a 256-token row costs the device about 15x a
 16-token one, so a count of requests would either refuse short requests needlessly or
-admit long ones that cannot finish. `decide` is pure; `SharedWork` is the few bytes every
-router instance (each its own process) shares.
+admit long ones that cannot finish. The bucket models share the lanes at once (each has
+its own queue and instances, and a CPU's cores are time-sliced between them), so a request
+does not wait for all the work ahead of it: while it runs, a row ahead of it takes at most
+as much of the lanes as the request itself needs (`shared_work_ahead_ms`, processor
+sharing). A short request behind a burst of long ones is admitted; a long one is not.
+`decide` and `shared_work_ahead_ms` are pure; `SharedWork` is the few bytes every router
+instance (each its own process) shares.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 MAX_SLOTS = 1024  # router instances one server can run (64 per instance group, 16 groups)
+COLUMNS = 16  # work columns per instance: work of no bucket, then up to 15 buckets
 _VALUE = struct.Struct("<d")
 
 
@@ -42,6 +50,7 @@ class AdmissionPolicy:
     target_ms: float = 0.0  # router-side latency an admitted request should stay within; 0: fixed bound
     min_work_ms: float = 0.0  # the adaptive bound never goes below this
     max_limit_ms: float = 0.0  # ... nor above this
+    shared_lanes: bool = False  # buckets share the lanes at once: count work ahead as processor sharing
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
@@ -61,16 +70,20 @@ class AdmissionPolicy:
 
     def work_ms(self, rows_by_bucket: Mapping[int, int]) -> float:
         """Device time (per lane) that these rows take."""
+        return sum(self.work_by_bucket(rows_by_bucket).values())
+
+    def work_by_bucket(self, rows_by_bucket: Mapping[int, int]) -> dict[int, float]:
+        """Device time (per lane) that these rows take, bucket by bucket."""
         missing = sorted(set(rows_by_bucket) - set(self.row_cost_ms))
         if missing:
             raise ValueError(f"no row cost for buckets {missing}")
-        return sum(rows * self.row_cost_ms[bucket] for bucket, rows in rows_by_bucket.items()) / self.lanes
+        return {bucket: rows * self.row_cost_ms[bucket] / self.lanes for bucket, rows in rows_by_bucket.items()}
 
     def to_json(self) -> str:
         return json.dumps({"row_cost_ms": {str(b): round(c, 4) for b, c in sorted(self.row_cost_ms.items())},
                            "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3),
                            "target_ms": round(self.target_ms, 3), "min_work_ms": round(self.min_work_ms, 3),
-                           "max_limit_ms": round(self.max_limit_ms, 3)},
+                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes},
                           sort_keys=True)
 
     @classmethod
@@ -80,7 +93,8 @@ class AdmissionPolicy:
             return cls(row_cost_ms={int(b): float(c) for b, c in data["row_cost_ms"].items()},
                        lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]),
                        target_ms=float(data.get("target_ms", 0.0)), min_work_ms=float(data.get("min_work_ms", 0.0)),
-                       max_limit_ms=float(data.get("max_limit_ms", 0.0)))
+                       max_limit_ms=float(data.get("max_limit_ms", 0.0)),
+                       shared_lanes=bool(data.get("shared_lanes", False)))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"admission policy is not valid: {err}") from None
 
@@ -99,6 +113,26 @@ class AdmissionDecision:
         return (f"server busy: {self.work_ahead_ms:.0f} ms of work in flight plus this request's "
                 f"{self.own_work_ms:.0f} ms exceeds the {self.limit_ms:.0f} ms that still meets the latency SLO; "
                 "retry later")
+
+
+def shared_work_ahead_ms(policy: AdmissionPolicy, ahead_by_bucket: Mapping[int, float], own_work_ms: float) -> float:
+    """The work in flight that runs before a request of `own_work_ms` finishes (ms per lane).
+
+    Without `shared_lanes` the device is one queue: all of it. With them, the buckets run side
+    by side on the lanes and share them evenly (processor sharing): until the request has had
+    its own `own_work_ms`, every row ahead has had at most as much, so a bucket's work ahead
+    counts in full only when its rows are no larger than the request. Its rows then finish
+    first; a longer row is still running when the request is done. The request finishes after
+    sum over buckets of (work ahead x min(1, own / the bucket's row cost)) + its own work.
+    """
+    total = sum(ahead_by_bucket.values())
+    if not policy.shared_lanes or own_work_ms <= 0:
+        return total
+    ahead = 0.0
+    for bucket, work_ms in ahead_by_bucket.items():
+        row_ms = policy.row_cost_ms.get(bucket, 0.0) / policy.lanes
+        ahead += work_ms if row_ms <= own_work_ms else work_ms * own_work_ms / row_ms
+    return ahead
 
 
 def tier_share(priority: int, default_priority: int) -> float:
@@ -165,19 +199,23 @@ def instance_slot(instance_name: str) -> int:
 
 
 class SharedWork:
-    """In-flight work of every router instance: one float per instance in a shared file.
+    """In-flight work of every router instance, by bucket: a row of floats per instance in a shared file.
 
-    Each instance writes only its own slot. `admit` reads the total, decides and adds the
-    request's work under an exclusive file lock, so two instances deciding at the same moment
-    cannot both take the last room. An instance's worker threads share its slot and its file
-    lock (a `flock` does not exclude threads of one process), so a thread lock comes first.
+    Each instance writes only its own row (a column per bucket, and column 0 for work of no
+    bucket). `admit` reads the totals, decides and adds the request's work under an
+    exclusive file lock, so two instances deciding at the same moment cannot both take the
+    last room. An instance's worker threads share its row and its file lock (a `flock` does
+    not exclude threads of one process), so a thread lock comes first.
     """
 
-    def __init__(self, path: Path, slot: int):
+    def __init__(self, path: Path, slot: int, buckets: Sequence[int] = ()):
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
-        # A slot per instance, then the adaptive bound and whether an answer was ever late.
-        size = (MAX_SLOTS + 2) * _VALUE.size
+        if len(set(buckets)) >= COLUMNS:
+            raise ValueError(f"at most {COLUMNS - 1} buckets share admission, got {len(set(buckets))}")
+        self._columns = {bucket: 1 + index for index, bucket in enumerate(sorted(set(buckets)))}
+        # A row per instance, then the adaptive bound and whether an answer was ever late.
+        size = (MAX_SLOTS * COLUMNS + 2) * _VALUE.size
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(self._fd).st_size < size:
@@ -186,22 +224,33 @@ class SharedWork:
         except OSError:
             os.close(self._fd)
             raise
-        self.offset = slot * _VALUE.size
+        self._rows = np.ndarray((MAX_SLOTS, COLUMNS), dtype="<f8", buffer=self._map)
+        self._slot = slot
         self._lock = threading.Lock()
-        self._mine = 0.0
+        self._mine = np.zeros(COLUMNS)
         self._store()
 
     def _store(self) -> None:
-        _VALUE.pack_into(self._map, self.offset, self._mine)
+        self._rows[self._slot] = self._mine
+
+    def _column_totals(self) -> np.ndarray:
+        return self._rows.sum(axis=0)
 
     def total_ms(self) -> float:
-        return sum(value for (value,) in _VALUE.iter_unpack(self._map[:MAX_SLOTS * _VALUE.size]))
+        return float(self._column_totals().sum())
+
+    def ahead_by_bucket(self) -> dict[int | None, float]:
+        """Work in flight (ms per lane) by bucket; None: work added without a bucket."""
+        totals = self._column_totals()
+        ahead: dict[int | None, float] = {None: float(totals[0])}
+        ahead.update((bucket, float(totals[column])) for bucket, column in self._columns.items())
+        return ahead
 
     def _shared(self, index: int) -> float:
-        return _VALUE.unpack_from(self._map, (MAX_SLOTS + index) * _VALUE.size)[0]
+        return _VALUE.unpack_from(self._map, (MAX_SLOTS * COLUMNS + index) * _VALUE.size)[0]
 
     def _set_shared(self, index: int, value: float) -> None:
-        _VALUE.pack_into(self._map, (MAX_SLOTS + index) * _VALUE.size, value)
+        _VALUE.pack_into(self._map, (MAX_SLOTS * COLUMNS + index) * _VALUE.size, value)
 
     def bound_ms(self, policy: AdmissionPolicy) -> float:
         """The adaptive bound now (the policy's starting bound until a request has adjusted it)."""
@@ -232,30 +281,41 @@ class SharedWork:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def add(self, work_ms: float) -> None:
+    def add(self, work: float | Mapping[int, float]) -> None:
+        """Count work in flight (negative: give it back), in ms per lane: a number (no
+        bucket) or a mapping bucket -> ms."""
         with self._lock:
-            self._add(work_ms)
+            self._add(work)
 
-    def _add(self, work_ms: float) -> None:
-        total = self._mine + work_ms
-        self._mine = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
+    def _add(self, work: float | Mapping[int, float]) -> None:
+        items = work.items() if isinstance(work, Mapping) else ((None, work),)
+        for bucket, work_ms in items:
+            column = self._columns.get(bucket, 0) if bucket is not None else 0
+            total = self._mine[column] + work_ms
+            self._mine[column] = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
         self._store()
 
-    def admit(self, policy: AdmissionPolicy, own_work_ms: float, share: float = 1.0) -> AdmissionDecision:
-        """Decide on a request and, when admitted, count its work, as one step."""
+    def admit(self, policy: AdmissionPolicy, own: float | Mapping[int, float], share: float = 1.0) -> AdmissionDecision:
+        """Decide on a request of `own` work (ms per lane; by bucket for the lanes' sharing to
+        count) and, when admitted, count its work, as one step."""
+        own_work_ms = sum(own.values()) if isinstance(own, Mapping) else own
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                decision = decide(policy, self.total_ms(), own_work_ms, share, self.bound_ms(policy))
+                ahead = self.ahead_by_bucket()
+                unattributed = ahead.pop(None)
+                work_ahead_ms = unattributed + shared_work_ahead_ms(policy, ahead, own_work_ms)
+                decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy))
                 if decision.admitted:
-                    self._add(own_work_ms)
+                    self._add(own)
                 return decision
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         with self._lock:
-            self._mine = 0.0
+            self._mine[:] = 0.0
             self._store()
+        del self._rows  # the array views the map: drop it before the map closes
         self._map.close()
         os.close(self._fd)

@@ -416,7 +416,9 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
 
     A row of bucket b costs c_b(p_b) / p_b of a lane at its preferred batch p_b. A request
     finishes after about o + (work ahead of it) + its own batch, so the waiting budget is
-    W = S - o - max_b c_b(1). The bound on work in flight starts at `ADMISSION_WORK_SHARE`
+    W = S - o - max_b c_b(1). The bucket models run side by side on the lanes, so the work
+    ahead of a request counts as the lanes share it (`shared_work_ahead_ms`): a row ahead costs
+    it at most its own work. The bound on work in flight starts at `ADMISSION_WORK_SHARE`
     of W and adapts to the answers (`admission_target_ms`). The router queue only holds
     requests while an instance hands earlier ones to its workers (or waits for a busy core);
     its bound is what peak traffic brings in over S - o (Little's law), at least one
@@ -435,12 +437,14 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
               f"= {wait_budget_ms:.1f} ms")
     return Admission(
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
-                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms),
+                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True),
         max_queue_size=max_queue_size,
         reasons={
             "admission": (f"admit while work in flight <= the bound, which starts at {ADMISSION_WORK_SHARE:.0%} of "
                           f"{budget}: {max_work_ms:.1f} ms per lane ({lanes} lanes), halved for each tenant tier "
-                          f"below the default; row cost ms by bucket (c(p)/p): {costs}"),
+                          f"below the default; row cost ms by bucket (c(p)/p): {costs}; the buckets share the "
+                          f"lanes at once, so a row ahead counts at most the request's own work (a short request "
+                          f"is not kept waiting for the long work ahead of it)"),
             "admission_bound": (f"adapts to the answers so that 5% come back later than S - o - 3/4 of the rest "
                                 f"of W (the wait before the router takes a request, which it cannot see) = "
                                 f"{target_ms:.1f} ms (-5% per late one, +0.27% per one on time, "

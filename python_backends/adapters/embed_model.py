@@ -61,7 +61,7 @@ class Accepted:
     version: int  # the encoder version that serves it
     pinned: int | None  # the version the client pinned, if any
     table: RoutingTable  # the routing table it was routed by (for shadowing)
-    own_work_ms: float  # its work as admission counted it; given back when answered
+    own_work: dict  # its work as admission counted it (ms per lane by bucket); given back when answered
     started: float  # time.monotonic() when the router took it
 
     @property
@@ -161,7 +161,7 @@ class TritonPythonModel:
         # Admission counts the work in flight across the router's instances the same way.
         self.admission = config.admission
         self.work = SharedWork(Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-work.bin",
-                               instance_slot(args["model_instance_name"]))
+                               instance_slot(args["model_instance_name"]), config.bucket_lens)
         self.flusher.start()
 
     def finalize(self):
@@ -386,15 +386,15 @@ class TritonPythonModel:
         if pinned is not None and not pb_utils.is_model_ready(prepared.chunks[0].model_name, str(pinned)):
             return self._not_served(pinned)
         version = pinned if pinned is not None else table.pick(random.random())
-        own_work_ms = self.admission.work_ms(prepared.rows_by_bucket()) if self.admission.max_work_ms else 0.0
+        own_work = self.admission.work_by_bucket(prepared.rows_by_bucket()) if self.admission.max_work_ms else {}
         tier = self.tenants.tier_of(prepared.options.tenant)
         share = tier_share(tier.priority, self.tenants.tiers[self.tenants.default_tier].priority)
-        admission = self.work.admit(self.admission, own_work_ms, share)
+        admission = self.work.admit(self.admission, own_work, share)
         if not admission.admitted:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 admission.message(), pb_utils.TritonError.UNAVAILABLE))
         self._metrics_of(version)[2].increment(1)  # in flight from admission on
-        return Accepted(prepared, version, pinned, table, own_work_ms, started)
+        return Accepted(prepared, version, pinned, table, own_work, started)
 
     def _serve_admitted(self, accepted):
         prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
@@ -403,7 +403,7 @@ class TritonPythonModel:
             failure, embedding = self._run_chunks(prepared, version)
         finally:
             inflight.increment(-1)
-            self.work.add(-accepted.own_work_ms)
+            self.work.add({bucket: -ms for bucket, ms in accepted.own_work.items()})
             self.work.record_latency(self.admission, (time.monotonic() - started) * 1000.0)
         if failure is not None:
             model_name, error = failure

@@ -15,6 +15,7 @@ from python_backends.admission import (
     SharedWork,
     adjust_bound,
     decide,
+    shared_work_ahead_ms,
     instance_slot,
     tier_share,
 )
@@ -49,6 +50,49 @@ def test_policy_round_trips_through_json_and_bad_json_names_the_problem():
         AdmissionPolicy.from_json('{"lanes": 2}')
     with pytest.raises(ValueError, match="admission policy is not valid"):
         AdmissionPolicy.from_json("not json")
+
+
+SHARED = AdmissionPolicy(row_cost_ms={16: 4.0, 64: 20.0, 256: 80.0}, lanes=2, max_work_ms=60.0, shared_lanes=True)
+
+
+def test_work_by_bucket_is_per_lane_and_sums_to_the_work():
+    assert SHARED.work_by_bucket({16: 3, 256: 1}) == {16: pytest.approx(6.0), 256: pytest.approx(40.0)}
+    assert SHARED.work_ms({16: 3, 256: 1}) == pytest.approx(46.0)
+
+
+def test_on_shared_lanes_a_row_ahead_costs_a_request_at_most_its_own_size():
+    ahead = {16: 10.0, 64: 30.0, 256: 120.0}  # ms per lane: rows of 2, 10 and 40 ms per lane
+    # A one-row request of bucket 16 (2 ms per lane) finishes before every longer row ahead
+    # of it: each of them has had only 2 ms by then (3 rows of 64, 3 of 256).
+    assert shared_work_ahead_ms(SHARED, ahead, own_work_ms=2.0) == pytest.approx(10.0 + 3 * 2.0 + 3 * 2.0)
+    # A 256 row (40 ms per lane) waits for everything shorter and shares with its equals.
+    assert shared_work_ahead_ms(SHARED, ahead, own_work_ms=40.0) == pytest.approx(160.0)
+    # A 64 row: the 16 and 64 rows in full, each 256 row up to 10 ms.
+    assert shared_work_ahead_ms(SHARED, ahead, own_work_ms=10.0) == pytest.approx(10.0 + 30.0 + 3 * 10.0)
+
+
+def test_without_shared_lanes_every_row_ahead_counts_in_full():
+    one_queue = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=60.0)
+    assert shared_work_ahead_ms(one_queue, {16: 10.0, 256: 120.0}, own_work_ms=2.0) == pytest.approx(130.0)
+
+
+def test_shared_admission_lets_short_requests_past_long_work_and_refuses_long_ones(tmp_path):
+    shared = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=81.0, shared_lanes=True)
+    one_queue = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=81.0)
+    work = SharedWork(tmp_path / "work.bin", 0, buckets=(16, 64, 256))
+    assert work.admit(shared, {256: 40.0}).admitted
+    assert work.admit(shared, {256: 40.0}).admitted  # 40 ahead + 40 <= 81
+    assert work.ahead_by_bucket() == {None: 0.0, 16: 0.0, 64: 0.0, 256: pytest.approx(80.0)}
+    # A third long row would finish after the 80 ms ahead of it: refused.
+    refused = work.admit(shared, {256: 40.0})
+    assert not refused.admitted and refused.work_ahead_ms == pytest.approx(80.0)
+    # A short row is done after 2 ms of each long one: admitted where one queue would refuse it.
+    assert not work.admit(one_queue, {16: 2.0}).admitted
+    short = work.admit(shared, {16: 2.0})
+    assert short.admitted and short.work_ahead_ms == pytest.approx(4.0)
+    work.add({256: -40.0, 16: -2.0})
+    assert work.ahead_by_bucket()[256] == pytest.approx(40.0) and work.total_ms() == pytest.approx(40.0)
+    work.close()
 
 
 def test_a_request_is_admitted_while_the_work_with_its_own_fits():
