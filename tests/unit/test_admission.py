@@ -15,13 +15,14 @@ from python_backends.admission import (
     SharedWork,
     adjust_bound,
     decide,
-    shared_work_ahead_ms,
     instance_slot,
+    shared_work_ahead_ms,
     tier_share,
 )
 from tools.derivation import ADMISSION_WORK_SHARE, LatencyCurve, admission_target_ms, derive_admission
 
 POLICY = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0)
+SHARED = AdmissionPolicy(row_cost_ms={16: 4.0, 64: 20.0, 256: 80.0}, lanes=2, max_work_ms=60.0, shared_lanes=True)
 
 
 def test_work_is_rows_times_row_cost_over_lanes():
@@ -46,13 +47,11 @@ def test_policy_rejects_impossible_values(kwargs, message):
 
 def test_policy_round_trips_through_json_and_bad_json_names_the_problem():
     assert AdmissionPolicy.from_json(POLICY.to_json()) == POLICY
+    assert AdmissionPolicy.from_json(SHARED.to_json()) == SHARED
     with pytest.raises(ValueError, match="admission policy is not valid"):
         AdmissionPolicy.from_json('{"lanes": 2}')
     with pytest.raises(ValueError, match="admission policy is not valid"):
         AdmissionPolicy.from_json("not json")
-
-
-SHARED = AdmissionPolicy(row_cost_ms={16: 4.0, 64: 20.0, 256: 80.0}, lanes=2, max_work_ms=60.0, shared_lanes=True)
 
 
 def test_work_by_bucket_is_per_lane_and_sums_to_the_work():
@@ -210,6 +209,8 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.max_work_ms == pytest.approx(wait_budget_ms * ADMISSION_WORK_SHARE)
     assert admission.policy.row_cost_ms == {16: pytest.approx(3.0), 256: pytest.approx(75.0)}
     assert admission.policy.lanes == 2
+    assert admission.policy.shared_lanes  # the buckets run side by side: work ahead counts as they share lanes
+    assert "share the lanes" in admission.reasons["admission"]
     assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
     assert admission.policy.target_ms < 195.0  # room for the wait before the router takes a request
