@@ -115,7 +115,8 @@ class AdmissionDecision:
                 "retry later")
 
 
-def shared_work_ahead_ms(policy: AdmissionPolicy, ahead_by_bucket: Mapping[int, float], own_work_ms: float) -> float:
+def shared_work_ahead_ms(policy: AdmissionPolicy, ahead_by_bucket: Mapping[int | None, float],
+                         own_work_ms: float) -> float:
     """The work in flight that runs before a request of `own_work_ms` finishes (ms per lane).
 
     Without `shared_lanes` the device is one queue: all of it. With them, the buckets run side
@@ -124,6 +125,7 @@ def shared_work_ahead_ms(policy: AdmissionPolicy, ahead_by_bucket: Mapping[int, 
     counts in full only when its rows are no larger than the request. Its rows then finish
     first; a longer row is still running when the request is done. The request finishes after
     sum over buckets of (work ahead x min(1, own / the bucket's row cost)) + its own work.
+    Work of a bucket without a row cost (None: counted without a bucket) counts in full.
     """
     total = sum(ahead_by_bucket.values())
     if not policy.shared_lanes or own_work_ms <= 0:
@@ -302,9 +304,7 @@ class SharedWork:
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                ahead = self.ahead_by_bucket()
-                unattributed = ahead.pop(None)
-                work_ahead_ms = unattributed + shared_work_ahead_ms(policy, ahead, own_work_ms)
+                work_ahead_ms = shared_work_ahead_ms(policy, self.ahead_by_bucket(), own_work_ms)
                 decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy))
                 if decision.admitted:
                     self._add(own)

@@ -61,7 +61,7 @@ class Accepted:
     version: int  # the encoder version that serves it
     pinned: int | None  # the version the client pinned, if any
     table: RoutingTable  # the routing table it was routed by (for shadowing)
-    own_work: dict  # its work as admission counted it (ms per lane by bucket); given back when answered
+    own_work: dict[int, float]  # its work as admission counted it (ms per lane by bucket); given back when answered
     started: float  # time.monotonic() when the router took it
 
     @property
