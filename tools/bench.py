@@ -8,6 +8,11 @@ embedding model on one length mix:
   slo_bucketed      this project's length buckets with SLO-derived configs
 plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
 bucketed at the best measured batch sizes (what this hardware can do at all).
+The machine's speed drifts while the searches run (shared hosts), so the full run repeats
+the setups and the ceiling in rounds (`--repeats`, default 3), each round's ceiling measured
+right after its searches, and reports medians: each setup's median goodput, the median
+ceiling, and the median of the rounds' paired ratios (a round's goodput over the same
+round's ceiling), with every round's figures beside them.
 Every setup runs without the router's per-tenant quotas (one anonymous tenant sends all
 the load; quotas are `bench overload`'s subject); admission and queue bounds stay.
 """
@@ -20,9 +25,10 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ServerConfig, ServerEr
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
 BENCH_DIR = REPO_ROOT / "build" / "bench"
+DEFAULT_REPEATS = 3  # rounds of the full goodput run: a median of three outvotes one lucky or unlucky search
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,28 @@ class GoodputOptions:
     max_steps: int  # measured rates per setup at most
     num_texts: int  # distinct payload texts drawn from the workload
     ceiling_rows: int  # rows run through ONNX Runtime for the ceiling
+    repeats: int = 1  # rounds of every setup's search and the ceiling; medians are reported
+
+
+def median_index(values: Sequence[float]) -> int:
+    """Index of the median of `values` (the lower middle one for an even count)."""
+    if not values:
+        raise ValueError("no values to take the median of")
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return order[(len(values) - 1) // 2]
+
+
+def round_ratios(ours: Sequence[float], reference: Sequence[float]) -> list[float]:
+    """Round by round, our figure over the reference measured in the same round (0 where the
+    reference is 0): pairs taken close together in time, so a drifting machine cancels out."""
+    if len(ours) != len(reference):
+        raise ValueError(f"{len(ours)} rounds of ours against {len(reference)} of the reference")
+    return [o / r if r > 0 else 0.0 for o, r in zip(ours, reference, strict=True)]
+
+
+def median_ratio(ours: Sequence[float], reference: Sequence[float]) -> float:
+    """The median of the paired per-round ratios."""
+    return float(statistics.median(round_ratios(ours, reference)))
 
 
 def embed_plan(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
@@ -259,9 +288,17 @@ def plot_goodput(report: dict, path: Path) -> None:
     bars = ax.bar(names, values, color=["#999999", "#6c8ebf", "#2e7d32"][: len(names)])
     for bar, value in zip(bars, values, strict=True):
         ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.1f}", ha="center", va="bottom")
+    rounds = report.get("rounds", 1)
+    if rounds > 1:  # each round's goodput beside its median bar
+        for bar, name in zip(bars, names, strict=True):
+            by_round = report["setups"][name].get("goodput_rps_by_round", [])
+            ax.plot([bar.get_x() + bar.get_width() * 0.85] * len(by_round), by_round, "o", color="black",
+                    markersize=3, label="one round" if name == names[0] else None)
+    median = "median of rounds, " if rounds > 1 else ""
     ax.axhline(report["ceiling_rps"], color="black", linestyle="--",
-               label=f"ceiling (in-process ONNX Runtime) {report['ceiling_rps']:.1f}")
-    ax.set_ylabel("goodput, requests/s (p95 within SLO, no errors)")
+               label=f"ceiling (in-process ONNX Runtime, {median}{report['ceiling_rps']:.1f})")
+    ax.set_ylabel("goodput, requests/s (p95 within SLO, no errors)" + (f", median of {rounds} rounds"
+                                                                          if rounds > 1 else ""), fontsize=8)
     ax.set_title(f"{report['workload']} mix, SLO p95 {report['slo_ms']:.0f} ms, {report['hardware']['description']}",
                  fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
@@ -284,8 +321,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     goodput.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
     goodput.add_argument("--start-rps", type=float, default=4.0, help="first rate of each search (default: 4)")
     goodput.add_argument("--max-steps", type=int, default=11, help="measured rates per setup at most (default: 11)")
+    goodput.add_argument("--repeats", type=int, default=None,
+                         help="rounds of every search and the ceiling, each round's ceiling right after its "
+                              "searches; medians are reported (default: 3, with --quick 1)")
     goodput.add_argument("--quick", action="store_true",
-                         help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run")
+                         help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run, "
+                              "one round unless --repeats is given")
     goodput.set_defaults(benchmark_run=run_goodput)
     llm = sub.add_parser("llm", help="LLM: continuous vs static batching, tokens/s and time to first token",
                          description=bench_llm.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -316,10 +357,15 @@ def run_goodput(args: argparse.Namespace) -> int:
     if unknown or not setups:
         print(f"error: unknown setups {unknown}; choose from {', '.join(SETUPS)}", file=sys.stderr)
         return 2
-    options = (GoodputOptions(step_s=3.0, start_rps=args.start_rps, max_steps=4, num_texts=300, ceiling_rows=200)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else DEFAULT_REPEATS)
+    if repeats < 1:
+        print(f"error: --repeats must be >= 1, got {repeats}", file=sys.stderr)
+        return 2
+    options = (GoodputOptions(step_s=3.0, start_rps=args.start_rps, max_steps=4, num_texts=300, ceiling_rows=200,
+                              repeats=repeats)
                if args.quick else
                GoodputOptions(step_s=args.step_seconds, start_rps=args.start_rps, max_steps=args.max_steps,
-                              num_texts=2000, ceiling_rows=1000))
+                              num_texts=2000, ceiling_rows=1000, repeats=repeats))
     try:
         spec = load_spec(args.spec)
         profile = load_profile(args.profile or spec.profile)
@@ -346,30 +392,51 @@ def run_goodput(args: argparse.Namespace) -> int:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "setups": {},
     }
+    report["rounds"] = options.repeats
+    repositories = {}
+    for setup in setups:
+        plan = (embed_plan(spec, profile) if setup == "slo_bucketed"
+                else padded_only_plan(spec, profile, setup == "default_batching"))
+        repositories[setup] = build_repository(setup, without_tenant_quotas(plan, model.name))
+    runs: dict[str, list[dict]] = {setup: [] for setup in setups}
+    ceilings: list[dict] = []
     try:
-        for setup in setups:
-            if setup == "slo_bucketed":
-                plan = embed_plan(spec, profile)
-            else:
-                plan = padded_only_plan(spec, profile, setup == "default_batching")
-            repository = build_repository(setup, without_tenant_quotas(plan, model.name))
-            report["setups"][setup] = run_setup(setup, repository, texts, model.slo_p95_ms, options, log)
+        for round_index in range(options.repeats):
+            if options.repeats > 1:
+                log(f"round {round_index + 1} of {options.repeats}")
+            for setup in setups:
+                runs[setup].append(run_setup(setup, repositories[setup], texts, model.slo_p95_ms, options, log))
+            log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
+            ceilings.append(measure_ceiling(texts[: options.ceiling_rows], profile, model.bucket_lens,
+                                            model.encoder_prefix))
+            log(f"  ceiling: {ceilings[-1]['rows_per_s'] / workload.rows_per_request:.1f} rps")
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
-    ceiling = measure_ceiling(texts[: options.ceiling_rows], profile, model.bucket_lens, model.encoder_prefix)
-    report["ceiling_rps"] = ceiling["rows_per_s"] / workload.rows_per_request
-    report["ceiling"] = ceiling
-    log(f"  ceiling: {report['ceiling_rps']:.1f} rps")
-    goodputs = {name: data["goodput_rps"] for name, data in report["setups"].items()}
+    ceiling_by_round = [c["rows_per_s"] / workload.rows_per_request for c in ceilings]
+    for setup, setup_runs in runs.items():
+        by_round = [run["goodput_rps"] for run in setup_runs]
+        report["setups"][setup] = {
+            "goodput_rps": float(statistics.median(by_round)),
+            "goodput_rps_by_round": by_round,
+            "repository": setup_runs[0]["repository"],
+            "steps": [{"round": index + 1, **step} for index, run in enumerate(setup_runs) for step in run["steps"]],
+        }
+    report["ceiling_rps"] = float(statistics.median(ceiling_by_round))
+    report["ceiling_rps_by_round"] = [round(value, 1) for value in ceiling_by_round]
+    report["ceiling"] = ceilings[median_index(ceiling_by_round)]  # the median round's detail
+    log(f"  ceiling: median {report['ceiling_rps']:.1f} rps" + (f" (rounds {report['ceiling_rps_by_round']})"
+                                                               if options.repeats > 1 else ""))
+    goodputs = {name: data["goodput_rps_by_round"] for name, data in report["setups"].items()}
     if "slo_bucketed" in goodputs:
         ours = goodputs["slo_bucketed"]
-        report["ratios"] = {"slo_bucketed_vs_ceiling": round(ours / report["ceiling_rps"], 3)}
-        if goodputs.get("default_batching"):
-            report["ratios"]["slo_bucketed_vs_default_batching"] = round(ours / goodputs["default_batching"], 2)
-        if goodputs.get("no_batching"):
-            report["ratios"]["slo_bucketed_vs_no_batching"] = round(ours / goodputs["no_batching"], 2)
-        log(f"ratios: {report['ratios']}")
+        report["ratios"] = {
+            "slo_bucketed_vs_ceiling": round(median_ratio(ours, ceiling_by_round), 3),
+            "slo_bucketed_vs_ceiling_by_round": [round(r, 3) for r in round_ratios(ours, ceiling_by_round)],
+        }
+        for baseline in ("default_batching", "no_batching"):
+            if baseline in goodputs and all(goodputs[baseline]):
+                report["ratios"][f"slo_bucketed_vs_{baseline}"] = round(median_ratio(ours, goodputs[baseline]), 2)
+        log(f"ratios (medians of the rounds' paired ratios): {report['ratios']}")
     write_report(report, args.out, plot_goodput, log)
     return 0

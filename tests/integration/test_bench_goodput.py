@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,7 +17,7 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
     out = tmp_path / "goodput.json"
     result = subprocess.run(
         [sys.executable, "-m", "tools", "bench", "goodput", "--quick", "--setups", "slo_bucketed",
-         "--start-rps", "8", "--out", str(out)],
+         "--start-rps", "8", "--repeats", "2", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -23,6 +26,16 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
     assert report["hardware"]["cpu_count"] >= 1 and report["hardware"]["description"]
     setup = report["setups"]["slo_bucketed"]
     assert setup["goodput_rps"] >= 8  # 8 req/s is far below this machine's capacity
+    # Two rounds, each a search and a ceiling; the figures are their medians.
+    assert report["rounds"] == 2 and len(setup["goodput_rps_by_round"]) == 2
+    assert setup["goodput_rps"] == statistics.median(setup["goodput_rps_by_round"])
+    assert {step["round"] for step in setup["steps"]} == {1, 2}
+    assert len(report["ceiling_rps_by_round"]) == 2
+    assert report["ceiling_rps"] == pytest.approx(statistics.median(report["ceiling_rps_by_round"]), abs=0.1)
+    ratios = report["ratios"]["slo_bucketed_vs_ceiling_by_round"]
+    assert ratios == [pytest.approx(g / c, abs=0.01) for g, c in
+                      zip(setup["goodput_rps_by_round"], report["ceiling_rps_by_round"], strict=True)]
+    assert report["ratios"]["slo_bucketed_vs_ceiling"] == pytest.approx(statistics.median(ratios), abs=0.002)
     for step in setup["steps"]:
         assert {"offered_rps", "p50_ms", "p95_ms", "p99_ms", "num_errors", "goodput_fraction"} <= set(step)
     assert report["ceiling_rps"] > setup["goodput_rps"]

@@ -2,7 +2,15 @@
 
 import pytest
 
-from tools.bench import cpu_breakdown, embed_plan, padded_only_plan, without_tenant_quotas
+from tools.bench import (
+    cpu_breakdown,
+    embed_plan,
+    median_index,
+    median_ratio,
+    padded_only_plan,
+    round_ratios,
+    without_tenant_quotas,
+)
 from tools.latency_profile import load_profile
 from tools.loadgen import summarize_step
 from tools.spec import load_spec
@@ -58,3 +66,23 @@ def test_cpu_breakdown_of_a_step_that_sent_nothing_is_zero():
     cpu = cpu_breakdown({}, {"tritonserver": 0.1}, step, cores=2)
     assert cpu["cpu_ms_per_request"] == {"load_generator": 0.0, "tritonserver": 0.0}
     assert cpu["cpu_utilization"] == pytest.approx(0.05)
+
+
+def test_median_index_picks_the_middle_round_and_the_lower_middle_of_an_even_count():
+    assert median_index([170.0, 150.0, 190.0]) == 0
+    assert median_index([5.0]) == 0
+    assert median_index([4.0, 1.0, 3.0, 2.0]) == 3  # sorted 1, 2, 3, 4: the lower middle is 2.0, at index 3
+    with pytest.raises(ValueError, match="no values"):
+        median_index([])
+
+
+def test_ratios_pair_each_round_with_the_reference_of_the_same_round():
+    # A machine that slows down between rounds: each round's ratio is steady, the ratio of
+    # the medians is not what any round measured.
+    ours, ceiling = [140.0, 120.0, 100.0], [200.0, 171.4, 142.9]
+    assert round_ratios(ours, ceiling) == pytest.approx([0.70, 0.70, 0.70], abs=1e-3)
+    assert median_ratio(ours, ceiling) == pytest.approx(0.70, abs=1e-3)
+    assert round_ratios([10.0], [0.0]) == [0.0]  # a baseline that served nothing gives no ratio
+    assert median_ratio([3.0, 9.0], [1.0, 1.0]) == pytest.approx(6.0)  # even count: the mean of the middle two
+    with pytest.raises(ValueError, match="2 rounds of ours against 1"):
+        round_ratios([1.0, 2.0], [1.0])
