@@ -301,6 +301,7 @@ def plot_goodput(report: dict, path: Path) -> None:
                                                                           if rounds > 1 else ""), fontsize=8)
     ax.set_title(f"{report['workload']} mix, SLO p95 {report['slo_ms']:.0f} ms, {report['hardware']['description']}",
                  fontsize=9)
+    ax.set_ylim(0, max([report["ceiling_rps"], *values]) * 1.3)  # room for the legend above the ceiling
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
