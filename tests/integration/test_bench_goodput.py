@@ -52,3 +52,10 @@ def test_unknown_setup_is_refused():
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "unknown setups ['fastest']" in result.stderr
+
+
+def test_zero_rounds_are_refused():
+    result = subprocess.run([sys.executable, "-m", "tools", "bench", "goodput", "--repeats", "0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--repeats must be >= 1, got 0" in result.stderr
