@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -136,10 +137,11 @@ def test_killing_the_worker_and_the_api_mid_batch_loses_and_duplicates_nothing(s
     with service.client() as client:
         view = wait_for(lambda: (v := client.get(f"/v1/batches/{batch_id}").json())["status"] != "running"
                         and v["status"] != "queued" and v, 300, "the batch to finish")
-        assert view["status"] == "completed", view
+        results = all_results(client, batch_id)
+        failures = Counter((r["status"], str(r.get("error")), r["attempts"]) for r in results if r["status"] != "ok")
+        assert view["status"] == "completed", (view["counts"], failures.most_common(5))
         assert view["counts"] == {"total": 3000, "queued": 0, "running": 0, "ok": 3000, "failed": 0,
                                   "cancelled": 0}
-        results = all_results(client, batch_id)
         again = client.post("/v1/batches", json={"model": "embed", "items": items, "idempotency_key": "kill-1"})
     # Exactly one result per item, in input order.
     assert [r["index"] for r in results] == list(range(3000))

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tools.batch.engines import open_store
-from tools.batch.policy import BatchLimits, RetryPolicy, validate_submission
+from tools.batch.policy import BatchLimits, RetryPolicy, request_items, validate_submission
 from tools.batch.store_base import BatchQueue
 from tools.batch.triton_calls import CallOutcome
 from tools.batch.worker import BatchWorker, WorkerConfig, next_window
@@ -104,6 +104,46 @@ def test_busy_answers_are_retried_and_shrink_the_window_and_bad_ones_fail_at_onc
     assert results[2].status == "failed" and results[2].attempts == 1 and "bad input" in results[2].error
     assert results[3].status == "failed" and "server busy" in results[3].error  # gave up after max attempts
     assert worker.stats.items_retried >= 4 and worker.stats.items_failed == 2
+
+
+class AdmissionLikeCaller(FakeCaller):
+    """Refuses, as busy, every request that carries a long text and anything beside it, the
+    way the router's admission refuses a request whose own work does not fit while smaller
+    ones keep getting in; a request fails as a whole."""
+
+    async def __call__(self, payloads, version=None):
+        self.requests.append(list(payloads))
+        await asyncio.sleep(0.001)
+        if len(payloads) > 1 and any(text.startswith("long") for text in payloads):
+            return [CallOutcome(None, "rejected", "server busy")] * len(payloads)
+        return [CallOutcome({"length": len(text)}) for text in payloads]
+
+
+def test_an_item_refused_as_busy_goes_out_in_smaller_requests_until_it_is_alone(db):
+    with open_store(db, max_attempts=3) as store:
+        items = ["long " * 200] + [f"short {i}" for i in range(11)]
+        batch_id = submit(store, items)
+        caller = AdmissionLikeCaller()
+        worker = BatchWorker(store, fast(), {"embed": caller})
+        run_until_done(store, worker, batch_id)
+        results = store.results(batch_id)
+    assert [r.status for r in results] == ["ok"] * 12  # in four-item requests it would fail on every try
+    assert results[0].attempts == 3
+    sizes = [len(request) for request in caller.requests if items[0] in request]
+    assert sizes == [4, 2, 1]  # halved after each refusal
+
+
+def test_request_items_halve_with_each_try_of_the_most_tried_item_next_in_line():
+    assert request_items(4, [1, 1, 1, 1]) == 4
+    assert request_items(4, [1, 2, 1]) == 2
+    assert request_items(4, [3]) == 1
+    assert request_items(4, []) == 4
+    assert request_items(8, [1000]) == 1  # no overflow, never below one
+    assert request_items(1, [5]) == 1
+    with pytest.raises(ValueError, match="max_batch_items must be >= 1"):
+        request_items(0, [1])
+    with pytest.raises(ValueError, match="1-based"):
+        request_items(4, [0])
 
 
 def test_items_of_a_model_the_worker_does_not_serve_fail_with_a_clear_error(db):

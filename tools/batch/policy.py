@@ -303,6 +303,25 @@ class BatchDecision:
     reason: str  # "full", "waited", "filling" or "empty"
 
 
+def request_items(max_batch_items: int, attempts: Sequence[int]) -> int:
+    """Items the next request may carry, given the tries of the items next in line (1 = first try).
+
+    Halved for each earlier try of the most-tried of them, down to one. The server's admission
+    counts a request's own work, and it admits a small request into room a large one does not
+    find: under steady traffic from other requests, a four-item request of long texts can be
+    refused as busy try after try while one-item requests keep getting in. An item the server
+    turns away again therefore goes out in ever smaller requests and, by its third try, alone;
+    the same isolates an item whose request crashed or timed out. Items on their first try
+    share requests as before.
+    """
+    if max_batch_items < 1:
+        raise ValueError(f"max_batch_items must be >= 1, got {max_batch_items}")
+    if any(attempt < 1 for attempt in attempts):
+        raise ValueError(f"attempts are 1-based, got {sorted(attempts)[0]}")
+    halvings = max(attempts, default=1) - 1
+    return max(1, max_batch_items >> min(halvings, max_batch_items.bit_length()))
+
+
 def form_batch(pending: Sequence[Batchable], max_batch_items: int, max_wait_s: float,
                oldest_claimed_at_s: float | None, now_s: float) -> BatchDecision:
     """Dispatch when `max_batch_items` are pending or the oldest has waited `max_wait_s`, else wait.

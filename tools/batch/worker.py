@@ -5,7 +5,9 @@ decides when a (model, version) queue is worth a Triton request (full, or its ol
 has waited the window), a caller from `triton_calls` sends it, and the outcomes go back in
 one transaction per request: results with `complete_many` (the first writer wins, so an
 item a dead worker had leased and another finished keeps exactly one result), failures with
-`fail_many`, retryable ones after `RetryPolicy`'s capped, jittered backoff.
+`fail_many`, retryable ones after `RetryPolicy`'s capped, jittered backoff. An item that
+failed goes out again in a smaller request (`request_items`): the server admits a small
+request where a large one does not fit, so an item it keeps refusing ends up alone.
 
 At most `max_in_flight` requests are in flight at once, and the worker leases no more than
 it can send soon, so a second worker on the same store shares the queue instead of finding
@@ -25,7 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.batch.policy import ItemKind, RetryPolicy, form_batch
+from tools.batch.policy import ItemKind, RetryPolicy, form_batch, request_items
 from tools.batch.store_base import BatchQueue, ClaimedItem
 from tools.batch.triton_calls import CallOutcome
 
@@ -150,7 +152,9 @@ class BatchWorker:
         for target in list(self._pending):
             queue = self._pending[target]
             while queue and len(self._in_flight) < max(1, int(self._window)):
-                decision = form_batch(queue, self.config.max_batch_items, 0.0 if flush else self.config.max_wait_s,
+                size = request_items(self.config.max_batch_items,
+                                     [item.attempt for item in queue[:self.config.max_batch_items]])
+                decision = form_batch(queue, size, 0.0 if flush else self.config.max_wait_s,
                                       queue[0].claimed_at_s, self.clock())
                 if not decision.dispatch:
                     next_wait_s = min(next_wait_s, decision.wait_s)
