@@ -292,7 +292,7 @@ class SharedWork:
     def _add(self, work: float | Mapping[int, float]) -> None:
         items = work.items() if isinstance(work, Mapping) else ((None, work),)
         for bucket, work_ms in items:
-            column = self._columns.get(bucket, 0) if bucket is not None else 0
+            column = self._columns.get(bucket, 0)  # None (no bucket) and unknown buckets: column 0
             total = self._mine[column] + work_ms
             self._mine[column] = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
         self._store()

@@ -391,9 +391,9 @@ def run_goodput(args: argparse.Namespace) -> int:
         "criterion": "highest offered open-loop rate with >= 95% of requests within the SLO and no errors",
         "command": "python -m tools bench goodput " + " ".join(sys.argv[3:]),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rounds": options.repeats,
         "setups": {},
     }
-    report["rounds"] = options.repeats
     repositories = {}
     for setup in setups:
         plan = (embed_plan(spec, profile) if setup == "slo_bucketed"
