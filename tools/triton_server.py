@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from python_backends.shared_files import shared_dir, sweep_stale
 from tools.admin_key import restricted_api_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -399,6 +400,9 @@ class TritonServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         code = self.process.wait()
+        # Its routers' shared files are of no use to any later server: remove them now rather
+        # than at the next server's start (`python_backends.shared_files`).
+        sweep_stale(shared_dir())
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +46,7 @@ from python_backends.errors import InvalidInput
 from python_backends.metric_buffer import DeltaBuffer, ObservationBuffer
 from python_backends.quotas import SharedBuckets, admit
 from python_backends.routing import RoutingSource, RoutingTable
+from python_backends.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
 from python_backends.tenant_auth import AuthError, AuthFailure, AuthMode, KeySource, resolve_tenant
 from python_backends.tokenization import TextTokenizer
 
@@ -81,11 +81,6 @@ class BufferedCounter:
 
     def increment(self, amount):
         self.sink(self.metric, amount)
-
-
-def shared_dir():
-    """Where processes of one server share files: memory-backed when the system has it."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class TritonPythonModel:
@@ -154,13 +149,15 @@ class TritonPythonModel:
             for reason in AuthFailure
         }
         # Quotas hold across every instance of the router (each its own process) of this
-        # server (the stub's parent), so the buckets live in one shared file.
+        # server run (the stub's parent), so the buckets live in one shared file, named for
+        # the run so that no later server inherits it (see `python_backends.shared_files`).
+        directory, run = shared_dir(), server_run(os.getppid())
+        sweep_stale(directory)
         self.tenants = config.tenants
-        self.quota_buckets = SharedBuckets(
-            Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-quotas.bin")
+        self.quota_buckets = SharedBuckets(directory / shared_file_name(run, self.model, "quotas"))
         # Admission counts the work in flight across the router's instances the same way.
         self.admission = config.admission
-        self.work = SharedWork(Path(shared_dir()) / f"triton-{os.getppid()}-{self.model}-work.bin",
+        self.work = SharedWork(directory / shared_file_name(run, self.model, "work"),
                                instance_slot(args["model_instance_name"]), config.bucket_lens)
         self.flusher.start()
 

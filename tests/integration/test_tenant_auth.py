@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,7 +26,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
+from python_backends.admission import SharedWork
 from python_backends.quotas import TenantPolicy, TierPolicy
+from python_backends.shared_files import server_run, shared_dir, shared_file_name
 from python_backends.tenant_auth import AuthConfig, AuthMode, encode_secret, parse_keys
 from tests.integration.helpers import ROUTER_COUNTERS_LAG_S, settled
 from tools.spec import load_spec
@@ -85,7 +89,20 @@ def keys_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, keys_file):
+def dead_run_files() -> list[Path]:
+    """The admission and quota files a server killed with work in flight leaves behind."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    run = server_run(child.pid)
+    child.communicate(b"")  # its server run is over now
+    directory = shared_dir()
+    SharedWork(directory / shared_file_name(run, REQUIRED, "work"), 5).add(158.0)  # left open, as a kill leaves it
+    quotas = directory / shared_file_name(run, REQUIRED, "quotas")
+    quotas.write_bytes(b"\xff" * 64)
+    return [directory / shared_file_name(run, REQUIRED, "work"), quotas]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, keys_file, dead_run_files):
     repository = build_repository(tmp_path_factory.mktemp("auth-repo"), keys_file)
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1")
@@ -135,6 +152,24 @@ def encoder_requests(server) -> float:
     return sum(metric(server, name, model=f"encoder_{bucket}")
                for name in ("nv_inference_request_success", "nv_inference_request_failure")
                for bucket in (16, 32, 64, 128, 256))
+
+
+def test_the_routers_share_files_of_this_server_run_and_sweep_a_dead_runs(server, dead_run_files):
+    """A dead server's files (here with 158 ms of work in flight) are removed, not inherited.
+
+    Files named by process id alone were taken over by a later server that got the same id,
+    which then refused every request as busy with its predecessor's work.
+    """
+    assert not any(path.exists() for path in dead_run_files)
+    run = server_run(server.process.pid)
+    for model in (REQUIRED, OPEN):
+        for kind in ("work", "quotas"):
+            assert (shared_dir() / shared_file_name(run, model, kind)).exists(), (model, kind)
+    ahead = SharedWork(shared_dir() / shared_file_name(run, REQUIRED, "work"), 63)
+    try:
+        assert ahead.total_ms() == 0.0  # idle: nothing inherited
+    finally:
+        ahead.close()
 
 
 def test_a_valid_token_is_served_under_its_own_tenants_quota(server, http, keys_file):
