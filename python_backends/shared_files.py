@@ -84,6 +84,14 @@ def process_start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
         return None
 
 
+def boot_id(proc: Path = Path("/proc")) -> str | None:
+    """This boot of the machine (start times count from it), or None where there is no /proc."""
+    try:
+        return (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def parse_namespace(link: str) -> int:
     """The namespace number in a `/proc/<pid>/ns/pid` link such as `pid:[4026531836]`."""
     match = re.fullmatch(r"pid:\[(\d+)\]", link)

@@ -23,9 +23,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
 from google.protobuf import json_format, text_format
@@ -33,6 +34,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
 from python_backends.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
+from python_backends.shared_files import boot_id, process_start_ticks
 from tools.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
 from tools.gen_config import ROUTING_FILE
 from tools.rollout_policy import (
@@ -175,7 +177,7 @@ class Recorder:
         self.record = {
             "model": self.model, "baseline": plan.baseline, "candidate": plan.candidate,
             "steps_planned": list(plan.steps), "gates": vars(plan.gates), "shadow_rate": plan.shadow_rate,
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid(),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **process_stamp(os.getpid()),
             "status": "loading", "steps": [], "events": [],
         }
         self.save()
@@ -212,6 +214,8 @@ def read_state(records_dir: Path, model: str) -> dict | None:
 
 
 def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -219,6 +223,34 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_stamp(pid: int) -> dict[str, Any]:
+    """What names process `pid` beyond its id, which the system reuses: its start time and the boot."""
+    return {"pid": pid, "pid_start_ticks": process_start_ticks(pid), "boot_id": boot_id()}
+
+
+def same_process(stamp: Mapping[str, Any], running: bool, start_ticks: int | None, boot: str | None) -> bool:
+    """Whether the process a state file stamped still runs, given what runs under its pid now.
+
+    A pid alone says little once the tool is gone: the system hands it to a later process
+    (after a reboot, almost surely). So the start time and the boot must match where both
+    were recorded and can be read now; a stamp of an older tool, with the pid only, is
+    judged by the pid.
+    """
+    if not running:
+        return False
+    recorded_boot, recorded_start = stamp.get("boot_id"), stamp.get("pid_start_ticks")
+    if recorded_boot is not None and boot is not None and recorded_boot != boot:
+        return False
+    return recorded_start is None or start_ticks is None or int(recorded_start) == start_ticks
+
+
+def tool_alive(state: Mapping[str, Any]) -> bool:
+    """Whether the rollout tool that wrote `state` still runs."""
+    pid = int(state.get("pid", 0) or 0)
+    running = pid_alive(pid)
+    return same_process(state, running, process_start_ticks(pid) if running else None, boot_id())
 
 
 class Rollout:
@@ -482,7 +514,7 @@ def show_status(args: argparse.Namespace, model_name: str) -> int:
         print(f"no rollout of {model_name} recorded in {args.records}")
         return 0
     running = state.get("status") not in FINAL_STATES
-    alive = running and pid_alive(int(state.get("pid", 0)))
+    alive = running and tool_alive(state)
     print(f"rollout v{state['baseline']} -> v{state['candidate']}: {state['status']}"
           + ("" if not running else " (tool running)" if alive else " (tool no longer running: `rollout abort`)"))
     if state.get("reason"):
@@ -501,7 +533,7 @@ def abort(args: argparse.Namespace, model_name: str) -> int:
         print(f"no rollout of {model_name} is running")
         return 1
     path = state_path(args.records, model_name)
-    if pid_alive(int(state.get("pid", 0))):
+    if tool_alive(state):
         state["abort_requested"] = True
         path.write_text(json.dumps(state, indent=2) + "\n")
         print(f"abort requested; the rollout (pid {state['pid']}) rolls back at its next check", flush=True)
@@ -536,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
             print("error: say which version to roll out with --to VERSION", file=sys.stderr)
             return 2
         state = read_state(args.records, args.model)
-        if state and state.get("status") not in FINAL_STATES and pid_alive(int(state.get("pid", 0))):
+        if state and state.get("status") not in FINAL_STATES and tool_alive(state):
             print(f"error: a rollout of {args.model} is already running (pid {state['pid']}); "
                   "see `rollout status`", file=sys.stderr)
             return 2
