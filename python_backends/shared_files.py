@@ -15,7 +15,7 @@ A server that is killed cannot remove its files, so every router sweeps at start
 of its own namespace whose server is gone; files of other namespaces, and names without a
 namespace, it leaves alone, since it cannot see their processes. `parse_start_ticks`,
 `parse_namespace`, `shared_file_name`, `parse_shared_file_name` and `stale_files` are pure;
-`server_run`, `process_start_ticks` and `sweep_stale` do the I/O.
+the others read /proc or the shared directory.
 """
 
 from __future__ import annotations
