@@ -82,7 +82,7 @@ def test_this_process_is_alive_by_its_stamp_and_a_dead_or_reused_pid_is_not():
     assert not tool_alive({**mine, "boot_id": "another-boot"})
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert not tool_alive(process_stamp(child.pid) | {"pid": child.pid})
+    assert not tool_alive(process_stamp(child.pid))
     assert not tool_alive({})  # no pid recorded: not signal 0 to our own process group
 
 
@@ -90,7 +90,8 @@ def test_abort_after_the_tool_died_and_its_pid_was_reused_rolls_back_at_once(tmp
     records = tmp_path / "records"
     records.mkdir()
     # The state a rollout tool left when it was killed; its pid now belongs to this test process.
-    reused = {**process_stamp(os.getpid()), "pid_start_ticks": process_stamp(os.getpid())["pid_start_ticks"] + 1}
+    mine = process_stamp(os.getpid())
+    reused = {**mine, "pid_start_ticks": mine["pid_start_ticks"] + 1}
     state = {"status": "stepping", "baseline": 1, "candidate": 2, "model": "embed", **reused}
     (records / "embed.state.json").write_text(json.dumps(state))
     routing = ROUTING.read_text() if ROUTING.exists() else None
