@@ -42,6 +42,24 @@ MAX_PROBE_BATCH = 128
 WARMUP_EXECUTIONS = 2
 
 
+GPU_VENDOR_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+GPU_FAMILY_WORDS = frozenset({"rtx", "gtx"})  # a family word names nothing alone: "RTX 4090" is one model
+
+
+def profile_name_for_gpu(gpu: str) -> str:
+    """The profile name for a GPU as nvidia-smi names it: its model, lower case.
+
+    "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100", "Tesla T4" -> "t4",
+    "NVIDIA GeForce RTX 4090" -> "rtx4090"; memory size and form factor are left out, so
+    one profile serves every variant of a model. "gpu" when no model word is left.
+    """
+    words = [word.lower() for word in gpu.split() if word.lower() not in GPU_VENDOR_WORDS]
+    parts = [word.split("-")[0] for word in words]
+    model = parts[:2] if parts and parts[0] in GPU_FAMILY_WORDS else parts[:1]
+    name = "".join(ch for ch in "".join(model) if ch.isascii() and ch.isalnum())
+    return name or "gpu"
+
+
 def detect_hardware(name: str | None) -> Hardware:
     """Describe this machine: CPU model and count, the GPU if nvidia-smi sees one, versions."""
     cpu = platform.processor() or platform.machine()
@@ -61,7 +79,7 @@ def detect_hardware(name: str | None) -> Hardware:
 
     kind = "gpu" if gpu else "cpu"
     if name is None:
-        name = "cpu" if gpu is None else gpu.split()[1].lower() if len(gpu.split()) > 1 else "gpu"
+        name = "cpu" if gpu is None else profile_name_for_gpu(gpu)
     memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     return Hardware(
         name=name,
@@ -218,7 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: start a private one")
     add_key_file_argument(parser)
     parser.add_argument("--name", default=None,
-                        help="profile name, e.g. cpu, h100 (default: 'cpu', or from the GPU's name)")
+                        help="profile name (default: 'cpu' without a GPU, else the GPU's model: h100 for "
+                             "'NVIDIA H100 80GB HBM3', a100 for 'NVIDIA A100-SXM4-80GB')")
     parser.add_argument("--out", type=Path, default=None, help="profile file (default: profiles/<name>.json)")
     parser.add_argument("--time-per-point", type=float, default=1.0, metavar="SECONDS",
                         help="measuring time per batch size (3 to 30 executions; default: %(default)s)")

@@ -1,11 +1,14 @@
-"""The profiler's own configs: what it loads on the server to measure c(b) and the router overhead."""
+"""The profiler's own configs (what it loads on the server to measure c(b) and the router
+overhead) and the name it gives a profile."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from python_backends.admission import ADMIT_ALL, AdmissionPolicy
-from tools.profiler import probe_knobs, profiled_version, profiling_router_config
+from tools.profiler import probe_knobs, profile_name_for_gpu, profiled_version, profiling_router_config
 from tools.spec import load_spec
 
 
@@ -34,3 +37,28 @@ def test_the_profile_measures_the_version_that_serves_most_traffic():
     assert profiled_version(replace(model, traffic={1: 10.0, 2: 90.0})) == 2
     assert profiled_version(replace(model, traffic={1: 50.0, 2: 50.0})) == 1
     assert profiled_version(replace(model, versions=(3, 4), traffic={})) == 3
+
+
+@pytest.mark.parametrize(("gpu", "name"), [
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA GH200 480GB", "gh200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA A100 80GB PCIe", "a100"),
+    ("Tesla V100-SXM2-16GB", "v100"),
+    ("Tesla T4", "t4"),
+    ("NVIDIA L4", "l4"),
+    ("NVIDIA L40S", "l40s"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA RTX A6000", "rtxa6000"),
+    ("Quadro RTX 8000", "rtx8000"),
+])
+def test_a_gpu_profile_is_named_for_the_gpu_model_without_memory_or_form_factor(gpu, name):
+    assert profile_name_for_gpu(gpu) == name
+
+
+def test_a_gpu_name_with_no_model_word_gives_the_generic_name():
+    assert profile_name_for_gpu("") == "gpu"
+    assert profile_name_for_gpu("NVIDIA") == "gpu"
+    assert profile_name_for_gpu("  ") == "gpu"
