@@ -372,6 +372,28 @@ def test_committed_profile_matches_the_spec_threads_and_plans_the_router_cpu(spe
     assert "the router path takes" in header and "CPU ms per request" in header
 
 
+
+def test_a_gpu_profile_puts_the_buckets_on_the_gpu_and_keeps_the_router_on_the_cpu(spec):
+    """A profile measured on a GPU node (`python -m tools profile` there writes h100.json)
+    plans with the spec's [hardware.gpu] limits: bucket instances KIND_GPU, spinning ONNX
+    Runtime threads; tokenizing and routing stay CPU work."""
+    import dataclasses
+
+    cpu = load_profile(REPO / spec.profile)
+    gpu_threads = spec.hardware["gpu"].intra_op_threads
+    hardware = dataclasses.replace(cpu.hardware, name="h100", kind="gpu", gpu="NVIDIA H100 80GB HBM3",
+                                   description="NVIDIA H100 80GB HBM3 + 16 x Intel Xeon", cpu_count=16,
+                                   details={**cpu.hardware.details, "intra_op_threads": gpu_threads})
+    plan = plan_all(spec, dataclasses.replace(cpu, path=REPO / "profiles" / "h100.json", hardware=hardware))
+    by_name = {m.name: m for m in plan}
+    for length in spec.models[0].bucket_lens:
+        config = by_name[f"encoder_{length}"].config
+        assert [g.kind for g in config.instance_group] == [mc.ModelInstanceGroup.KIND_GPU]
+        assert config.instance_group[0].count <= spec.hardware["gpu"].max_instances
+        assert config.parameters["allow_spinning"].string_value == "1"
+        assert any("h100" in line for line in by_name[f"encoder_{length}"].header)
+    assert [g.kind for g in by_name["embed"].config.instance_group] == [mc.ModelInstanceGroup.KIND_CPU]
+
 def test_profile_measured_with_other_threads_is_refused(spec):
     import dataclasses
 
