@@ -372,7 +372,6 @@ def test_committed_profile_matches_the_spec_threads_and_plans_the_router_cpu(spe
     assert "the router path takes" in header and "CPU ms per request" in header
 
 
-
 def test_a_gpu_profile_puts_the_buckets_on_the_gpu_and_keeps_the_router_on_the_cpu(spec):
     """A profile measured on a GPU node (`python -m tools profile` there writes h100.json)
     plans with the spec's [hardware.gpu] limits: bucket instances KIND_GPU, spinning ONNX
@@ -393,6 +392,7 @@ def test_a_gpu_profile_puts_the_buckets_on_the_gpu_and_keeps_the_router_on_the_c
         assert config.parameters["allow_spinning"].string_value == "1"
         assert any("h100" in line for line in by_name[f"encoder_{length}"].header)
     assert [g.kind for g in by_name["embed"].config.instance_group] == [mc.ModelInstanceGroup.KIND_CPU]
+
 
 def test_profile_measured_with_other_threads_is_refused(spec):
     import dataclasses
