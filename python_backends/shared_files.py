@@ -13,9 +13,9 @@ may share `/dev/shm`), so the name carries the namespace too: `triton-<ns>.<pid>
 
 A server that is killed cannot remove its files, so every router sweeps at start the files
 of its own namespace whose server is gone; files of other namespaces, and names without a
-namespace, it leaves alone, since it cannot see their processes. `parse_start_ticks`,
-`parse_namespace`, `shared_file_name`, `parse_shared_file_name` and `stale_files` are pure;
-the others read /proc or the shared directory.
+namespace, it leaves alone, since it cannot see their processes. `stat_fields`,
+`parse_start_ticks`, `parse_namespace`, `shared_file_name`, `parse_shared_file_name` and
+`stale_files` are pure; the others read /proc or the shared directory.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def shared_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def parse_start_ticks(stat_text: str) -> int:
-    """The start time (clock ticks after boot) in the text of `/proc/<pid>/stat`.
+def stat_fields(stat_text: str) -> list[str]:
+    """The fields of a `/proc/<pid>/stat` line after the command name: field 3 (the state)
+    first, so field n of proc(5) is at index n - 3.
 
     The command name (field 2) is in parentheses and may itself hold spaces and
     parentheses, so the fields are counted from the last closing parenthesis.
@@ -68,8 +69,13 @@ def parse_start_ticks(stat_text: str) -> int:
     end = stat_text.rfind(")")
     if end < 0:
         raise ValueError("not a /proc/<pid>/stat line: no ')' after the command name")
-    fields = stat_text[end + 1:].split()
-    index = _START_FIELD - 3  # the first field after the name is field 3
+    return stat_text[end + 1:].split()
+
+
+def parse_start_ticks(stat_text: str) -> int:
+    """The start time (clock ticks after boot) in the text of `/proc/<pid>/stat`."""
+    fields = stat_fields(stat_text)
+    index = _START_FIELD - 3
     if len(fields) <= index:
         raise ValueError(f"not a /proc/<pid>/stat line: {len(fields) + 2} fields, "
                          f"the start time is field {_START_FIELD}")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import requests
 
+from python_backends.shared_files import stat_fields
 from tools.admin_key import admin_headers
 
 STUB_BINARY = "triton_python_backend_stub"
@@ -63,10 +64,9 @@ def scan_stubs(server_pid: int, proc: Path = Path("/proc")) -> dict[int, StubPro
             continue
         try:
             stat = (entry / "stat").read_text()
-            # Fields 3 and 4 are the state and the parent pid; the command name in field 2 may
-            # hold spaces, so split after its ')'. A killed stub stays a zombie (Z) until the
-            # server reaps it, seconds later: it is already dead.
-            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            # Fields 3 and 4 are the state and the parent pid. A killed stub stays a zombie (Z)
+            # until the server reaps it, seconds later: it is already dead.
+            state, ppid = stat_fields(stat)[:2]
             if int(ppid) != server_pid or state in ("Z", "X"):
                 continue
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")

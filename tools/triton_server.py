@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from python_backends.shared_files import shared_dir, sweep_stale
+from python_backends.shared_files import shared_dir, stat_fields, sweep_stale
 from tools.admin_key import restricted_api_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -269,8 +269,8 @@ def process_group_cpu_by_part(pgid: int, proc: Path = Path("/proc")) -> dict[str
     parts: dict[str, float] = {}
     for entry in proc.glob("[0-9]*/stat"):
         try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            fields = stat_fields(entry.read_text())
+        except (OSError, ValueError):
             continue  # the process ended while we looked
         if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
             continue
