@@ -15,6 +15,10 @@ ceiling, and the median of the rounds' paired ratios (a round's goodput over the
 round's ceiling), with every round's figures beside them.
 Every setup runs without the router's per-tenant quotas (one anonymous tenant sends all
 the load; quotas are `bench overload`'s subject); admission and queue bounds stay.
+The load generator runs on the same machine, so its own CPU per request is taken from the
+server it measures (the ceiling pays none): by default it sends over Triton's HTTP endpoint
+with a lean keep-alive client (`tools.http_infer`, about a quarter of tritonclient's gRPC
+cost per request); `--protocol grpc` measures through tritonclient's gRPC client instead.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ServerConfig, ServerEr
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
 BENCH_DIR = REPO_ROOT / "build" / "bench"
+PROTOCOLS = ("http", "grpc")
 DEFAULT_REPEATS = 3  # rounds of the full goodput run: a median of three outvotes one lucky or unlucky search
 
 
@@ -60,6 +65,7 @@ class GoodputOptions:
     num_texts: int  # distinct payload texts drawn from the workload
     ceiling_rows: int  # rows run through ONNX Runtime for the ceiling
     repeats: int = 1  # rounds of every setup's search and the ceiling; medians are reported
+    protocol: str = "http"  # how the load generator sends: "http" (tools.http_infer) or "grpc" (tritonclient)
 
 
 def median_index(values: Sequence[float]) -> int:
@@ -269,7 +275,8 @@ def run_setup(setup: str, repository: Path, texts: list[str], slo_ms: float, opt
                           metrics_port=free_port(), host="127.0.0.1")
     log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
     with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
-        target = LoadTarget(grpc_url=server.grpc_url, model="embed", texts=tuple(texts), slo_ms=slo_ms)
+        target = LoadTarget(grpc_url=server.grpc_url, model="embed", texts=tuple(texts), slo_ms=slo_ms,
+                            http_url=server.http_url if options.protocol == "http" else None)
         goodput, steps, breakdowns = asyncio.run(search_goodput(target, options, log, server.cpu_seconds_by_part))
     log(f"  {setup}: goodput {goodput:.1f} rps")
     return {"goodput_rps": goodput, "repository": str(repository.relative_to(REPO_ROOT)),
@@ -325,6 +332,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     goodput.add_argument("--repeats", type=int, default=None,
                          help="rounds of every search and the ceiling, each round's ceiling right after its "
                               "searches; medians are reported (default: 3, with --quick 1)")
+    goodput.add_argument("--protocol", choices=PROTOCOLS, default="http",
+                         help="how the load generator sends requests: http, a lean keep-alive client on "
+                              "Triton's HTTP endpoint (least CPU taken from the server it measures), or grpc, "
+                              "tritonclient's gRPC client (default: %(default)s)")
     goodput.add_argument("--quick", action="store_true",
                          help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run, "
                               "one round unless --repeats is given")
@@ -363,10 +374,10 @@ def run_goodput(args: argparse.Namespace) -> int:
         print(f"error: --repeats must be >= 1, got {repeats}", file=sys.stderr)
         return 2
     options = (GoodputOptions(step_s=3.0, start_rps=args.start_rps, max_steps=4, num_texts=300, ceiling_rows=200,
-                              repeats=repeats)
+                              repeats=repeats, protocol=args.protocol)
                if args.quick else
                GoodputOptions(step_s=args.step_seconds, start_rps=args.start_rps, max_steps=args.max_steps,
-                              num_texts=2000, ceiling_rows=1000, repeats=repeats))
+                              num_texts=2000, ceiling_rows=1000, repeats=repeats, protocol=args.protocol))
     try:
         spec = load_spec(args.spec)
         profile = load_profile(args.profile or spec.profile)
@@ -392,6 +403,7 @@ def run_goodput(args: argparse.Namespace) -> int:
         "command": "python -m tools bench goodput " + " ".join(sys.argv[3:]),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rounds": options.repeats,
+        "load_generator": {"protocol": options.protocol, "on_the_measured_machine": True},
         "setups": {},
     }
     repositories = {}

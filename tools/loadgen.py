@@ -3,8 +3,11 @@
 The pure part decides and summarises: arrival times, percentiles, one step's result, the
 per-model server-side deltas from Triton's statistics API, and the goodput search
 (`RateSearch`: propose a rate, take its measured result back, decide whether it is done).
-The async runners only send requests and record what happened; they use
-`tritonclient.grpc.aio`, one channel, one event loop.
+The async runners only send requests and record what happened, on one event loop: over
+`tritonclient.grpc.aio` (one channel), or, with `LoadTarget.http_url`, over Triton's HTTP
+endpoint with the lean keep-alive client of `tools.http_infer`, which costs the machine
+under test a quarter of the CPU per request (the server's statistics are still read over
+gRPC).
 
 Latency honesty: in open loop a request's latency runs from its *scheduled* send time, so
 when the generator or the connection falls behind, that wait counts against the server
@@ -26,6 +29,7 @@ from typing import Any, Literal
 
 from tools.client import Outcome, classify
 from tools.grpc_tls import client_tls_kwargs
+from tools.http_infer import HttpInferClient, ProtocolError, error_message, infer_request
 
 Mode = Literal["open", "closed"]
 
@@ -354,7 +358,7 @@ class RateSearch:
 
 
 # ---------------------------------------------------------------------------------------
-# Runners (I/O): tritonclient.grpc.aio
+# Runners (I/O): tritonclient.grpc.aio, or tools.http_infer for the requests
 
 
 @dataclass(frozen=True)
@@ -374,6 +378,7 @@ class LoadTarget:
     tls_ca: Path | None = None  # gRPC over TLS trusting this CA certificate; None = plaintext
     request_timeout_s: float = 30.0  # client-side deadline per request; a late answer is an error
     max_outstanding: int = 2048  # open loop: requests in flight before new ones count as unsent errors
+    http_url: str | None = None  # host:port of Triton's HTTP endpoint: send the requests there; None = over gRPC
 
     def __post_init__(self) -> None:
         if not self.texts:
@@ -384,20 +389,48 @@ class LoadTarget:
             raise ValueError(f"slo_ms must be > 0, got {self.slo_ms}")
         if self.max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {self.max_outstanding}")
+        if self.http_url is not None:
+            split_host_port(self.http_url)
+
+
+def split_host_port(url: str) -> tuple[str, int]:
+    """`host:port` (an `http://` prefix allowed, an IPv6 host in brackets) as (host, port);
+    ValueError naming the URL otherwise."""
+    rest = url.removeprefix("http://").rstrip("/")
+    host, _, port = rest.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port for the HTTP endpoint, got {url!r}")
+    return host.strip("[]"), int(port)
+
+
+def request_rows(target: LoadTarget) -> list[list[bytes]]:
+    """The rows of each distinct request: consecutive texts, `rows_per_request` at a time,
+    cycling until every text has been sent once (at least one request)."""
+    rows, texts = target.rows_per_request, target.texts
+    return [[texts[(index * rows + row) % len(texts)].encode() for row in range(rows)]
+            for index in range(max(1, len(texts) // rows))]
+
+
+def http_parameters(target: LoadTarget) -> dict[str, object]:
+    """The HTTP request's `parameters`: the target's own, plus Triton's `priority` and
+    `timeout` (gRPC carries those as request fields)."""
+    parameters: dict[str, object] = dict(target.parameters)
+    if target.priority:
+        parameters["priority"] = target.priority
+    if target.timeout_us is not None:
+        parameters["timeout"] = target.timeout_us
+    return parameters
 
 
 def _build_inputs(target: LoadTarget) -> list[list[Any]]:
-    """One prepared input list per distinct request (serialised once, reused)."""
+    """One prepared gRPC input list per distinct request (serialised once, reused)."""
     import numpy as np
     import tritonclient.grpc.aio as grpcclient
 
-    rows, texts = target.rows_per_request, target.texts
-    num_requests = max(1, len(texts) // rows)
     prepared = []
-    for index in range(num_requests):
-        batch = [texts[(index * rows + row) % len(texts)].encode() for row in range(rows)]
-        tensor = grpcclient.InferInput(target.input_name, [rows, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array(batch, dtype=object).reshape(rows, 1))
+    for batch in request_rows(target):
+        tensor = grpcclient.InferInput(target.input_name, [len(batch), 1], "BYTES")
+        tensor.set_data_from_numpy(np.array(batch, dtype=object).reshape(len(batch), 1))
         prepared.append([tensor])
     return prepared
 
@@ -405,20 +438,26 @@ def _build_inputs(target: LoadTarget) -> list[list[Any]]:
 class _Sender:
     """Sends one request and records its outcome; shared by both loops."""
 
-    def __init__(self, client: Any, target: LoadTarget):
+    def __init__(self, client: Any, target: LoadTarget, http: HttpInferClient | None = None):
         from tritonclient.utils import InferenceServerException
 
         self._exception = InferenceServerException
         self.client = client
+        self.http = http
         self.target = target
-        self.inputs = _build_inputs(target)
+        if http is None:
+            self.inputs: list[Any] = _build_inputs(target)
+        else:
+            parameters = http_parameters(target)
+            self.inputs = [infer_request(http.host, target.model, target.input_name, rows, parameters)
+                           for rows in request_rows(target)]
         self.next_index = 0
         self.latencies_ms: list[float] = []
         self.errors: list[str] = []
         self.rejections: list[str] = []
         self.send_lags_ms: list[float] = []
 
-    def take_inputs(self) -> list[Any]:
+    def take_inputs(self) -> Any:
         inputs = self.inputs[self.next_index % len(self.inputs)]
         self.next_index += 1
         return inputs
@@ -427,6 +466,9 @@ class _Sender:
         """One request; latency counts from `scheduled` (perf_counter seconds)."""
         inputs = self.take_inputs()
         self.send_lags_ms.append((time.perf_counter() - scheduled) * 1e3)
+        if self.http is not None:
+            await self._send_http(inputs, scheduled)
+            return
         try:
             await self.client.infer(
                 self.target.model, inputs, parameters=dict(self.target.parameters) or None,
@@ -434,13 +476,31 @@ class _Sender:
                 client_timeout=self.target.request_timeout_s,
             )
         except self._exception as err:
-            message = f"{err.status() or 'error'}: {err.message()}"
-            if classify(err.status(), err.message() or "") is Outcome.REJECTED:
-                self.rejections.append(message)
-            else:
-                self.errors.append(message)
+            self._failed(err.status(), err.message() or "")
             return
         self.latencies_ms.append((time.perf_counter() - scheduled) * 1e3)
+
+    async def _send_http(self, request: bytes, scheduled: float) -> None:
+        assert self.http is not None
+        try:
+            status, body = await self.http.post(request, self.target.request_timeout_s)
+        except TimeoutError:
+            self.errors.append(f"deadline exceeded: no answer within {self.target.request_timeout_s:g} s")
+            return
+        except (OSError, EOFError, ProtocolError) as err:  # EOFError: asyncio.IncompleteReadError
+            self.errors.append(f"connection: {type(err).__name__}: {err}")
+            return
+        if status != 200:
+            self._failed(str(status), error_message(body))
+            return
+        self.latencies_ms.append((time.perf_counter() - scheduled) * 1e3)
+
+    def _failed(self, status: str | None, text: str) -> None:
+        message = f"{status or 'error'}: {text}"
+        if classify(status, text) is Outcome.REJECTED:
+            self.rejections.append(message)
+        else:
+            self.errors.append(message)
 
 
 async def _server_stats(client: Any) -> dict[str, Any]:
@@ -463,15 +523,20 @@ async def resolve_stats_models(client: Any, target: LoadTarget) -> list[str]:
 async def _measure(target: LoadTarget, mode: Mode, load: float, drive) -> StepResult:
     import tritonclient.grpc.aio as grpcclient
 
+    http = HttpInferClient(*split_host_port(target.http_url)) if target.http_url else None
     async with grpcclient.InferenceServerClient(target.grpc_url, **client_tls_kwargs(target.tls_ca)) as client:
-        models = await resolve_stats_models(client, target)
-        sender = _Sender(client, target)
-        before = await _server_stats(client)
-        cpu_start, start = time.process_time(), time.perf_counter()
-        await drive(sender, start)
-        duration_s = time.perf_counter() - start
-        client_cpu_s = time.process_time() - cpu_start
-        after = await _server_stats(client)
+        try:
+            models = await resolve_stats_models(client, target)
+            sender = _Sender(client, target, http)
+            before = await _server_stats(client)
+            cpu_start, start = time.process_time(), time.perf_counter()
+            await drive(sender, start)
+            duration_s = time.perf_counter() - start
+            client_cpu_s = time.process_time() - cpu_start
+            after = await _server_stats(client)
+        finally:
+            if http is not None:
+                await http.close()
     server = {model: times for model, times in server_times_delta(before, after).items() if model in models}
     return summarize_step(mode=mode, load=load, duration_s=duration_s, latencies_ms=sender.latencies_ms,
                           errors=sender.errors, slo_ms=target.slo_ms, send_lags_ms=sender.send_lags_ms,

@@ -23,6 +23,7 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["slo_ms"] == 200
+    assert report["load_generator"] == {"protocol": "http", "on_the_measured_machine": True}
     assert report["hardware"]["cpu_count"] >= 1 and report["hardware"]["description"]
     setup = report["setups"]["slo_bucketed"]
     assert setup["goodput_rps"] >= 8  # 8 req/s is far below this machine's capacity

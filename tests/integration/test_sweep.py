@@ -87,6 +87,42 @@ def test_open_loop_counts_requests_over_the_outstanding_cap_as_errors(triton):
     assert set(result.server) == {"embed"}
 
 
+def test_a_sweep_over_http_sends_tenant_and_priority_and_the_server_sees_every_request(triton, tmp_path):
+    out = tmp_path / "http.json"
+    done = sweep_cli("--url", triton.grpc_url, "--http-url", triton.http_url, "--mode", "open", "--rates", "8",
+                     "--duration", "2", "--warmup", "0.5", "--slo-ms", "1000", "--out", str(out),
+                     "--parameters", json.dumps({**as_tenant("sweep-http"), "priority": 1}))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"at {triton.http_url} over HTTP" in done.stdout
+    [step] = json.loads(out.read_text())["steps"]
+    assert step["num_sent"] > 0 and step["num_ok"] == step["num_sent"], step["error_samples"]
+    assert step["server"]["embed"]["num_requests"] == step["num_ok"]
+    assert step["client_cpu_s"] > 0
+
+
+def test_over_http_refusals_are_rejections_and_bad_input_is_an_error_with_the_servers_message(triton):
+    """The HTTP client classifies answers as the gRPC one does: 503 (here the batch tier's
+    quota, 20 req/s with a burst of 20) is a rejection, 400 a failure, each with its message."""
+    quota = LoadTarget(grpc_url=triton.grpc_url, http_url=triton.http_url, model="embed", texts=("a short text",),
+                       slo_ms=1000, parameters=as_tenant("nightly-backfill"), stats_models=("embed",))
+    result = asyncio.run(run_open_loop(quota, 120, 1.0, seed=5))
+    assert result.num_ok >= 15 and result.num_rejected > 0 and result.num_errors == 0, result.error_samples
+    assert any(sample.startswith("503: ") and "quota" in sample for sample in result.error_samples)
+
+    too_long = LoadTarget(grpc_url=triton.grpc_url, http_url=triton.http_url, model="embed", texts=("x" * 70000,),
+                          slo_ms=1000, stats_models=("embed",))
+    result = asyncio.run(run_open_loop(too_long, 5, 0.6, seed=6))
+    assert result.num_ok == 0 and result.num_errors == result.num_sent > 0
+    assert all(sample.startswith("400: ") and "70000 bytes" in sample for sample in result.error_samples)
+
+
+def test_an_unreachable_http_endpoint_is_one_line_and_exit_code_2(triton):
+    done = sweep_cli("--url", triton.grpc_url, "--http-url", f"127.0.0.1:{free_port()}", "--duration", "1")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: cannot reach tritonserver over HTTP")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 def test_unreachable_server_is_one_line_and_exit_code_2():
     done = sweep_cli("--url", f"localhost:{free_port()}", "--duration", "1")
     assert done.returncode == 2
@@ -106,6 +142,6 @@ def test_help_lists_sweep_and_its_options():
     assert top.returncode == 0 and "sweep" in top.stdout
     done = sweep_cli("--help")
     assert done.returncode == 0
-    for option in ("--url", "--model", "--mode", "--rates", "--concurrency", "--duration", "--warmup",
+    for option in ("--url", "--http-url", "--model", "--mode", "--rates", "--concurrency", "--duration", "--warmup",
                    "--workload", "--slo-ms", "--out", "--plot", "--parameters", "--search"):
         assert option in done.stdout

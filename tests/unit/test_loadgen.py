@@ -16,10 +16,13 @@ from tools.loadgen import (
     StepResult,
     default_stats_models,
     flatten_step,
+    http_parameters,
     percentile,
     plot_sweep,
     poisson_arrival_times,
+    request_rows,
     server_times_delta,
+    split_host_port,
     step_to_dict,
     summarize_step,
 )
@@ -300,6 +303,37 @@ def test_load_target_validates_its_fields():
         LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=0)
     with pytest.raises(ValueError, match="rows_per_request"):
         LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1, rows_per_request=0)
+    with pytest.raises(ValueError, match="host:port for the HTTP endpoint, got 'localhost'"):
+        LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1, http_url="localhost")
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("localhost:8000", ("localhost", 8000)), ("http://10.0.0.7:8000/", ("10.0.0.7", 8000)),
+    ("[::1]:8000", ("::1", 8000)),
+])
+def test_http_endpoints_split_into_host_and_port(url, expected):
+    assert split_host_port(url) == expected
+
+
+@pytest.mark.parametrize("url", ["localhost", ":8000", "[]:8000", "localhost:http", "localhost:0", "localhost:70000"])
+def test_http_endpoints_without_a_usable_port_are_refused(url):
+    with pytest.raises(ValueError, match="host:port"):
+        split_host_port(url)
+
+
+def test_requests_take_consecutive_texts_as_rows_and_cycle_through_all_of_them():
+    target = LoadTarget(grpc_url="x:1", model="embed", texts=("a", "b", "c", "d", "e"), slo_ms=1, rows_per_request=2)
+    assert request_rows(target) == [[b"a", b"b"], [b"c", b"d"]]
+    one_text = LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1, rows_per_request=3)
+    assert request_rows(one_text) == [[b"a", b"a", b"a"]]
+
+
+def test_http_requests_carry_tritons_priority_and_timeout_among_their_parameters():
+    target = LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1, parameters={"tenant_token": "t"},
+                        priority=2, timeout_us=5000)
+    assert http_parameters(target) == {"tenant_token": "t", "priority": 2, "timeout": 5000}
+    plain = LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1)
+    assert http_parameters(plain) == {}
 
 
 def test_plot_sweep_writes_a_png(tmp_path):
@@ -324,7 +358,7 @@ def parse(*argv: str) -> argparse.Namespace:
                                   ["--out", "results.txt"], ["--plot", "plot.jpg"], ["--parameters", "[1]"],
                                   ["--parameters", "{bad"], ["--parameters", '{"tenant": [1]}'],
                                   ["--parameters", '{"priority": -1}'], ["--min-goodput", "2"],
-                                  ["--mode", "sideways"]])
+                                  ["--mode", "sideways"], ["--http-url", "localhost"]])
 def test_sweep_rejects_bad_arguments_where_declared(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse(*argv)
