@@ -126,12 +126,12 @@ def ok(body: bytes, extra: str = "") -> bytes:
     return f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
-async def with_peer(answer, use):
+async def with_peer(answer, use, max_connections=256):
     peer = Peer(answer)
     server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with HttpInferClient("127.0.0.1", port) as client:
+        async with HttpInferClient("127.0.0.1", port, max_connections) as client:
             return peer, await use(client)
     finally:
         server.close()
@@ -153,7 +153,10 @@ def test_sequential_requests_reuse_one_keep_alive_connection():
     assert peer.num_connections == 1
 
 
-def test_concurrent_requests_each_get_a_connection_of_their_own():
+@pytest.mark.parametrize(("max_connections", "num_connections"), [(256, 4), (1, 1)])
+def test_concurrent_requests_each_get_a_connection_up_to_the_pools_limit(max_connections, num_connections):
+    """Below the limit each request in flight has a connection of its own; at the limit the
+    others wait for one to come free."""
     async def answer(n):
         await asyncio.sleep(0.05)
         return ok(b"x")
@@ -161,31 +164,9 @@ def test_concurrent_requests_each_get_a_connection_of_their_own():
     async def use(client):
         return await asyncio.gather(*(client.post(REQUEST, 5.0) for _ in range(4)))
 
-    peer, results = asyncio.run(with_peer(answer, use))
+    peer, results = asyncio.run(with_peer(answer, use, max_connections))
     assert results == [(200, b"x")] * 4
-    assert peer.num_connections == 4
-
-
-def test_requests_beyond_max_connections_wait_for_a_free_connection():
-    async def answer(n):
-        await asyncio.sleep(0.02)
-        return ok(b"x")
-
-    async def use(client):
-        return await asyncio.gather(*(client.post(REQUEST, 5.0) for _ in range(3)))
-
-    async def run():
-        peer = Peer(answer)
-        server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
-        async with HttpInferClient("127.0.0.1", server.sockets[0].getsockname()[1], max_connections=1) as client:
-            results = await use(client)
-        server.close()
-        await server.wait_closed()
-        return peer, results
-
-    peer, results = asyncio.run(run())
-    assert results == [(200, b"x")] * 3
-    assert peer.num_connections == 1
+    assert peer.num_connections == num_connections
 
 
 def test_a_connection_the_server_closes_is_not_reused():
