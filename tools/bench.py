@@ -17,8 +17,9 @@ Every setup runs without the router's per-tenant quotas (one anonymous tenant se
 the load; quotas are `bench overload`'s subject); admission and queue bounds stay.
 The load generator runs on the same machine, so its own CPU per request is taken from the
 server it measures (the ceiling pays none): by default it sends over Triton's HTTP endpoint
-with a lean keep-alive client (`tools.http_infer`, about a quarter of tritonclient's gRPC
-cost per request); `--protocol grpc` measures through tritonclient's gRPC client instead.
+with a lean keep-alive client (`tools.http_infer`, about half of tritonclient's gRPC
+cost per request in this open loop); `--protocol grpc` measures through tritonclient's
+gRPC client instead.
 """
 
 from __future__ import annotations

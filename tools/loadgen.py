@@ -5,9 +5,9 @@ per-model server-side deltas from Triton's statistics API, and the goodput searc
 (`RateSearch`: propose a rate, take its measured result back, decide whether it is done).
 The async runners only send requests and record what happened, on one event loop: over
 `tritonclient.grpc.aio` (one channel), or, with `LoadTarget.http_url`, over Triton's HTTP
-endpoint with the lean keep-alive client of `tools.http_infer`, which costs the machine
-under test a quarter of the CPU per request (the server's statistics are still read over
-gRPC).
+endpoint with the lean keep-alive client of `tools.http_infer`, which takes about half
+the CPU per request from the machine under test (the server's statistics are still read
+over gRPC).
 
 Latency honesty: in open loop a request's latency runs from its *scheduled* send time, so
 when the generator or the connection falls behind, that wait counts against the server

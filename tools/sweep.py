@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_ca_argument(parser)
     parser.add_argument("--http-url", type=http_endpoint, default=None, metavar="HOST:PORT",
                         help="send the requests to Triton's HTTP endpoint instead, with a lean keep-alive client "
-                             "(a quarter of the gRPC client's CPU per request: less taken from a server on the "
+                             "(about half the gRPC client's CPU per request: less taken from a server on the "
                              "same machine); the server's statistics still come over gRPC (--url); plaintext only")
     parser.add_argument("--model", default="embed", help="model to send requests to (default: %(default)s)")
     parser.add_argument("--input", default=None, metavar="NAME",
