@@ -282,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
                 return 2
         headers = admin_headers(admin_key)
         client = httpclient.InferenceServerClient(url, network_timeout=300)
+        # Closed before the server stops: an open connection holds a stopping server for its
+        # whole exit timeout, after which it quits without unloading its models.
+        stack.callback(client.close)
         try:
             if not client.is_server_live():
                 raise ConnectionError

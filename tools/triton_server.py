@@ -20,7 +20,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -250,6 +250,7 @@ def free_port() -> int:
 
 
 SERVER_PART = "tritonserver"  # the server process itself, in `process_group_cpu_by_part`
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"  # the Python backend's default region name prefix
 
 
 def stub_model_name(cmdline: Sequence[str]) -> str | None:
@@ -261,30 +262,61 @@ def stub_model_name(cmdline: Sequence[str]) -> str | None:
     return parts[-3] if len(parts) >= 3 else None
 
 
+def stub_shm_region(cmdline: Sequence[str]) -> str | None:
+    """The shared-memory region (a file under /dev/shm) through which a Python backend stub
+    and its server talk: argv[2] of the stub; None for any other process."""
+    if stub_model_name(cmdline) is None or len(cmdline) < 3:
+        return None
+    name = cmdline[2]
+    return name if name.startswith(SHM_REGION_PREFIX) and "/" not in name else None
+
+
+def _group_members(pgid: int, proc: Path) -> Iterator[tuple[int, list[str]]]:
+    """(pid, stat fields after the name) of each live process in process group `pgid`."""
+    for entry in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat_fields(entry.read_text())
+        except (OSError, ValueError):
+            continue  # the process ended while we looked
+        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
+            yield int(entry.parent.name), fields
+
+
+def _cmdline(pid: int, proc: Path) -> list[str]:
+    try:
+        return (proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []  # ended since its stat was read
+
+
 def process_group_cpu_by_part(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
     """CPU seconds used so far by the live processes of a server's process group, by part:
     `tritonserver` (the server process, whose pid is the group id) and one entry per model
     (all of its Python backend stubs); other members of the group count as `other`."""
     tick = os.sysconf("SC_CLK_TCK")
     parts: dict[str, float] = {}
-    for entry in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat_fields(entry.read_text())
-        except (OSError, ValueError):
-            continue  # the process ended while we looked
-        if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
-            continue
-        pid = int(entry.parent.name)
-        if pid == pgid:
-            part = SERVER_PART
-        else:
-            try:
-                cmdline = (entry.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                cmdline = []  # ended since its stat was read: its CPU still counts
-            part = stub_model_name(cmdline) or "other"
+    for pid, fields in _group_members(pgid, proc):
+        part = SERVER_PART if pid == pgid else stub_model_name(_cmdline(pid, proc)) or "other"
         parts[part] = parts.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return parts
+
+
+def process_group_shm_regions(pgid: int, proc: Path = Path("/proc")) -> set[str]:
+    """The shared-memory regions of the Python backend stubs now in process group `pgid`."""
+    regions = (stub_shm_region(_cmdline(pid, proc)) for pid, _ in _group_members(pgid, proc) if pid != pgid)
+    return {region for region in regions if region is not None}
+
+
+def remove_shm_regions(names: Iterable[str], shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink the regions still present; the names removed. A server that exits cleanly
+    unlinks its stubs' regions itself; one that gives up at its exit timeout, or is killed,
+    leaves them behind (4 MiB or more each, in memory, until the machine restarts)."""
+    removed = []
+    for name in sorted(names):
+        with contextlib.suppress(FileNotFoundError):
+            (shm_dir / name).unlink()
+            removed.append(name)
+    return removed
 
 
 def process_group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float:
@@ -314,6 +346,7 @@ class TritonServer:
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file = None
+        self._shm_regions: set[str] = set()  # of every stub seen, removed at stop() if the server left them
 
     @property
     def http_url(self) -> str:
@@ -381,6 +414,7 @@ class TritonServer:
                     f"{self._log_tail()}"
                 )
             if self.is_ready():
+                self._shm_regions |= process_group_shm_regions(self.process.pid)
                 return
             if on_wait is not None:
                 on_wait(deadline - time.monotonic())
@@ -393,6 +427,7 @@ class TritonServer:
             return None
         grace = timeout_s if timeout_s is not None else self.config.exit_timeout_s + 5
         if self.process.poll() is None:
+            self._shm_regions |= process_group_shm_regions(self.process.pid)
             self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=grace)
@@ -403,6 +438,10 @@ class TritonServer:
         # Its routers' shared files are of no use to any later server: remove them now rather
         # than at the next server's start (`python_backends.shared_files`).
         sweep_stale(shared_dir())
+        # So are its stubs' shared-memory regions, which a server that ran out of its exit
+        # timeout (a client holding a connection open) or was killed did not unlink.
+        remove_shm_regions(self._shm_regions)
+        self._shm_regions.clear()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -32,8 +33,10 @@ def test_served_configs_hold_the_derived_values(tmp_path):
 
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1")
-    with TritonServer(config, log_path=tmp_path / "server.log") as server:
-        client = httpclient.InferenceServerClient(server.http_url)
+    # The client is closed before the server stops (an open connection would hold the
+    # stopping server for its whole exit timeout).
+    with TritonServer(config, log_path=tmp_path / "server.log") as server, \
+            contextlib.closing(httpclient.InferenceServerClient(server.http_url)) as client:
         for name, model in plan.items():
             served = client.get_model_config(name)
             assert served["max_batch_size"] == model.config.max_batch_size, name

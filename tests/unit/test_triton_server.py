@@ -204,3 +204,45 @@ def test_pinned_memory_pool_is_off_by_default_and_settable_for_gpu_nodes():
     assert "--pinned-memory-pool-byte-size=0" in build_command(ServerConfig(), FAKE, Path("/b"))
     gpu = ServerConfig(pinned_memory_bytes=256 * 1024 * 1024)
     assert "--pinned-memory-pool-byte-size=268435456" in build_command(gpu, FAKE, Path("/b"))
+
+
+REGION = "triton_python_backend_shm_region_46f79431-4ed8-427f-bc7a-a06e48063c35"
+STUB = "/opt/backends/python/triton_python_backend_stub"
+
+
+def test_a_stubs_shared_memory_region_is_its_third_argument():
+    from tools.triton_server import stub_shm_region
+
+    argv = [STUB, "/repo/encoder_16/1/model.py", REGION, "4194304", "1048576", "7098", "/opt/backends/python",
+            "336", "encoder_16_0_1", "DEFAULT"]
+    assert stub_shm_region(argv) == REGION
+    assert stub_shm_region(["tritonserver", "--model-repository", REGION]) is None  # not a stub
+    assert stub_shm_region([STUB, "/repo/embed/1/model.py"]) is None  # no region argument
+    assert stub_shm_region([STUB, "/repo/embed/1/model.py", "../../etc/passwd"]) is None  # never a path
+    assert stub_shm_region([STUB, "/repo/embed/1/model.py", "other_prefix_1234"]) is None
+
+
+def test_the_regions_of_a_groups_stubs_are_found_and_removed_and_nothing_else(tmp_path):
+    from tools.triton_server import process_group_shm_regions, remove_shm_regions
+
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+
+    def process(pid, pgrp, argv):
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "stat").write_text(f"{pid} (x) S 1 {pgrp} " + " ".join(["0"] * 20))
+        (proc / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+
+    process(100, 100, ["tritonserver", "--model-repository", "/repo"])
+    process(101, 100, [STUB, "/repo/embed/1/model.py", REGION + "a", "4194304", "embed_0_0"])
+    process(102, 100, [STUB, "/repo/encoder_16/1/model.py", REGION + "b", "4194304", "encoder_16_0_0"])
+    process(200, 200, [STUB, "/repo/embed/1/model.py", REGION + "c", "4194304", "embed_0_0"])  # another server's
+    regions = process_group_shm_regions(100, proc=proc)
+    assert regions == {REGION + "a", REGION + "b"}
+
+    for name in (REGION + "a", REGION + "c", "unrelated"):
+        (shm / name).write_bytes(b"\0" * 16)
+    # b was already unlinked by its server; c belongs to another server; neither is touched.
+    assert remove_shm_regions(regions, shm_dir=shm) == [REGION + "a"]
+    assert sorted(path.name for path in shm.iterdir()) == [REGION + "c", "unrelated"]
