@@ -175,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     while not stop.wait(1.0):
         if server.process is not None and server.process.poll() is not None:
             print(f"error: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
+            if supervisor is not None:
+                supervisor.stop()
+            server.stop()  # its stubs' stragglers and the shared memory it left
             return 1
     if supervisor is not None:
         supervisor.stop()
