@@ -25,6 +25,7 @@ import requests
 
 from python_backends.shared_files import stat_fields
 from tools.admin_key import admin_headers
+from tools.triton_server import remove_shm_regions, stub_shm_region
 
 STUB_BINARY = "triton_python_backend_stub"
 RESTART_PARAMETER = "supervisor_restarts"  # config parameter bumped on each reload: forces a real reload
@@ -38,6 +39,7 @@ class StubProcess:
     model: str  # model name, e.g. encoder_256
     version: str  # model version folder, e.g. "1"
     instance: str  # Triton's instance name, e.g. encoder_256_0_1
+    shm_region: str | None = None  # its shared-memory region under /dev/shm (argv[2]), if named as usual
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -53,7 +55,7 @@ def parse_stub_cmdline(pid: int, argv: list[str]) -> StubProcess | None:
     if len(model_file.parts) < 3:
         return None
     return StubProcess(pid=pid, model=model_file.parent.parent.name, version=model_file.parent.name,
-                       instance=argv[8])
+                       instance=argv[8], shm_region=stub_shm_region(argv))
 
 
 def scan_stubs(server_pid: int, proc: Path = Path("/proc")) -> dict[int, StubProcess]:
@@ -154,6 +156,9 @@ class Supervisor:
             names = ", ".join(f"{s.instance} (pid {s.pid})" for s in dead)
             self.log(f"supervisor: {model}: instance {names} died; reloading the model")
             record = self.reload(model, dead)
+            # A dead stub's region is of no use to anyone, and the server does not unlink it
+            # (its mapping, if the server still holds one, stays valid until released).
+            remove_shm_regions(stub.shm_region for stub in dead if stub.shm_region)
             outcome = "back" if record["ok"] else f"reload FAILED: {record.get('error')}"
             self.log(f"supervisor: {model}: {outcome} after {record['reload_s']} s")
         return scan_stubs(self.server_pid)

@@ -1,5 +1,6 @@
 """The crash supervisor's pure parts on a fake /proc, and one poll with its I/O replaced."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ def fake_process(proc: Path, pid: int, argv: list[str], ppid: int = SERVER_PID, 
 
 def test_a_stub_command_line_names_model_version_and_instance():
     stub = parse_stub_cmdline(7, stub_argv("encoder_256", "2", "encoder_256_1_0"))
-    assert stub == StubProcess(pid=7, model="encoder_256", version="2", instance="encoder_256_1_0")
+    assert stub == StubProcess(pid=7, model="encoder_256", version="2", instance="encoder_256_1_0",
+                               shm_region="triton_python_backend_shm_region_1")
     assert stub.key == ("encoder_256", "2", "encoder_256_1_0")
 
 
@@ -85,9 +87,12 @@ def test_the_restart_marker_changes_the_config_and_leaves_the_original_alone():
     assert with_restart_marker({"name": "m"}, 1)["parameters"] == {RESTART_PARAMETER: {"string_value": "1"}}
 
 
-def test_one_poll_reloads_each_crashed_model_once_and_logs_it(monkeypatch):
+def test_one_poll_reloads_each_crashed_model_once_logs_it_and_unlinks_the_dead_stubs_regions(monkeypatch):
     before = stubs((1, "encoder_16", "encoder_16_0_0"), (2, "encoder_16", "encoder_16_0_1"),
                    (3, "encoder_32", "encoder_32_0_0"))
+    before[1] = replace(before[1], shm_region="triton_python_backend_shm_region_a")  # the other has none
+    removed = []
+    monkeypatch.setattr(supervisor, "remove_shm_regions", lambda names: removed.extend(names))
     after = stubs((3, "encoder_32", "encoder_32_0_0"))
     scans = iter([after, after])
     monkeypatch.setattr(supervisor, "scan_stubs", lambda pid: next(scans))
@@ -102,6 +107,7 @@ def test_one_poll_reloads_each_crashed_model_once_and_logs_it(monkeypatch):
     monkeypatch.setattr(watcher, "reload", reload)
     assert watcher.check(before) == after
     assert reloads == [("encoder_16", [1, 2])]
+    assert removed == ["triton_python_backend_shm_region_a"]  # the server does not unlink a dead stub's
     assert lines == ["supervisor: encoder_16: instance encoder_16_0_0 (pid 1), encoder_16_0_1 (pid 2) died; "
                      "reloading the model", "supervisor: encoder_16: back after 1.5 s"]
 
