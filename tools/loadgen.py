@@ -18,6 +18,7 @@ could not be sent at all (too many outstanding) are counted as errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -523,20 +524,17 @@ async def resolve_stats_models(client: Any, target: LoadTarget) -> list[str]:
 async def _measure(target: LoadTarget, mode: Mode, load: float, drive) -> StepResult:
     import tritonclient.grpc.aio as grpcclient
 
-    http = HttpInferClient(*split_host_port(target.http_url)) if target.http_url else None
-    async with grpcclient.InferenceServerClient(target.grpc_url, **client_tls_kwargs(target.tls_ca)) as client:
-        try:
-            models = await resolve_stats_models(client, target)
-            sender = _Sender(client, target, http)
-            before = await _server_stats(client)
-            cpu_start, start = time.process_time(), time.perf_counter()
-            await drive(sender, start)
-            duration_s = time.perf_counter() - start
-            client_cpu_s = time.process_time() - cpu_start
-            after = await _server_stats(client)
-        finally:
-            if http is not None:
-                await http.close()
+    http_client = HttpInferClient(*split_host_port(target.http_url)) if target.http_url else contextlib.nullcontext()
+    async with grpcclient.InferenceServerClient(target.grpc_url, **client_tls_kwargs(target.tls_ca)) as client, \
+            http_client as http:
+        models = await resolve_stats_models(client, target)
+        sender = _Sender(client, target, http)
+        before = await _server_stats(client)
+        cpu_start, start = time.process_time(), time.perf_counter()
+        await drive(sender, start)
+        duration_s = time.perf_counter() - start
+        client_cpu_s = time.process_time() - cpu_start
+        after = await _server_stats(client)
     server = {model: times for model, times in server_times_delta(before, after).items() if model in models}
     return summarize_step(mode=mode, load=load, duration_s=duration_s, latencies_ms=sender.latencies_ms,
                           errors=sender.errors, slo_ms=target.slo_ms, send_lags_ms=sender.send_lags_ms,

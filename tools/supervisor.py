@@ -25,9 +25,8 @@ import requests
 
 from python_backends.shared_files import stat_fields
 from tools.admin_key import admin_headers
-from tools.triton_server import remove_shm_regions, stub_shm_region
+from tools.triton_server import STUB_BINARY, remove_shm_regions, stub_shm_region
 
-STUB_BINARY = "triton_python_backend_stub"
 RESTART_PARAMETER = "supervisor_restarts"  # config parameter bumped on each reload: forces a real reload
 
 

@@ -20,6 +20,8 @@ import csv
 import json
 import shlex
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +29,6 @@ from typing import Any
 
 from loadtest.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
 from tools.grpc_tls import TlsConfigError, add_ca_argument, check_pem, client_tls_kwargs
-from tools.http_infer import ProtocolError, parse_response_head
 from tools.loadgen import (
     LoadTarget,
     RateSearch,
@@ -277,27 +278,22 @@ async def check_server(target: LoadTarget, input_name: str | None) -> LoadTarget
         if input_name is None:
             input_name = pick_text_input(await client.get_model_metadata(target.model, as_json=True))
     if target.http_url is not None:
-        await check_http(target.http_url)
+        check_http(target.http_url)
     return replace(target, input_name=input_name,
                    stats_models=target.stats_models or tuple(default_stats_models(target.model, index)))
 
 
-async def check_http(url: str) -> None:
+def check_http(url: str) -> None:
     """The HTTP endpoint answers as a live Triton server."""
     host, port = split_host_port(url)
     try:
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                writer.write(f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-                status = parse_response_head(await reader.readuntil(b"\r\n\r\n")).status
-            finally:
-                writer.close()
-    except (OSError, TimeoutError, EOFError, ProtocolError) as err:
-        raise SweepError(f"cannot reach tritonserver over HTTP at {url} ({type(err).__name__}: {err}); "
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/live", timeout=CONNECT_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError as err:
+        raise SweepError(f"tritonserver at {url} is not live (HTTP {err.code} from /v2/health/live)") from None
+    except (urllib.error.URLError, OSError) as err:
+        raise SweepError(f"cannot reach tritonserver over HTTP at {url} ({err}); "
                          "is --http-url its HTTP port?") from None
-    if status != 200:
-        raise SweepError(f"tritonserver at {url} is not live (HTTP {status} from /v2/health/live)")
 
 
 async def sweep(target: LoadTarget, args: argparse.Namespace, search: RateSearch | None) -> list[StepResult]:

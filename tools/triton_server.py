@@ -31,6 +31,7 @@ from tools.admin_key import restricted_api_args
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
+STUB_BINARY = "triton_python_backend_stub"  # the Python backend's stub executable, one process per instance
 # RE2, matched against header names: `tenant` and `tenant-token` reach the models as request
 # parameters of the same names. Nothing else is forwarded (an `authorization` header belongs
 # to whatever proxy sits in front, not to the tenant).
@@ -76,7 +77,7 @@ def find_distribution(python_version: str | None = None, triton_home: Path | Non
         binary=dist_dir / "bin" / "tritonserver",
         libs_dir=package_dir.parent / "nvidia_pytriton.libs",
         backends_dir=dist_dir / "backends",
-        stub=dist_dir / "python_backend_stubs" / version / "triton_python_backend_stub",
+        stub=dist_dir / "python_backend_stubs" / version / STUB_BINARY,
     )
     for what, path in (("tritonserver binary", dist.binary), ("Python backend", dist.backends_dir / "python"),
                        ("bundled libraries", dist.libs_dir)):
@@ -103,14 +104,14 @@ def prepare_backends(dist: TritonDistribution, build_dir: Path = DEFAULT_BUILD_D
     Copied into place and renamed atomically, so concurrent servers never see a half copy.
     """
     target = build_dir / "backends"
-    stub_target = target / "python" / "triton_python_backend_stub"
+    stub_target = target / "python" / STUB_BINARY
     if stub_target.is_file() and stub_target.stat().st_size == dist.stub.stat().st_size:
         return target
     build_dir.mkdir(parents=True, exist_ok=True)
     staging = build_dir / f"backends.tmp{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(dist.backends_dir, staging, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(dist.stub, staging / "python" / "triton_python_backend_stub")
+    shutil.copy2(dist.stub, staging / "python" / STUB_BINARY)
     shutil.rmtree(target, ignore_errors=True)
     try:
         staging.rename(target)
@@ -256,7 +257,7 @@ SHM_REGION_PREFIX = "triton_python_backend_shm_region_"  # the Python backend's 
 def stub_model_name(cmdline: Sequence[str]) -> str | None:
     """The model a Python backend stub serves, from its command line (argv[1] is
     `<repository>/<model>/<version>/model.py`); None for any other process."""
-    if len(cmdline) < 2 or not cmdline[0].endswith("triton_python_backend_stub"):
+    if len(cmdline) < 2 or not cmdline[0].endswith(STUB_BINARY):
         return None
     parts = Path(cmdline[1]).parts
     return parts[-3] if len(parts) >= 3 else None
