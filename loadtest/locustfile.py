@@ -13,16 +13,11 @@ exits non-zero when any SLO is missed.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 # Locust has patched the standard library for gevent before it imports this file; gRPC must
 # be told to cooperate, or a blocking gRPC call would stall every user of the process.
 import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: loadtest, tools
 
 from locust import LoadTestShape, events  # noqa: E402
 

@@ -21,9 +21,10 @@ from loadtest import triton_users
 from loadtest.mix import LoadMix, Protocol, load_mix
 from loadtest.shapes import LoadShape, compress, load_shape, scale_users
 from loadtest.slo import Sample, judge, render_markdown, stage_rows, targets_for
-from tools.grpc_tls import check_pem
-from tools.spec import DEFAULT_SPEC, ServingSpec, SpecError, load_spec
-from tools.tenant_token import KeysError, tenant_parameters
+from tools.clients.tenant_token import KeysError, tenant_parameters
+from tools.clients.tls import check_pem
+from tools.paths import DEFAULT_SPEC
+from tools.spec.serving import ServingSpec, SpecError, load_spec
 
 log = logging.getLogger("loadtest")
 SAMPLES_KEY = "slo_samples"  # in the worker -> master stats report

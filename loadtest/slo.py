@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from loadtest.mix import LoadMix, ModelKind
 from loadtest.shapes import LoadShape, stage_index
-from tools.loadgen import percentile
+from tools.bench.loadgen import percentile
 
 
 class Metric(StrEnum):

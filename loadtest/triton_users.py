@@ -25,9 +25,9 @@ from locust import User, constant_throughput, task
 
 from loadtest.mix import LoadMix, ModelKind, ModelMix, Protocol, draw_tenant, draw_weighted
 from loadtest.slo import Metric, Sample
-from loadtest.workload import ChatWorkload, TextFactory, draw_chat, load_chat_workload, load_workload
-from tools.client import Outcome, classify
-from tools.grpc_tls import client_tls_kwargs
+from tools.clients.retrying import Outcome, classify
+from tools.clients.tls import client_tls_kwargs
+from tools.spec.workload import ChatWorkload, TextFactory, draw_chat, load_chat_workload, load_workload
 
 TEXT_POOL_SIZE = 256  # texts made per embedding workload at start; requests draw from them
 
@@ -233,7 +233,7 @@ class LLMStreamUser(TritonUser):
     protocol = Protocol.GRPC
 
     def make_client(self):
-        from tools.llm_client import LLMStream
+        from tools.clients.llm import LLMStream
 
         return LLMStream(self.context.grpc_url, tls_ca=self.context.grpc_tls_ca)
 
@@ -280,7 +280,7 @@ class LLMHttpUser(TritonUser):
 
     @task
     def chat(self) -> None:
-        from tools.llm_client import llm_inputs
+        from tools.clients.llm import llm_inputs
 
         model, tenant = self.pick()
         request = _chat_request(model, self.context, self.rng)

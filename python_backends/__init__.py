@@ -1,5 +1,7 @@
-"""Logic of the Python backends served by Triton: tokenization, length bucketing, routing.
+"""Logic of the Python backends served by Triton.
 
-`model_repository/*/*/model.py` files are thin adapters over this package, so everything
-here is importable and testable without a server.
+`model_repository/*/*/model.py` files import their adapter from `adapters`, the only code that
+touches `triton_python_backend_utils`; everything below it is importable and testable without a
+server. Layers (import-linter contract in pyproject.toml): `adapters` -> `embed`, `llm` ->
+`common`. Nothing here imports `tools`.
 """

@@ -1,8 +1,8 @@
 """Triton adapter for `embed`: tensors in, BLS calls to the bucket models, tensors out.
 
 All decisions (validation, tokenization, bucket choice, padding, reassembly, which
-encoder version serves) live in `python_backends.embed`, `python_backends.buckets` and
-`python_backends.routing`.
+encoder version serves) live in `python_backends.embed.router`, `python_backends.embed.buckets` and
+`python_backends.embed.routing`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.admission import SharedWork, instance_slot, tier_share
-from python_backends.artifacts import verify_artifacts
-from python_backends.buckets import reassemble
-from python_backends.embed import (
+from python_backends.common.artifacts import verify_artifacts
+from python_backends.common.errors import InvalidInput
+from python_backends.common.metric_buffer import DeltaBuffer, ObservationBuffer
+from python_backends.common.quotas import SharedBuckets, admit
+from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
+from python_backends.common.tenant_auth import AuthError, AuthFailure, AuthMode, KeySource, resolve_tenant
+from python_backends.common.tokenization import TextTokenizer
+from python_backends.embed.admission import SharedWork, instance_slot, tier_share
+from python_backends.embed.buckets import reassemble
+from python_backends.embed.router import (
     AUTH_FAILURE_COUNTER,
     BUCKET_COUNTERS,
     COSINE_BUCKETS,
@@ -42,13 +48,7 @@ from python_backends.embed import (
     parse_router_config,
     row_cosines,
 )
-from python_backends.errors import InvalidInput
-from python_backends.metric_buffer import DeltaBuffer, ObservationBuffer
-from python_backends.quotas import SharedBuckets, admit
-from python_backends.routing import RoutingSource, RoutingTable
-from python_backends.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
-from python_backends.tenant_auth import AuthError, AuthFailure, AuthMode, KeySource, resolve_tenant
-from python_backends.tokenization import TextTokenizer
+from python_backends.embed.routing import RoutingSource, RoutingTable
 
 MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load on a busy server
 
@@ -71,7 +71,7 @@ class Accepted:
 
 class BufferedCounter:
     """A counter or gauge whose increments go to the instance's `DeltaBuffer`, not to Triton
-    one call at a time (see `python_backends.metric_buffer`)."""
+    one call at a time (see `python_backends.common.metric_buffer`)."""
 
     __slots__ = ("metric", "sink")
 
@@ -150,7 +150,7 @@ class TritonPythonModel:
         }
         # Quotas hold across every instance of the router (each its own process) of this
         # server run (the stub's parent), so the buckets live in one shared file, named for
-        # the run so that no later server inherits it (see `python_backends.shared_files`).
+        # the run so that no later server inherits it (see `python_backends.common.shared_files`).
         directory, run = shared_dir(), server_run(os.getppid())
         sweep_stale(directory)
         self.tenants = config.tenants

@@ -1,4 +1,4 @@
-"""Triton adapter for a bucket encoder model (`encoder_<len>`); the logic lives in `python_backends.encoder`."""
+"""Triton adapter for a bucket encoder model (`encoder_<len>`); the logic lives in `python_backends.embed.encoder`."""
 
 import json
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.artifacts import verify_artifacts
-from python_backends.encoder import (
+from python_backends.common.artifacts import verify_artifacts
+from python_backends.embed.encoder import (
     BATCH_ROWS_HISTOGRAM,
     OnnxEncoder,
     batch_rows_buckets,

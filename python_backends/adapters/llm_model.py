@@ -3,7 +3,7 @@
 `execute` only validates and tokenizes each request and hands it to the engine loop; the
 loop thread streams the responses back through each request's response sender. All
 decisions (scheduling, sampling, stop strings, text deltas) live in
-`python_backends.llm_engine` and `python_backends.llm_scheduler`.
+`python_backends.llm.engine` and `python_backends.llm.scheduler`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.artifacts import verify_artifacts
-from python_backends.errors import InvalidInput
-from python_backends.llm_engine import (
+from python_backends.common.artifacts import verify_artifacts
+from python_backends.common.errors import InvalidInput
+from python_backends.common.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
+from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, parse_auth_parameter, resolve_tenant
+from python_backends.llm.engine import (
     EngineLoop,
     EngineStats,
     LLMEngine,
@@ -26,8 +28,6 @@ from python_backends.llm_engine import (
     inputs_from_arrays,
     parse_engine_config,
 )
-from python_backends.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
-from python_backends.tenant_auth import AuthError, AuthMode, KeySource, parse_auth_parameter, resolve_tenant
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 TTFT_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.spec import load_spec
-from tools.tenant_token import ensure_key
-from tools.triton_server import ServerConfig, TritonServer, free_port
+from tools.clients.tenant_token import ensure_key
+from tools.server.triton_server import ServerConfig, TritonServer, free_port
+from tools.spec.serving import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "build" / "test-logs"

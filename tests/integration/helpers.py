@@ -11,7 +11,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 BUCKETS = (16, 32, 64, 128, 256)
-# The router hands its counters to Triton every half second (python_backends.metric_buffer):
+# The router hands its counters to Triton every half second (python_backends.common.metric_buffer):
 # wait this long for counts of earlier requests to land before taking a baseline.
 ROUTER_COUNTERS_LAG_S = 1.2
 
@@ -28,8 +28,9 @@ def settled(read, check, timeout_s: float = 5.0):
 def as_tenant(tenant: str) -> dict[str, str]:
     """Request parameters that make a request `tenant`'s on the test server: its token, signed
     with the serving spec's keys (the session fixture makes a key if there is none)."""
-    from tools.spec import DEFAULT_SPEC, load_spec
-    from tools.tenant_token import tenant_parameters
+    from tools.clients.tenant_token import tenant_parameters
+    from tools.paths import DEFAULT_SPEC
+    from tools.spec.serving import load_spec
 
     return tenant_parameters(load_spec(DEFAULT_SPEC), [tenant])[tenant]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.triton_server import free_port
+from tools.server.triton_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 3.0  # short, so that a killed worker's items come back within the test

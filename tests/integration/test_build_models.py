@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from python_backends.artifacts import MANIFEST, file_sha256, verify_artifacts
+from python_backends.common.artifacts import MANIFEST, file_sha256, verify_artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 

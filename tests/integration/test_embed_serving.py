@@ -29,7 +29,7 @@ from tests.integration.helpers import (
     text_with_tokens,
     token_count,
 )
-from tools.serve import example_request
+from tools.cli.serve import example_request
 
 # Lengths that land in every bucket, on both sides of each edge, plus one beyond the limit.
 LENGTHS = (5, 16, 17, 32, 33, 60, 100, 128, 129, 250, 256)

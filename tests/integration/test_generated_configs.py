@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as httpclient
 
-from tools.gen_config import plan_all
-from tools.latency_profile import load_profile
-from tools.spec import load_spec
-from tools.triton_server import ServerConfig, TritonServer, free_port
+from tools.repository.configs import plan_all
+from tools.server.triton_server import ServerConfig, TritonServer, free_port
+from tools.spec.profile import load_profile
+from tools.spec.serving import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_PROFILE = REPO / "tests" / "data" / "small_profile.json"

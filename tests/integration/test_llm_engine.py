@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.llm_engine import EngineConfig, LLMEngine, build_inputs
-from python_backends.llm_model import GROUP_SPLIT_SLOTS
-from python_backends.llm_scheduler import BatchingPolicy, FinishReason
+from python_backends.llm.engine import EngineConfig, LLMEngine, build_inputs
+from python_backends.llm.model import GROUP_SPLIT_SLOTS
+from python_backends.llm.scheduler import BatchingPolicy, FinishReason
 from tests.integration.helpers import CHAT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,7 +144,7 @@ def test_seeded_sampling_repeats_and_streams_deltas():
 
 
 def test_a_prompt_beyond_the_context_is_refused():
-    from python_backends.errors import InvalidInput
+    from python_backends.common.errors import InvalidInput
 
     llm = engine(max_model_len=64)
     with pytest.raises(InvalidInput, match="the context holds 64"):

@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.integration.conftest import LOG_DIR
 from tests.integration.helpers import CHAT_QUESTIONS, as_tenant
-from tools.llm_client import LLMStream, llm_inputs
+from tools.clients.llm import LLMStream, llm_inputs
 
 QUESTIONS = CHAT_QUESTIONS
 
@@ -221,8 +221,9 @@ def test_a_tenant_over_its_generated_token_quota_is_refused_while_others_generat
 def test_a_bad_tenant_credential_is_refused_before_anything_is_generated(triton, http_client):
     """serving.toml authenticates tenants (anonymous mode): a forged, expired or malformed
     token, or a bare `tenant` claim, is a 400 on every way into the engine; nothing is generated."""
-    from tools.spec import DEFAULT_SPEC, load_spec
-    from tools.tenant_token import issue
+    from tools.clients.tenant_token import issue
+    from tools.paths import DEFAULT_SPEC
+    from tools.spec.serving import load_spec
 
     keys_file = load_spec(DEFAULT_SPEC).tenant_auth.keys_file
     valid = as_tenant("search-frontend")["tenant_token"]

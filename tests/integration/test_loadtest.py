@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.triton_server import free_port
+from tools.server.triton_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EMBED_TENANTS = {"search-frontend", "acme", "nightly-backfill"}

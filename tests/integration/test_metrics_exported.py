@@ -8,8 +8,8 @@ import tritonclient.grpc as grpcclient
 
 from tests.docker_files import queried_metric_names
 from tests.integration.helpers import as_tenant, grpc_embed, text_with_tokens
-from tools import metrics
-from tools.metrics import parse_exposition
+from tools.observe import metrics
+from tools.observe.metrics import parse_exposition
 
 # Exported only where Triton sees a GPU; this suite runs on CPU machines.
 GPU_ONLY = {"nv_gpu_utilization"}

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.integration.helpers import as_tenant, grpc_embed, text_with_tokens
-from tools.metrics import BATCH_ROWS, Window, take_snapshot
+from tools.observe.metrics import BATCH_ROWS, Window, take_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,11 +26,12 @@ import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from python_backends.admission import ADMIT_ALL
-from python_backends.artifacts import MANIFEST
-from tools.admin_key import ADMIN_KEY_ENV, admin_headers
-from tools.spec import load_spec
-from tools.triton_server import DEFAULT_MODEL_REPOSITORY, ModelControlMode, ServerConfig, TritonServer, free_port
+from python_backends.common.artifacts import MANIFEST
+from python_backends.embed.admission import ADMIT_ALL
+from tools.paths import DEFAULT_MODEL_REPOSITORY
+from tools.server.admin_key import ADMIN_KEY_ENV, admin_headers
+from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
+from tools.spec.serving import load_spec
 
 from .conftest import LOG_DIR, REPO
 

@@ -21,20 +21,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from python_backends.artifacts import MANIFEST
-from tools.admin_key import admin_headers, grpc_admin_metadata
+from python_backends.common.artifacts import MANIFEST
 from tools.batch.policy import ItemKind
 from tools.batch.worker import make_callers
-from tools.client import EmbedClient
-from tools.spec import load_spec
-from tools.triton_server import (
-    DEFAULT_MODEL_REPOSITORY,
-    GrpcTls,
-    ModelControlMode,
-    ServerConfig,
-    TritonServer,
-    free_port,
-)
+from tools.clients.retrying import EmbedClient
+from tools.paths import DEFAULT_MODEL_REPOSITORY
+from tools.server.admin_key import admin_headers, grpc_admin_metadata
+from tools.server.triton_server import GrpcTls, ModelControlMode, ServerConfig, TritonServer, free_port
+from tools.spec.serving import load_spec
 
 from .conftest import LOG_DIR, REPO
 
@@ -195,7 +189,7 @@ def test_a_tampered_onnx_file_fails_to_load_naming_the_file_while_other_models_s
 def test_request_payloads_never_reach_the_server_log_at_default_verbosity(triton, http_client):
     """Texts, prompts and malformed bodies, good and bad requests alike: the log (what the
     session server writes at --log-verbose 0) holds none of them."""
-    from tools.llm_client import LLMStream
+    from tools.clients.llm import LLMStream
 
     marker = f"confidential-{secrets.token_hex(8)}"
     assert http_client.infer("embed", [text_input(httpclient, f"{marker} in a text")]).as_numpy("EMBEDDING").size

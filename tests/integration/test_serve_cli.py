@@ -14,8 +14,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tools.admin_key import ADMIN_HEADER, admin_headers, grpc_admin_metadata, read_key_file, write_new_key
-from tools.triton_server import free_port
+from tools.server.admin_key import ADMIN_HEADER, admin_headers, grpc_admin_metadata, read_key_file, write_new_key
+from tools.server.triton_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,6 +100,6 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigint(tmp_path):
     assert "tritonserver stopped (exit code 0)" in rest
     # The server and its Python backend stubs are gone: the ports are free again.
     time.sleep(0.5)
-    from tools.triton_server import busy_ports
+    from tools.server.triton_server import busy_ports
 
     assert busy_ports({"HTTP": ports["http"], "gRPC": ports["grpc"]}, "127.0.0.1") == {}

@@ -7,7 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port, process_group_shm_regions
+from tools.server.triton_server import (
+    ModelControlMode,
+    ServerConfig,
+    TritonServer,
+    free_port,
+    process_group_shm_regions,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")

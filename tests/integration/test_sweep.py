@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from tests.integration.helpers import as_tenant
-from tools.loadgen import LoadTarget, run_open_loop
-from tools.triton_server import free_port
+from tools.bench.loadgen import LoadTarget, run_open_loop
+from tools.server.triton_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

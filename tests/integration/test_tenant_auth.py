@@ -26,14 +26,14 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from python_backends.admission import SharedWork
-from python_backends.quotas import TenantPolicy, TierPolicy
-from python_backends.shared_files import server_run, shared_dir, shared_file_name
-from python_backends.tenant_auth import AuthConfig, AuthMode, encode_secret, parse_keys
+from python_backends.common.quotas import TenantPolicy, TierPolicy
+from python_backends.common.shared_files import server_run, shared_dir, shared_file_name
+from python_backends.common.tenant_auth import AuthConfig, AuthMode, encode_secret, parse_keys
+from python_backends.embed.admission import SharedWork
 from tests.integration.helpers import ROUTER_COUNTERS_LAG_S, settled
-from tools.spec import load_spec
-from tools.tenant_token import add_key, drop_key, issue
-from tools.triton_server import ServerConfig, TritonServer, free_port
+from tools.clients.tenant_token import add_key, drop_key, issue
+from tools.server.triton_server import ServerConfig, TritonServer, free_port
+from tools.spec.serving import load_spec
 
 from .conftest import LOG_DIR, REPO
 

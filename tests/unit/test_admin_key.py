@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.admin_key import (
+from tools.cli.serve import server_admin_key
+from tools.server.admin_key import (
     ADMIN_HEADER,
     ADMIN_KEY_ENV,
     GRPC_ADMIN_METADATA,
@@ -22,8 +23,7 @@ from tools.admin_key import (
     restricted_api_args,
     write_new_key,
 )
-from tools.serve import server_admin_key
-from tools.triton_server import ModelControlMode, ServerConfig, TritonDistribution, build_command
+from tools.server.triton_server import ModelControlMode, ServerConfig, TritonDistribution, build_command
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "a" * 20 + "-_.~+/" + "Z9" * 4

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from python_backends.admission import (
+from python_backends.embed.admission import (
     ADMIT_ALL,
     MAX_SLOTS,
     AdmissionPolicy,
@@ -19,7 +19,8 @@ from python_backends.admission import (
     shared_work_ahead_ms,
     tier_share,
 )
-from tools.derivation import ADMISSION_WORK_SHARE, LatencyCurve, admission_target_ms, derive_admission
+from tools.planning.derivation import ADMISSION_WORK_SHARE, admission_target_ms, derive_admission
+from tools.spec.profile import LatencyCurve
 
 POLICY = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0)
 SHARED = AdmissionPolicy(row_cost_ms={16: 4.0, 64: 20.0, 256: 80.0}, lanes=2, max_work_ms=60.0, shared_lanes=True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from python_backends.artifacts import (
+from python_backends.common.artifacts import (
     MANIFEST,
     ArtifactError,
     file_sha256,

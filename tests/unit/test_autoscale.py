@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from tools.autoscale import (
+from tools.observe.explain import QueueKnobs
+from tools.planning.autoscale import (
     AutoscalePolicy,
     AutoscaleState,
     Signals,
@@ -12,7 +13,6 @@ from tools.autoscale import (
     default_pending_per_replica,
     ratios,
 )
-from tools.explain import QueueKnobs
 
 POLICY = AutoscalePolicy(slo_p95_ms=200.0, pending_per_replica=20.0, max_replicas=10, startup_s=60.0,
                          scale_down_window_s=300.0)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tools.bench import (
+from tools.bench.goodput import (
     cpu_breakdown,
     embed_plan,
     median_index,
@@ -11,9 +11,9 @@ from tools.bench import (
     round_ratios,
     without_tenant_quotas,
 )
-from tools.latency_profile import load_profile
-from tools.loadgen import summarize_step
-from tools.spec import load_spec
+from tools.bench.loadgen import summarize_step
+from tools.spec.profile import load_profile
+from tools.spec.serving import load_spec
 
 
 def plans():

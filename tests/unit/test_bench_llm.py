@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_llm import (
+from tools.bench.llm import (
     DEFAULT_CHAT_WORKLOAD,
     load_chat_workload,
     plan_requests,
@@ -16,10 +16,10 @@ from tools.bench_llm import (
     summarise,
     tokens_per_s_timeline,
 )
-from tools.gen_config import plan_llm_model
-from tools.latency_profile import load_profile
-from tools.llm_client import STREAM_CLOSED, Generation
-from tools.spec import load_spec
+from tools.clients.llm import STREAM_CLOSED, Generation
+from tools.repository.configs import plan_llm_model
+from tools.spec.profile import load_profile
+from tools.spec.serving import load_spec
 
 
 def test_plan_is_open_loop_poisson_reproducible_and_spreads_lengths():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from python_backends.buckets import (
+from python_backends.embed.buckets import (
     Chunk,
     choose_bucket,
     pad_rows,

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from tools import capacity
-from tools.capacity import Demand, best, candidates, plan
-from tools.derivation import LatencyCurve
+from tools.planning import capacity
+from tools.planning.capacity import Demand, best, candidates, plan
+from tools.spec.profile import LatencyCurve
 
 
 def test_replicas_follow_the_formula_and_round_up():

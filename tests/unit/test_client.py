@@ -2,7 +2,7 @@
 
 import pytest
 
-from tools.client import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s, retry_after_s
+from tools.clients.retrying import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s, retry_after_s
 
 QUOTA = ("tenant 'a' is over its quota of 2 requests/s (tier standard, burst 2; this request needs 1); "
          "retry after 0.250 s")

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from tools.derivation import BucketDemand, InfeasibleSLO, LatencyCurve, derive_knobs, find_knee
+from tools.planning.derivation import BucketDemand, InfeasibleSLO, derive_knobs, find_knee
+from tools.spec.profile import LatencyCurve
 
 # A CPU-like curve: per-execution cost grows almost linearly past b = 8.
 CURVE = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0, 16: 20.0, 32: 39.0, 64: 77.0})
@@ -151,8 +152,8 @@ def test_queue_timeout_can_be_left_to_the_queue_bound():
 
 
 def test_router_has_an_instance_per_core_and_workers_for_all_that_admission_lets_in():
-    from python_backends.admission import ADMIT_ALL, AdmissionPolicy
-    from tools.derivation import derive_router
+    from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
+    from tools.planning.derivation import derive_router
 
     admission = AdmissionPolicy(row_cost_ms={16: 5.0, 256: 80.0}, lanes=2, max_work_ms=60.0, target_ms=195.0,
                                 min_work_ms=40.0, max_limit_ms=195.0)
@@ -169,7 +170,7 @@ def test_router_has_an_instance_per_core_and_workers_for_all_that_admission_lets
 
 
 def test_shared_device_batches_grow_where_they_free_the_most_time():
-    from tools.derivation import SharedLoad, plan_shared_batches
+    from tools.planning.derivation import SharedLoad, plan_shared_batches
 
     short = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0})  # batches well
     long = LatencyCurve({1: 40.0, 2: 78.0, 4: 150.0})  # barely batches
@@ -193,7 +194,7 @@ def test_shared_batch_sets_the_linger():
 
 
 def test_a_device_with_more_lanes_carries_more_before_batching():
-    from tools.derivation import SharedLoad, plan_shared_batches
+    from tools.planning.derivation import SharedLoad, plan_shared_batches
 
     short = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0})
     loads = [SharedLoad("encoder_16", 300.0, short, 8)]  # 1.2 lanes busy at b = 1
@@ -206,7 +207,7 @@ def test_a_device_with_more_lanes_carries_more_before_batching():
 
 
 def test_work_outside_the_buckets_counts_against_the_device():
-    from tools.derivation import SharedLoad, plan_shared_batches
+    from tools.planning.derivation import SharedLoad, plan_shared_batches
 
     short = LatencyCurve({1: 4.0, 2: 5.0, 4: 7.0, 8: 11.0})
     loads = [SharedLoad("encoder_16", 150.0, short, 8)]  # 0.6 of the device at b = 1

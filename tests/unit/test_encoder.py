@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from python_backends.encoder import (
+from python_backends.embed.encoder import (
     EncoderConfig,
     batch_rows_buckets,
     parse_encoder_config,

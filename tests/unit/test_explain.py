@@ -2,8 +2,7 @@
 
 import pytest
 
-from tools.derivation import LatencyCurve
-from tools.explain import (
+from tools.observe.explain import (
     Cause,
     LLMWindow,
     QueueKnobs,
@@ -13,7 +12,8 @@ from tools.explain import (
     diagnose_queue,
     knobs_from_repository,
 )
-from tools.metrics import QueueStats
+from tools.observe.metrics import QueueStats
+from tools.spec.profile import LatencyCurve
 
 KNOBS = QueueKnobs(model="encoder_16", max_batch_size=22, preferred_batch=4, max_queue_delay_ms=60.0, instances=2)
 CURVE = LatencyCurve({1: 6.7, 2: 11.2, 4: 18.9, 8: 34.8})
@@ -168,7 +168,7 @@ def test_formed_batches_are_the_statistics_api_difference_per_size():
                              for size, n in counts.items()]},
             {"name": "other", "version": "1", "batch_stats": [{"batch_size": 1, "compute_infer": {"count": "9"}}]}]}
 
-    from tools.explain import formed_batches
+    from tools.observe.explain import formed_batches
 
     delta = formed_batches(stats({1: 10, 4: 2}), stats({1: 25, 2: 3, 4: 2}), ["encoder_16"])
     assert delta == {"encoder_16": {1: 15, 2: 3}}

@@ -9,12 +9,12 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from python_backends.embed import parse_router_config
-from python_backends.quotas import TenantPolicy
-from python_backends.routing import RoutingTable
-from tools.gen_config import add_encoder_warmup, check, expected_files, plan_all
-from tools.latency_profile import ProfileError, load_profile, profile_from_dict, profile_to_dict
-from tools.spec import SpecError, load_spec, parse_spec
+from python_backends.common.quotas import TenantPolicy
+from python_backends.embed.router import parse_router_config
+from python_backends.embed.routing import RoutingTable
+from tools.repository.configs import add_encoder_warmup, check, expected_files, plan_all
+from tools.spec.profile import ProfileError, load_profile, profile_from_dict, profile_to_dict
+from tools.spec.serving import SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_PROFILE = REPO / "tests" / "data" / "small_profile.json"
@@ -215,7 +215,7 @@ def test_router_has_one_version_answers_version_and_splits_all_traffic_to_versio
 
 
 def test_the_router_and_the_llm_read_back_how_tenants_authenticate(plan):
-    from python_backends.tenant_auth import AuthConfig, AuthMode, parse_auth_parameter
+    from python_backends.common.tenant_auth import AuthConfig, AuthMode, parse_auth_parameter
 
     expected = AuthConfig(AuthMode.ANONYMOUS, "build/tenant_keys.json", 30.0)
     by_name = {m.name: m for m in plan}
@@ -357,7 +357,7 @@ def test_profile_reports_an_unreachable_server():
 @pytest.mark.parametrize(("kind", "threads", "cores", "lanes"),
                          [("cpu", 1, 2, 2), ("cpu", 2, 8, 4), ("cpu", 0, 16, 1), ("cpu", 4, 2, 1), ("gpu", 1, 16, 1)])
 def test_lanes_are_cores_over_threads_on_a_cpu_and_one_on_a_gpu(kind, threads, cores, lanes):
-    from tools.spec import HardwareLimits
+    from tools.spec.serving import HardwareLimits
 
     limits = HardwareLimits(kind=kind, instance_kind="KIND_CPU", max_instances=8, intra_op_threads=threads,
                             ort_spinning=False)

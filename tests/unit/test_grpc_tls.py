@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.grpc_tls import TlsConfigError, check_pem, client_tls_kwargs
-from tools.serve import grpc_tls
-from tools.triton_server import GrpcTls, ServerConfig, TritonDistribution, build_command
+from tools.cli.serve import grpc_tls
+from tools.clients.tls import TlsConfigError, check_pem, client_tls_kwargs
+from tools.server.triton_server import GrpcTls, ServerConfig, TritonDistribution, build_command
 
 REPO = Path(__file__).resolve().parents[2]
 PEM = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"

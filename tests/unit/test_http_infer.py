@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from tools.http_infer import (
+from tools.clients.http_infer import (
     HttpInferClient,
     ProtocolError,
     ResponseHead,

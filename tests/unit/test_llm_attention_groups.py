@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from python_backends.llm_model import GROUP_SPLIT_SLOTS, group_by_length
+from python_backends.llm.model import GROUP_SPLIT_SLOTS, group_by_length
 
 
 def padded_slots(lengths: list[int], groups: list[list[int]]) -> int:

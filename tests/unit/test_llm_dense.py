@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from python_backends.llm_model import PACK_BATCH_HINT, DenseWeight, onednn_available
+from python_backends.llm.model import PACK_BATCH_HINT, DenseWeight, onednn_available
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from python_backends.errors import InvalidInput
-from python_backends.llm_engine import (
+from python_backends.common.errors import InvalidInput
+from python_backends.llm.engine import (
     EngineConfig,
     build_inputs,
     find_stop,
@@ -18,7 +18,7 @@ from python_backends.llm_engine import (
     sample,
     unsafe_suffix,
 )
-from python_backends.llm_scheduler import BatchingPolicy, SamplingParams
+from python_backends.llm.scheduler import BatchingPolicy, SamplingParams
 
 CHAT = json.dumps([{"role": "user", "content": "hi"}])
 

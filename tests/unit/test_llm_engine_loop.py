@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from python_backends.llm_engine import EngineLoop, EngineStats, StepOutput
-from python_backends.llm_scheduler import FinishReason, SamplingParams
+from python_backends.llm.engine import EngineLoop, EngineStats, StepOutput
+from python_backends.llm.scheduler import FinishReason, SamplingParams
 
 
 class FakeEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from python_backends.quotas import (
+from python_backends.common.quotas import (
     LocalBuckets,
     TenantPolicy,
     TierPolicy,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from python_backends.kv_blocks import BlockManager, KVCacheSpec, blocks_for_tokens, num_blocks_for_budget
-from python_backends.llm_scheduler import (
+from python_backends.llm.kv_blocks import BlockManager, KVCacheSpec, blocks_for_tokens, num_blocks_for_budget
+from python_backends.llm.scheduler import (
     BatchingPolicy,
     FinishReason,
     SamplingParams,

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from tools import sweep
-from tools.loadgen import (
+from tools.bench import sweep
+from tools.bench.loadgen import (
     LoadTarget,
     RateSearch,
     ServerTimes,

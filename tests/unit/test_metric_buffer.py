@@ -2,7 +2,7 @@
 
 import pytest
 
-from python_backends.metric_buffer import DeltaBuffer, ObservationBuffer
+from python_backends.common.metric_buffer import DeltaBuffer, ObservationBuffer
 
 
 def test_increments_add_up_per_metric_and_drain_empties_the_buffer():

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tools.metrics import (
+from tools.observe.metrics import (
     Snapshot,
     Window,
     histogram_quantile,

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from python_backends.admission import ADMIT_ALL, AdmissionPolicy
-from tools.profiler import probe_knobs, profile_name_for_gpu, profiled_version, profiling_router_config
-from tools.spec import load_spec
+from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
+from tools.bench.profiler import probe_knobs, profile_name_for_gpu, profiled_version, profiling_router_config
+from tools.spec.serving import load_spec
 
 
 def test_the_overhead_probe_router_has_one_instance_and_admits_everything():

@@ -4,7 +4,7 @@ import multiprocessing
 
 import pytest
 
-from python_backends.quotas import (
+from python_backends.common.quotas import (
     OTHER_TENANTS,
     UNLIMITED,
     BucketState,

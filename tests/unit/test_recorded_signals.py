@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.autoscale import (
+from tools.observe.explain import Cause, diagnose, knobs_from_repository, service_layout, service_window
+from tools.observe.metrics import Window, read_recording, windows
+from tools.planning.autoscale import (
     AutoscalePolicy,
     AutoscaleState,
     decide,
@@ -19,9 +21,7 @@ from tools.autoscale import (
     replay,
     signals_from,
 )
-from tools.explain import Cause, diagnose, knobs_from_repository, service_layout, service_window
-from tools.metrics import Window, read_recording, windows
-from tools.spec import load_spec
+from tools.spec.serving import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "metrics"
@@ -146,7 +146,7 @@ def test_signals_from_a_recorded_window_carry_the_linger_budget_of_the_queues_us
 
 
 def test_capacity_from_the_batches_traffic_formed():
-    from tools.capacity import Demand, observe, observed_plans
+    from tools.planning.capacity import Demand, observe, observed_plans
 
     snapshots = recording("fragmented")
     one_queue = observe(window_at(snapshots, 10, 28), "encoder_16", KNOBS["encoder_16"].preferred_batch)
@@ -165,8 +165,8 @@ def test_capacity_from_the_batches_traffic_formed():
 
 
 def test_capacity_names_the_gap_to_the_preferred_batch():
-    from tools.capacity import Demand, observe, observed_plans
-    from tools.derivation import LatencyCurve
+    from tools.planning.capacity import Demand, observe, observed_plans
+    from tools.spec.profile import LatencyCurve
 
     spread = observe(window_at(recording("fragmented"), 45, 68), "encoder_16", 4)
     curve = LatencyCurve({1: 6.7, 2: 11.2, 4: 18.9, 8: 34.8})

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tools.cli import main
-from tools.rollout import process_stamp, same_process, tool_alive
-from tools.triton_server import DEFAULT_MODEL_REPOSITORY
+from tools.ops.rollout import process_stamp, same_process, tool_alive
+from tools.paths import DEFAULT_MODEL_REPOSITORY
 
 ROUTING = DEFAULT_MODEL_REPOSITORY / "embed" / "routing.json"
 

@@ -3,7 +3,7 @@
 The pages are rendered the way tritonserver exports the `embed` router's custom metrics next to its own:
 `# HELP`/`# TYPE` per family, labels in alphabetical order, histograms as `_count`, `_sum` and cumulative
 `_bucket{le=...}` lines ending in `+Inf`, with the router's real bucket edges. A step is a series of such
-pages; it is judged as `tools.rollout` judges it, each page minus the step's first page.
+pages; it is judged as `tools.ops.rollout` judges it, each page minus the step's first page.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from python_backends.embed import (
+from python_backends.embed.router import (
     COSINE_BUCKETS,
     LATENCY_BUCKETS_S,
     SHADOW_COSINE,
@@ -24,7 +24,7 @@ from python_backends.embed import (
     VERSION_INFLIGHT,
     VERSION_LATENCY,
 )
-from tools.rollout_policy import (
+from tools.planning.rollout import (
     GateReading,
     Gates,
     Histogram,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from python_backends import routing
-from python_backends.errors import InvalidInput
-from python_backends.routing import (
+from python_backends.common.errors import InvalidInput
+from python_backends.embed import routing
+from python_backends.embed.routing import (
     RoutingSource,
     RoutingTable,
     format_weights,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.shared_files import (
+from python_backends.common.shared_files import (
     ServerRun,
     current_namespace,
     parse_namespace,

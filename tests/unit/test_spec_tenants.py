@@ -2,10 +2,10 @@
 
 import pytest
 
-from python_backends.quotas import TierPolicy
-from python_backends.tenant_auth import ANONYMOUS_TENANT, AUTH_OFF, AuthConfig, AuthMode
+from python_backends.common.quotas import TierPolicy
+from python_backends.common.tenant_auth import ANONYMOUS_TENANT, AUTH_OFF, AuthConfig, AuthMode
 from tests.unit.test_gen_config import BASE, REPO
-from tools.spec import SpecError, parse_spec
+from tools.spec.serving import SpecError, parse_spec
 
 SPEC = REPO / "serving.toml"
 
@@ -61,7 +61,7 @@ TIERS = {"tiers": {"gold": {"priority": 1}, "bronze": {"priority": 2}}}
 
 
 def test_the_repository_spec_authenticates_and_serves_requests_without_a_token_as_anonymous():
-    from tools.spec import load_spec
+    from tools.spec.serving import load_spec
 
     spec = load_spec(SPEC)
     assert spec.tenant_auth.mode is AuthMode.ANONYMOUS

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import supervisor
-from tools.supervisor import (
+from tools.server import supervisor
+from tools.server.supervisor import (
     RESTART_PARAMETER,
     StubProcess,
     Supervisor,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from python_backends.tenant_auth import (
+from python_backends.common.tenant_auth import (
     ANONYMOUS_TENANT,
     AUTH_FAILED,
     AUTH_OFF,
@@ -395,7 +395,7 @@ def test_the_auth_config_round_trips_through_its_parameter():
 
 def test_a_relative_keys_file_is_found_from_the_kit_root_and_an_absolute_one_as_written():
     assert AuthConfig(AuthMode.REQUIRED, "build/k.json").keys_path() == KIT_ROOT / "build/k.json"
-    assert (KIT_ROOT / "python_backends" / "tenant_auth.py").is_file()
+    assert (KIT_ROOT / "python_backends" / "common" / "tenant_auth.py").is_file()
     assert AuthConfig(AuthMode.REQUIRED, "/etc/kit/k.json").keys_path() == Path("/etc/kit/k.json")
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from python_backends.tenant_auth import AuthError, AuthFailure, encode_secret, parse_keys, verify_token
-from tools import tenant_token
+from python_backends.common.tenant_auth import AuthError, AuthFailure, encode_secret, parse_keys, verify_token
 from tools.cli import main
+from tools.clients import tenant_token
 
 SPEC_TEXT = """
 [hardware.cpu]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.triton_server import (
+from tools.server.triton_server import (
     ModelControlMode,
     ServerConfig,
     ServerError,
@@ -143,7 +143,7 @@ def test_find_distribution_names_a_missing_binary(tmp_path, monkeypatch):
 def test_process_group_cpu_seconds_sums_the_group_only(tmp_path):
     import os
 
-    from tools.triton_server import process_group_cpu_seconds
+    from tools.server.triton_server import process_group_cpu_seconds
 
     tick = os.sysconf("SC_CLK_TCK")
 
@@ -163,7 +163,7 @@ def test_process_group_cpu_seconds_sums_the_group_only(tmp_path):
 def test_process_group_cpu_by_part_splits_the_server_from_each_models_stubs(tmp_path):
     import os
 
-    from tools.triton_server import process_group_cpu_by_part
+    from tools.server.triton_server import process_group_cpu_by_part
 
     tick = os.sysconf("SC_CLK_TCK")
 
@@ -211,7 +211,7 @@ STUB = "/opt/backends/python/triton_python_backend_stub"
 
 
 def test_a_stubs_shared_memory_region_is_its_third_argument():
-    from tools.triton_server import stub_shm_region
+    from tools.server.triton_server import stub_shm_region
 
     argv = [STUB, "/repo/encoder_16/1/model.py", REGION, "4194304", "1048576", "7098", "/opt/backends/python",
             "336", "encoder_16_0_1", "DEFAULT"]
@@ -223,7 +223,7 @@ def test_a_stubs_shared_memory_region_is_its_third_argument():
 
 
 def test_the_regions_of_a_groups_stubs_are_found_and_removed_and_nothing_else(tmp_path):
-    from tools.triton_server import process_group_shm_regions, remove_shm_regions
+    from tools.server.triton_server import process_group_shm_regions, remove_shm_regions
 
     proc, shm = tmp_path / "proc", tmp_path / "shm"
     proc.mkdir()

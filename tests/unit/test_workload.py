@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from loadtest.workload import TextFactory, load_workload, parse_workload
+from tools.spec.workload import TextFactory, load_workload, parse_workload
 
 BUCKETS = (16, 32, 64, 128, 256)
 

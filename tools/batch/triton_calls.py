@@ -2,7 +2,7 @@
 
 A caller takes the payloads of a formed batch and returns one `CallOutcome` per payload, in
 order, and never raises for a failed call: a failure is an outcome with its kind (what
-`tools.client.classify` makes of Triton's status and message), which the worker turns into
+`tools.clients.retrying.classify` makes of Triton's status and message), which the worker turns into
 a retry or a final error. Embedding items go to the router as the rows of one request (the
 router splits them over its buckets, up to `max_request_rows` per request); generations go
 one request each to `llm_infer`, the non-decoupled front of the LLM engine, whose continuous
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tools.client import Outcome, classify
+from tools.clients.retrying import Outcome, classify
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class LLMCaller:
     async def _call(self, payload: dict) -> CallOutcome:
         import tritonclient.grpc as grpcclient
 
-        from tools.llm_client import llm_inputs
+        from tools.clients.llm import llm_inputs
 
         inputs = llm_inputs(text_input=payload.get("prompt"), messages=payload.get("messages"),
                             max_tokens=payload.get("max_tokens"), temperature=payload.get("temperature"),

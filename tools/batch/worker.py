@@ -222,7 +222,7 @@ def make_callers(grpc_url: str, models: Mapping[str, ItemKind], max_rows: int,
     import tritonclient.grpc.aio as grpcaio
 
     from tools.batch.triton_calls import EmbedCaller, LLMCaller
-    from tools.grpc_tls import client_tls_kwargs
+    from tools.clients.tls import client_tls_kwargs
 
     client = grpcaio.InferenceServerClient(grpc_url, **client_tls_kwargs(tls_ca))
     callers: dict[str, Caller] = {}

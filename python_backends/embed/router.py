@@ -1,0 +1,338 @@
+"""The `embed` router: validate a request, tokenize it, and plan which bucket models serve it.
+
+The Triton adapter (`model_repository/embed/1/model.py`) unpacks tensors, calls
+`EmbedRouter.prepare`, sends each `PreparedChunk` to its bucket model over BLS, and
+passes the outputs to `buckets.reassemble`. Everything here is free of Triton imports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from python_backends.common.errors import InvalidInput
+from python_backends.common.quotas import UNLIMITED, TenantPolicy, parse_tenant
+from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig, parse_auth_parameter
+from python_backends.common.tokenization import TextTokenizer
+from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
+from python_backends.embed.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
+from python_backends.embed.routing import RoutingTable, parse_weights, pinned_version
+
+EMBEDDING_DIM = 384
+
+# Custom metrics of the router (Prometheus counters, port 8002): name -> help text.
+ROUTER_COUNTERS = {
+    "embed_bucket_rows_total": "Rows the embed router sent to each length bucket",
+    "embed_bucket_real_tokens_total": "Tokens carrying text sent to each bucket (padding excluded)",
+    "embed_bucket_padded_tokens_total": "Token slots sent to each bucket, padding included (rows x bucket length)",
+    "embed_truncated_rows_total": "Rows cut to the model's token limit",
+}
+# Per encoder version (labels model, version): what the rollout gates read.
+VERSION_COUNTER = ("embed_requests_total", "Routed requests by encoder version and outcome (ok, error, rejected)")
+VERSION_LATENCY = ("embed_request_duration_seconds", "Time the router took to answer a request, by encoder version")
+VERSION_INFLIGHT = ("embed_inflight_requests", "Requests the router is serving on each encoder version now")
+SHADOW_COSINE = ("embed_shadow_cosine", "Cosine between the candidate's and the baseline's embedding of shadowed rows")
+# Per tenant (labels model, tenant, tier, outcome): who is served and who is turned away.
+TENANT_COUNTER = ("embed_tenant_requests_total",
+                  "Requests by tenant, tier and outcome (ok, error, rejected: server busy, over_quota, "
+                  "unauthenticated)")
+TENANT_OUTCOMES = ("ok", "error", "rejected", "over_quota", "unauthenticated")
+# A request that failed authentication has no tenant the router can trust: it is counted
+# under these labels, and by reason (labels model, reason) in the failure counter.
+UNAUTHENTICATED_LABELS = {"tenant": "unknown", "tier": "none", "outcome": "unauthenticated"}
+AUTH_FAILURE_COUNTER = ("embed_auth_failures_total",
+                        "Requests refused before any model ran because their tenant credential failed, by reason")
+# Histogram bucket edges: latency in seconds (fine around a 200 ms SLO), cosine near 1.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4,
+                     0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+COSINE_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
+# The per-bucket counters, in the order the adapter increments them: rows, real, padded.
+BUCKET_COUNTERS = ("embed_bucket_rows_total", "embed_bucket_real_tokens_total", "embed_bucket_padded_tokens_total")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of the `embed` router, read from its config.pbtxt `parameters`."""
+
+    bucket_lens: tuple[int, ...]  # sequence lengths of the bucket models, ascending
+    bucket_max_batch: Mapping[int, int]  # bucket length -> its model's max_batch_size (chunk limit)
+    encoder_prefix: str = "encoder_"  # bucket model name = prefix + length, e.g. encoder_16
+    max_text_bytes: int = 65536  # a row longer than this (UTF-8 bytes) is rejected before tokenizing
+    default_routing: RoutingTable = field(default_factory=lambda: RoutingTable({1: 1.0}))  # split with no routing file
+    routing_file: str = "routing.json"  # the live split, relative to the model's folder unless absolute
+    tenants: TenantPolicy = UNLIMITED  # tiers and quotas of tenants (spec [tenants])
+    admission: AdmissionPolicy = ADMIT_ALL  # how much work may be in flight (derived from the profile)
+    auth: AuthConfig = AUTH_OFF  # how a request proves its tenant (spec [tenants.auth])
+    max_concurrent_requests: int = 32  # requests one instance serves at once (its worker threads)
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest row the model takes; longer rows are truncated or rejected."""
+        return self.bucket_lens[-1]
+
+    def model_for(self, bucket_len: int) -> str:
+        return f"{self.encoder_prefix}{bucket_len}"
+
+
+def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> RouterConfig:
+    """Build the router config from config.pbtxt string parameters; errors name the model."""
+
+    def integer(key: str, default: int, minimum: int) -> int:
+        raw = parameters.get(key)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"model '{model_name}': parameter {key}={raw!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"model '{model_name}': parameter {key}={value} must be >= {minimum}")
+        return value
+
+    raw_buckets = parameters.get("bucket_lens")
+    if not raw_buckets:
+        raise ValueError(f"model '{model_name}': parameter bucket_lens is required (e.g. '16,32,64')")
+    try:
+        bucket_lens = validate_buckets([int(part) for part in raw_buckets.split(",")])
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter bucket_lens={raw_buckets!r}: {err}") from None
+    return RouterConfig(
+        bucket_lens=bucket_lens,
+        bucket_max_batch=parse_bucket_max_batch(model_name, parameters.get("bucket_max_batch", ""), bucket_lens),
+        encoder_prefix=parameters.get("encoder_prefix", "encoder_"),
+        max_text_bytes=integer("max_text_bytes", 65536, 1),
+        default_routing=parse_default_routing(model_name, parameters.get("version_weights", "1:1")),
+        routing_file=parameters.get("routing_file", "routing.json") or "routing.json",
+        tenants=parse_tenant_policy(model_name, parameters.get("tenants", "")),
+        admission=parse_admission(model_name, parameters.get("admission", ""), bucket_lens),
+        auth=parse_auth_parameter(model_name, parameters.get("tenant_auth", "")),
+        max_concurrent_requests=integer("max_concurrent_requests", 32, 1),
+    )
+
+
+def parse_admission(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> AdmissionPolicy:
+    if not raw:
+        return ADMIT_ALL
+    try:
+        policy = AdmissionPolicy.from_json(raw)
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter admission: {err}") from None
+    missing = sorted(set(bucket_lens) - set(policy.row_cost_ms))
+    if policy.max_work_ms > 0 and missing:
+        raise ValueError(f"model '{model_name}': parameter admission has no row cost for buckets {missing}")
+    return policy
+
+
+def parse_tenant_policy(model_name: str, raw: str) -> TenantPolicy:
+    if not raw:
+        return UNLIMITED
+    try:
+        return TenantPolicy.from_json(raw)
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter tenants: {err}") from None
+
+
+def parse_default_routing(model_name: str, raw: str) -> RoutingTable:
+    try:
+        return RoutingTable(parse_weights(raw))
+    except ValueError as err:
+        raise ValueError(f"model '{model_name}': parameter version_weights={raw!r}: {err}") from None
+
+
+def parse_bucket_max_batch(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> dict[int, int]:
+    """Parse `16:32,32:24,...` (bucket length: max batch); every bucket needs a limit >= 1."""
+    limits: dict[int, int] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        try:
+            bucket, limit = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(
+                f"model '{model_name}': bucket_max_batch entry {part!r} is not 'length:max_batch'"
+            ) from None
+        if limit < 1:
+            raise ValueError(f"model '{model_name}': bucket_max_batch for bucket {bucket} must be >= 1")
+        limits[bucket] = limit
+    missing = [b for b in bucket_lens if b not in limits]
+    if missing:
+        raise ValueError(f"model '{model_name}': parameter bucket_max_batch has no limit for buckets {missing}")
+    return limits
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request options carried as inference request parameters.
+
+    `priority` is not here: it is Triton's own request field (KServe parameter
+    `priority`), applied by the router's dynamic batcher before the backend sees it.
+    """
+
+    tenant: str = "default"  # who sent it; quotas and priorities key on this
+    truncate: bool = True  # False: a row over the token limit is an error instead of cut
+    version: int | None = None  # encoder version the request pins; None: the routing table decides
+
+
+def parse_request_options(parameters_json: str | None,
+                          tenant_of: Callable[[Mapping[str, object]], str] = parse_tenant) -> RequestOptions:
+    """Parse the request's parameters (Triton hands them over as a JSON object).
+
+    `tenant_of` says who the request is from; with tenant authentication on it checks the
+    token, and its `AuthError` passes through to the caller untouched.
+    """
+    params: object = {}
+    if parameters_json:
+        try:
+            params = json.loads(parameters_json)
+        except json.JSONDecodeError as err:
+            raise InvalidInput(f"request parameters are not valid JSON: {err}") from None
+    if not isinstance(params, dict):
+        raise InvalidInput("request parameters must be a JSON object")
+
+    try:
+        tenant = tenant_of(params)
+    except ValueError as err:
+        raise InvalidInput(str(err)) from None
+
+    truncate = params.get("truncate", True)
+    if isinstance(truncate, str) and truncate.lower() in ("true", "false"):
+        truncate = truncate.lower() == "true"
+    if not isinstance(truncate, bool):
+        raise InvalidInput(f"parameter 'truncate' must be true or false, got {truncate!r}")
+    return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params))
+
+
+def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[str]:
+    """Check and decode the TEXT rows; the error names the first offending row."""
+    if len(raw_rows) == 0:
+        raise InvalidInput("input 'TEXT' has no rows; send at least one string")
+    texts: list[str] = []
+    for index, raw in enumerate(raw_rows):
+        data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+        if len(data) > max_text_bytes:
+            raise InvalidInput(
+                f"TEXT row {index} is {len(data)} bytes; the limit is {max_text_bytes} bytes per row"
+            )
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidInput(f"TEXT row {index} is not valid UTF-8 (byte {err.start})") from None
+        if not text.strip():
+            raise InvalidInput(f"TEXT row {index} is empty; send at least one non-blank character")
+        texts.append(text)
+    return texts
+
+
+# Triton's own texts for requests its scheduler turned away: the queue policy's timeout
+# and a full queue. Over BLS they arrive as INTERNAL; the router restores UNAVAILABLE
+# (HTTP 503), the retryable status a client gets when it calls a model directly.
+SCHEDULER_REJECTIONS = ("Request timeout expired", "Exceeds maximum queue size")
+
+
+def is_instance_crash(message: str) -> bool:
+    """Whether a bucket model's error says the instance that took the request died (its stub
+    process is gone). Retryable: another instance, or the reloaded one, serves the retry."""
+    return "Stub process" in message and "is not healthy" in message
+
+
+def is_scheduler_rejection(message: str) -> bool:
+    """Whether a bucket model's error is a queue-policy rejection (retryable), not a failure."""
+    return any(text in message for text in SCHEDULER_REJECTIONS)
+
+
+@dataclass(frozen=True)
+class PreparedChunk:
+    """A chunk ready to send: the bucket model and its padded tensors."""
+
+    chunk: Chunk  # which rows, which bucket
+    model_name: str  # bucket model to call
+    input_ids: np.ndarray  # int64 [rows, bucket_len]
+    attention_mask: np.ndarray  # int64 [rows, bucket_len]
+    num_real_tokens: int  # tokens that carry text; the rest of rows * bucket_len is padding
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated client request, split into bucket chunks."""
+
+    options: RequestOptions
+    token_counts: np.ndarray  # int32 [rows]: tokens used per row, special tokens included
+    num_truncated: int  # rows cut to the token limit
+    chunks: list[PreparedChunk] = field(default_factory=list)
+
+    @property
+    def chunk_plan(self) -> list[Chunk]:
+        return [prepared.chunk for prepared in self.chunks]
+
+    def rows_by_bucket(self) -> dict[int, int]:
+        rows: dict[int, int] = {}
+        for prepared in self.chunks:
+            rows[prepared.chunk.bucket_len] = rows.get(prepared.chunk.bucket_len, 0) + len(prepared.chunk.row_indices)
+        return rows
+
+    def lanes(self) -> list[list[int]]:
+        """Indices into `chunks`, one lane per bucket.
+
+        Lanes run concurrently; the chunks inside a lane go one after another. Sent together,
+        a request's own chunks would queue behind each other at the bucket model and could
+        time out there waiting for their siblings rather than for other traffic.
+        """
+        lanes: dict[int, list[int]] = {}
+        for index, prepared in enumerate(self.chunks):
+            lanes.setdefault(prepared.chunk.bucket_len, []).append(index)
+        return list(lanes.values())
+
+
+class EmbedRouter:
+    """Turns a client request into per-bucket chunks; holds no Triton state."""
+
+    def __init__(self, config: RouterConfig, tokenizer: TextTokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def prepare(self, raw_rows: Sequence[bytes | str], parameters_json: str | None,
+                options: RequestOptions | None = None) -> PreparedRequest:
+        """Validate, tokenize and plan a request; `options` when the caller parsed the parameters already."""
+        options = options if options is not None else parse_request_options(parameters_json)
+        texts = decode_rows(raw_rows, self.config.max_text_bytes)
+        encoded = self.tokenizer.encode(texts)
+        max_tokens = self.config.max_tokens
+        num_truncated = 0
+        for index, ids in enumerate(encoded):
+            if len(ids) <= max_tokens:
+                continue
+            if not options.truncate:
+                raise InvalidInput(
+                    f"TEXT row {index} has {len(ids)} tokens; the limit is {max_tokens} and truncate=false"
+                )
+            encoded[index] = truncate_tokens(ids, max_tokens)
+            num_truncated += 1
+        lengths = [len(ids) for ids in encoded]
+        prepared: list[PreparedChunk] = []
+        for chunk in plan_chunks(lengths, self.config.bucket_lens, self.config.bucket_max_batch):
+            rows = [encoded[i] for i in chunk.row_indices]
+            input_ids, attention_mask = pad_rows(rows, chunk.bucket_len, self.tokenizer.pad_id)
+            prepared.append(
+                PreparedChunk(
+                    chunk=chunk,
+                    model_name=self.config.model_for(chunk.bucket_len),
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    num_real_tokens=sum(lengths[i] for i in chunk.row_indices),
+                )
+            )
+        return PreparedRequest(
+            options=options,
+            token_counts=np.asarray(lengths, dtype=np.int32),
+            num_truncated=num_truncated,
+            chunks=prepared,
+        )
+
+
+def row_cosines(served: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Cosine of each row pair of two embedding batches of the same inputs (rows need not be unit length)."""
+    if served.shape != other.shape:
+        raise ValueError(f"embedding shapes differ: {served.shape} vs {other.shape}")
+    norms = np.linalg.norm(served, axis=1) * np.linalg.norm(other, axis=1)
+    return np.sum(served * other, axis=1) / np.maximum(norms, 1e-12)

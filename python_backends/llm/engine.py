@@ -1,0 +1,532 @@
+"""The LLM engine: scheduler + paged model + sampling + detokenization, one step at a time.
+
+`LLMEngine.step()` asks the scheduler what to compute, runs one batched forward over it,
+samples a token for every sequence that reached its last known token, and turns tokens
+into text deltas (holding back text that may still become a stop string). `EngineLoop`
+drives it from one thread per model instance: requests and cancellations arrive through
+an inbox, outputs leave through per-request callbacks, and the loop sleeps when idle.
+
+Everything here is independent of Triton; the adapter in `adapters/llm_model.py` only
+converts tensors to `GenerationInputs` and `StepOutput`s to responses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from python_backends.common.errors import InvalidInput
+from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
+from python_backends.llm.model import LlamaDims, PagedLlama, StepSequence
+from python_backends.llm.scheduler import (
+    BatchingPolicy,
+    FinishReason,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SequenceState,
+)
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's limits, from the `llm` model's config parameters (written by gen-config)."""
+
+    kv_cache_bytes: int  # memory the KV cache may use; the block pool is sized from it
+    block_size: int = 16  # token slots per KV block
+    max_num_seqs: int = 8  # sequences decoding together at most
+    max_num_batched_tokens: int = 128  # tokens per step: prefill chunks plus decodes
+    max_model_len: int = 2048  # context: prompt plus output tokens
+    default_max_tokens: int = 128  # output tokens when a request does not say
+    policy: BatchingPolicy = BatchingPolicy.CONTINUOUS  # continuous, or the static baseline
+    num_threads: int = 0  # torch intra-op threads; 0: every core
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    def scheduler_config(self, kv: KVCacheSpec) -> SchedulerConfig:
+        return SchedulerConfig(num_blocks=num_blocks_for_budget(kv, self.kv_cache_bytes), block_size=self.block_size,
+                               max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, policy=self.policy,
+                               prefix_caching=self.prefix_caching)
+
+
+def parse_engine_config(model_name: str, params: Mapping[str, str]) -> EngineConfig:
+    """EngineConfig from the model config's string parameters; ValueError naming the model."""
+    ints = {"block_size": "block_size", "max_num_seqs": "max_num_seqs",
+            "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
+            "default_max_tokens": "default_max_tokens", "num_threads": "num_threads"}
+    try:
+        if "kv_cache_mb" not in params:
+            raise ValueError("missing parameter kv_cache_mb (the KV-cache memory budget)")
+        values = {field_name: int(params[key]) for key, field_name in ints.items() if key in params}
+        caching = params.get("prefix_caching", "1")
+        if caching not in ("0", "1"):
+            raise ValueError(f"parameter prefix_caching must be 0 or 1, got {caching!r}")
+        return EngineConfig(kv_cache_bytes=int(float(params["kv_cache_mb"]) * (1 << 20)),
+                            policy=BatchingPolicy.parse(params.get("batching", "continuous")),
+                            prefix_caching=caching == "1", **values)
+    except ValueError as err:
+        raise ValueError(f"model {model_name!r}: bad config parameters: {err}") from None
+
+
+# --- requests -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationInputs:
+    """One request as the client sent it, before tokenization."""
+
+    text_input: str | None  # a raw prompt, or
+    messages: tuple[dict[str, str], ...] | None  # a chat, rendered with the model's chat template
+    max_tokens: int | None  # None: the engine's default
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False  # True: a response per text delta; False: one response with the full text
+
+
+def parse_messages(raw: str) -> tuple[dict[str, str], ...]:
+    """Chat messages from JSON: a non-empty list of {"role": ..., "content": ...}."""
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise InvalidInput(f"messages is not valid JSON: {err}") from None
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects")
+    parsed = []
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise InvalidInput(f"messages[{index}] must be an object with string 'role' and 'content'")
+        if message["role"] not in ("system", "user", "assistant"):
+            raise InvalidInput(f"messages[{index}].role must be system, user or assistant, got {message['role']!r}")
+        parsed.append({"role": message["role"], "content": message["content"]})
+    return tuple(parsed)
+
+
+def build_inputs(*, text_input: str | None, messages: str | None, max_tokens: int | None, temperature: float | None,
+                 top_p: float | None, seed: int | None, stop: Sequence[str], stream: bool | None) -> GenerationInputs:
+    """Validate what a client sent (the adapter has already decoded the tensors)."""
+    if (text_input is None) == (messages is None):
+        raise InvalidInput("send exactly one of text_input (a prompt) or messages (a JSON chat)")
+    if text_input is not None and not text_input.strip():
+        raise InvalidInput("text_input is empty")
+    chat = parse_messages(messages) if messages is not None else None
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidInput(f"max_tokens must be >= 1, got {max_tokens}")
+    temperature = 0.0 if temperature is None else float(temperature)
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
+        raise InvalidInput(f"temperature must be in [0, 10], got {temperature}")
+    top_p = 1.0 if top_p is None else float(top_p)
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidInput(f"top_p must be in (0, 1], got {top_p}")
+    stops = tuple(stop)
+    if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidInput(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                           f"{MAX_STOP_CHARS} characters")
+    return GenerationInputs(text_input=text_input, messages=chat, max_tokens=max_tokens, temperature=temperature,
+                            top_p=top_p, seed=seed, stop=stops, stream=bool(stream))
+
+
+def inputs_from_arrays(arrays: Mapping[str, np.ndarray]) -> GenerationInputs:
+    """GenerationInputs from the request's tensors (absent optional inputs are missing keys)."""
+
+    def text(name: str) -> str | None:
+        if name not in arrays:
+            return None
+        values = arrays[name].reshape(-1)
+        if values.size != 1:
+            raise InvalidInput(f"{name} must hold exactly one string, got {values.size}")
+        return _utf8(name, values[0])
+
+    def scalar(name: str, kind: type):
+        if name not in arrays:
+            return None
+        values = arrays[name].reshape(-1)
+        if values.size != 1:
+            raise InvalidInput(f"{name} must hold exactly one value, got {values.size}")
+        return kind(values[0])
+
+    stop = [_utf8("stop", value) for value in arrays["stop"].reshape(-1)] if "stop" in arrays else []
+    return build_inputs(text_input=text("text_input"), messages=text("messages"), max_tokens=scalar("max_tokens", int),
+                        temperature=scalar("temperature", float), top_p=scalar("top_p", float),
+                        seed=scalar("seed", int), stop=stop, stream=scalar("stream", bool))
+
+
+def _utf8(name: str, value) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidInput(f"{name} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+# --- text ---------------------------------------------------------------------------------
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def unsafe_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string: held back
+    from the stream until the next tokens decide it."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class ChatTokenizer:
+    """The model's tokenizer and chat template, and its end-of-turn tokens.
+
+    Encoding (on Triton's execute thread) and decoding (on the engine thread) use separate
+    tokenizer objects: a fast tokenizer mutably borrows its Rust state to set truncation
+    and padding on every encode, which fails if another thread is decoding with it.
+    """
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._decoder = AutoTokenizer.from_pretrained(str(model_dir))
+        ends = {self._tok.eos_token_id}
+        for token in ("<|im_end|>", "<|endoftext|>"):
+            token_id = self._tok.convert_tokens_to_ids(token)
+            if token_id is not None and token_id != self._tok.unk_token_id:
+                ends.add(token_id)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if isinstance(config.get("eos_token_id"), int):
+            ends.add(config["eos_token_id"])
+        self.stop_token_ids = tuple(sorted(t for t in ends if t is not None))
+
+    def encode(self, inputs: GenerationInputs) -> list[int]:
+        if inputs.messages is not None:
+            text = self._tok.apply_chat_template(list(inputs.messages), tokenize=False, add_generation_prompt=True)
+        else:
+            text = inputs.text_input
+        return self._tok(text, add_special_tokens=False).input_ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._decoder.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Next token from one row of logits: argmax at temperature 0, else nucleus sampling."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# --- the engine -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    text_delta: str  # new text since the last output ("" when held back or nothing new)
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None  # set on the request's last output
+    ttft_s: float | None = None  # on the last output: arrival to first token
+    tpot_s: float | None = None  # on the last output: mean time per output token after the first
+
+
+@dataclass
+class _Request:
+    seq: SequenceState  # the scheduler's state; still readable after it finished
+    generator: torch.Generator | None  # per-request randomness (seeded), None when greedy
+    emitted: int = 0  # characters of the output text already sent
+
+
+class LLMEngine:
+    """Continuous batching over a `PagedLlama`; single-threaded, driven by `step()`."""
+
+    def __init__(self, model: PagedLlama, tokenizer: ChatTokenizer, scheduler: Scheduler,
+                 default_max_tokens: int = 128, clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.default_max_tokens = default_max_tokens
+        self.clock = clock
+        self.requests: dict[str, _Request] = {}
+        self.num_generated_tokens = 0  # since start
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, config: EngineConfig) -> LLMEngine:
+        # Set it always: Triton starts Python backend stubs with one OpenMP thread, which
+        # measured 30% fewer tokens/s on 2 cores than a thread per core.
+        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        tokenizer = ChatTokenizer(model_dir)
+        dims = LlamaDims.from_dir(model_dir)
+        kv = KVCacheSpec(num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+                         dtype_bytes=4, block_size=config.block_size)
+        sched_config = config.scheduler_config(kv)
+        if sched_config.max_model_len > dims.max_position_embeddings:
+            raise ValueError(f"max_model_len {sched_config.max_model_len} exceeds the model's "
+                             f"{dims.max_position_embeddings} positions")
+        model = PagedLlama.from_dir(model_dir, num_blocks=sched_config.num_blocks, block_size=config.block_size)
+        return cls(model, tokenizer, Scheduler(sched_config), default_max_tokens=config.default_max_tokens)
+
+    def sampling_params(self, inputs: GenerationInputs) -> SamplingParams:
+        return SamplingParams(max_tokens=inputs.max_tokens or self.default_max_tokens, temperature=inputs.temperature,
+                              top_p=inputs.top_p, seed=inputs.seed, stop=inputs.stop,
+                              stop_token_ids=self.tokenizer.stop_token_ids)
+
+    def prepare(self, inputs: GenerationInputs) -> tuple[list[int], SamplingParams]:
+        """Tokenize and check a request; InvalidInput says why it can never be served."""
+        prompt = self.tokenizer.encode(inputs)
+        params = self.sampling_params(inputs)
+        if inputs.max_tokens is None:  # the default shrinks to fit the context; an explicit value does not
+            room = self.scheduler.config.max_model_len - len(prompt)
+            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+        try:
+            self.scheduler.check(prompt, params)
+        except ValueError as err:
+            raise InvalidInput(str(err)) from None
+        return prompt, params
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        seq = self.scheduler.add(request_id, prompt, params, now=self.clock())
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little"))
+        self.requests[request_id] = _Request(seq=seq, generator=generator)
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None or self.scheduler.abort(request_id) is None:
+            return None
+        seq = state.seq
+        return StepOutput(request_id, "", len(seq.prompt_token_ids), len(seq.output_token_ids),
+                          FinishReason.CANCELLED)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        batch = []
+        for chunk in output.chunks:
+            seq = self.scheduler.sequence(chunk.seq_id)
+            tokens = seq.token_ids()[chunk.start:chunk.start + chunk.num_tokens]
+            batch.append(StepSequence(tokens, chunk.start, self.scheduler.blocks.block_table(chunk.seq_id),
+                                      chunk.samples))
+        logits = self.model.step(batch)
+        sampling = [chunk.seq_id for chunk in output.chunks if chunk.samples]
+        sampled = {seq_id: sample(logits[row], self.requests[seq_id].seq.params, self.requests[seq_id].generator)
+                   for row, seq_id in enumerate(sampling)}
+        now = self.clock()
+        events = self.scheduler.update_from_output(output, sampled, now)
+        self.num_generated_tokens += len(events)
+        return [out for out in (self._text_output(event.seq_id, event.finish_reason, now) for event in events) if out]
+
+    def _text_output(self, request_id: str, finish: FinishReason | None, now: float) -> StepOutput | None:
+        state = self.requests[request_id]
+        seq, stops = state.seq, state.seq.params.stop
+        text = self.tokenizer.decode(seq.output_token_ids)
+        stop_at = find_stop(text, stops) if stops else None
+        if stop_at is not None:
+            text = text[:stop_at]
+            if finish is None:
+                self.scheduler.finish(request_id, FinishReason.STOP)
+                finish = FinishReason.STOP
+        if finish is None:
+            # Hold back a possible start of a stop string and an incomplete UTF-8 sequence.
+            text = text[:len(text) - unsafe_suffix(text, stops)].rstrip("\ufffd")
+        delta = text[state.emitted:]
+        state.emitted = max(state.emitted, len(text))
+        num_prompt, num_output = len(seq.prompt_token_ids), len(seq.output_token_ids)
+        if finish is None:
+            return StepOutput(request_id, delta, num_prompt, num_output, None) if delta else None
+        del self.requests[request_id]
+        ttft = seq.first_token_s - seq.arrival_s if seq.first_token_s is not None else None
+        tpot = None
+        if seq.first_token_s is not None and num_output > 1:
+            tpot = (now - seq.first_token_s) / (num_output - 1)
+        return StepOutput(request_id, delta, num_prompt, num_output, finish, ttft, tpot)
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                           num_blocks_used=sched.blocks.num_used, num_blocks=sched.blocks.num_blocks,
+                           num_preemptions=sched.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+                           num_cached_prompt_tokens=sched.blocks.num_hit_tokens)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Gauges and counters of an engine, after a step."""
+
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued (new, or preempted and waiting to be recomputed)
+    num_blocks_used: int  # KV blocks held
+    num_blocks: int  # KV blocks in the pool
+    num_preemptions: int  # since start
+    num_generated_tokens: int  # since start
+    num_cached_prompt_tokens: int = 0  # since start: prompt tokens taken from the prefix cache, not computed
+
+
+class RequestSink(Protocol):
+    """Where a request's outputs go (the adapter wraps Triton's response sender)."""
+
+    def send(self, output: StepOutput) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+class EngineLoop:
+    """Runs an engine on its own thread: one loop per model instance, not a thread per request.
+
+    `submit` and `cancel` may be called from any thread; sinks are called on the loop thread.
+    """
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[EngineStats], None] | None = None,
+                 idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.on_step = on_step
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, RequestSink] = {}  # in-flight requests, touched by the loop thread only
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self.error: BaseException | None = None  # what killed the loop, if anything did
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink: RequestSink) -> None:
+        self._inbox.put(("add", request_id, prompt, params, sink))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks) + self._inbox.qsize()
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Let in-flight requests finish (up to the timeout), then stop; unfinished ones fail."""
+        deadline = time.monotonic() + drain_timeout_s
+        while self.num_in_flight and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._stopping.set()
+        self._thread.join(timeout=10.0)
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Apply queued submissions and cancellations; whether there were any."""
+        try:
+            item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            if item[0] == "add":
+                _, request_id, prompt, params, sink = item
+                try:
+                    self.engine.add(request_id, prompt, params)
+                    self._sinks[request_id] = sink
+                except (KeyError, ValueError) as err:
+                    self._deliver_failure(sink, str(err).strip("'\""))
+            else:
+                self._abort(item[1])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _abort(self, request_id: str) -> None:
+        sink = self._sinks.pop(request_id, None)
+        output = self.engine.abort(request_id)
+        if sink is not None and output is not None:
+            self._deliver(sink, output)
+
+    def _deliver(self, sink: RequestSink, output: StepOutput) -> None:
+        try:
+            sink.send(output)
+        except Exception:  # a broken client connection must not stop the loop
+            if output.finish_reason is None:
+                self._abort(output.request_id)
+
+    @staticmethod
+    def _deliver_failure(sink: RequestSink, message: str) -> None:
+        with contextlib.suppress(Exception):  # the client is gone; nothing else to tell it
+            sink.fail(message)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                changed = self._take_inbox(block=not self.engine.has_work)
+                for request_id in [r for r, sink in self._sinks.items() if sink.cancelled()]:
+                    self._abort(request_id)
+                    changed = True
+                if self.engine.has_work:
+                    changed = True
+                    for output in self.engine.step():
+                        sink = self._sinks.get(output.request_id)
+                        if output.finish_reason is not None:
+                            self._sinks.pop(output.request_id, None)
+                        if sink is not None:
+                            self._deliver(sink, output)
+                if changed and self.on_step is not None:
+                    self.on_step(self.engine.stats())
+        except BaseException as err:  # fail every waiting client rather than hang them
+            self.error = err
+            for request_id, sink in list(self._sinks.items()):
+                self.engine.requests.pop(request_id, None)
+                self._deliver_failure(sink, f"the LLM engine stopped: {type(err).__name__}: {err}")
+            self._sinks.clear()
+            traceback.print_exc()  # to the server log; new requests are refused with self.error
+            return
+        for request_id, sink in list(self._sinks.items()):
+            self._deliver_failure(sink, "the model is unloading; retry")
+            self._sinks.pop(request_id)

@@ -1,0 +1,372 @@
+"""Overload, tenant isolation and crash recovery of the `embed` service, in one run.
+
+Starts tritonserver on the model repository (explicit model control, with the supervisor
+that reloads crashed instances) and drives it open loop over gRPC:
+
+  overload   Poisson arrivals at 3x the measured goodput (results/goodput.json) from many
+             ordinary tenants: every request must get an answer (success or an explicit
+             rejection), none lost; the p95 of the admitted ones must stay within the SLO.
+  isolation  tenant B (premium) sends steady short texts, alone and then while tenant A
+             (batch tier) floods the longest bucket: B's p95 and rejections with and without
+             the flood, A's rejections.
+  crash      steady traffic while one encoder instance's process is killed (SIGKILL), once
+             with clients that do not retry and once with the retrying client policy of
+             `tools.clients.retrying`: failed requests each way and seconds until the model is whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.bench.loadgen import percentile, poisson_arrival_times
+from tools.bench.profiler import detect_hardware
+from tools.clients.retrying import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s
+from tools.clients.tenant_token import KeysError, tenant_parameters
+from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
+from tools.server.supervisor import Supervisor, scan_stubs
+from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
+from tools.spec.serving import SpecError, load_spec
+from tools.spec.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
+
+CRASH_BUDGET_S = 5.0  # a crash phase request's deadline: room for an attempt on the dying instance and retries
+LOST_AFTER_S = 30.0  # no answer in this long: the request is lost (hung), not merely late
+FLOOD_TENANT, STEADY_TENANT = "nightly-backfill", "search-frontend"  # batch and premium tier in serving.toml
+NUM_ORDINARY_TENANTS = 32  # overload traffic comes from many standard-tier clients, each within its quota
+WARMUP_TENANT, CRASH_TENANT = "warmup", "crash-test"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request to send."""
+
+    offset_s: float  # send time from the phase start
+    stream: str  # which traffic it belongs to (e.g. "A", "B", "load")
+    tenant: str
+    priority: int  # Triton priority level (the tenant's tier)
+    text: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """What became of one request."""
+
+    stream: str
+    tenant: str
+    sent_at_s: float  # scheduled send time from the phase start
+    outcome: str  # ok, rejected, crashed, failed, lost
+    latency_ms: float | None  # successes: scheduled send to answer (retries included)
+    attempts: int
+    message: str  # last error, empty on success
+
+
+def summarize(records: Sequence[Record], slo_ms: float) -> dict:
+    """Counts per outcome, latency of the admitted (successful) requests, and error samples."""
+    counts = Counter(r.outcome for r in records)
+    latencies = [r.latency_ms for r in records if r.latency_ms is not None]
+    errors = Counter(r.message[:160] for r in records if r.outcome != "ok")
+    return {
+        "offered": len(records),
+        "ok": counts["ok"],
+        "rejected": counts["rejected"],
+        "crashed": counts["crashed"],
+        "failed_other": counts["failed"],
+        "lost": counts["lost"],
+        "retried": sum(1 for r in records if r.attempts > 1),
+        "admitted_p50_ms": round(percentile(latencies, 50), 1) if latencies else None,
+        "admitted_p95_ms": round(percentile(latencies, 95), 1) if latencies else None,
+        "admitted_p99_ms": round(percentile(latencies, 99), 1) if latencies else None,
+        "admitted_within_slo": round(sum(1 for x in latencies if x <= slo_ms) / len(latencies), 4)
+        if latencies else None,
+        "slo_ms": slo_ms,
+        "error_samples": [f"{message} (x{count})" for message, count in errors.most_common(4)],
+    }
+
+
+def poisson_stream(stream: str, rate_rps: float, duration_s: float, texts: Sequence[str], tenants: Sequence[str],
+                   priority: int, seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    return [Arrival(offset, stream, tenants[i % len(tenants)], priority, texts[i % len(texts)])
+            for i, offset in enumerate(poisson_arrival_times(rate_rps, duration_s, rng))]
+
+
+async def send_all(grpc_url: str, arrivals: Sequence[Arrival], policy: RetryPolicy,
+                   budget_s: float, credentials: Mapping[str, dict], seed: int = 0) -> list[Record]:
+    """Send every arrival at its time (open loop), retrying per `policy` within `budget_s`;
+    `credentials` holds the request parameters that make a request its tenant's (a token)."""
+    import numpy as np
+    import tritonclient.grpc.aio as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    rng = random.Random(seed)
+    records: list[Record] = []
+
+    async with grpcclient.InferenceServerClient(grpc_url) as client:
+        start = time.perf_counter()
+
+        async def send(arrival: Arrival) -> None:
+            scheduled = start + arrival.offset_s
+            tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[arrival.text.encode()]], dtype=object))
+            attempts, message, outcome = 0, "", Outcome.FAILED
+            deadline = scheduled + budget_s
+            while True:
+                attempts += 1
+                remaining_s = max(0.001, scheduled + LOST_AFTER_S - time.perf_counter())
+                try:
+                    await client.infer("embed", [tensor], parameters=credentials[arrival.tenant],
+                                       priority=arrival.priority, client_timeout=remaining_s)
+                    latency_ms = (time.perf_counter() - scheduled) * 1e3
+                    records.append(Record(arrival.stream, arrival.tenant, arrival.offset_s, "ok", latency_ms,
+                                          attempts, ""))
+                    return
+                except InferenceServerException as err:
+                    message = err.message() or str(err)
+                    if err.status() in ("StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED"):
+                        records.append(Record(arrival.stream, arrival.tenant, arrival.offset_s, "lost", None,
+                                              attempts, message))
+                        return
+                    outcome = classify(err.status(), message)
+                delay_s = next_delay_s(policy, attempts, outcome, message, time.perf_counter(), deadline,
+                                       rng.random())
+                if delay_s is None:
+                    records.append(Record(arrival.stream, arrival.tenant, arrival.offset_s, outcome.value, None,
+                                          attempts, message))
+                    return
+                await asyncio.sleep(delay_s)
+
+        tasks = []
+        for arrival in sorted(arrivals, key=lambda a: a.offset_s):
+            delay = start + arrival.offset_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(arrival)))
+        await asyncio.gather(*tasks)
+    return records
+
+
+@dataclass(frozen=True)
+class Durations:
+    overload_s: float
+    isolation_s: float  # each of the two phases
+    crash_s: float  # each of the two phases; the kill comes at a third
+
+
+FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
+QUICK = Durations(overload_s=15.0, isolation_s=10.0, crash_s=9.0)
+
+
+def measured_goodput(path: Path) -> float | None:
+    try:
+        return float(json.loads(path.read_text())["setups"]["slo_bucketed"]["goodput_rps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def ordinary_tenants() -> list[str]:
+    return [f"client-{i:02d}" for i in range(NUM_ORDINARY_TENANTS)]
+
+
+def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float, slo_ms: float,
+                 durations: Durations, credentials: Mapping[str, dict], log) -> dict:
+    rate = 3 * goodput_rps
+    tenants = ordinary_tenants()
+    log(f"overload: {rate:.0f} req/s offered (3 x goodput {goodput_rps:.0f}) for {durations.overload_s:.0f} s "
+        f"from {len(tenants)} tenants")
+    arrivals = poisson_stream("load", rate, durations.overload_s, texts, tenants, 0, seed=11)
+    records = asyncio.run(send_all(server.grpc_url, arrivals, NO_RETRIES, LOST_AFTER_S, credentials))
+    result = {"goodput_rps": goodput_rps, "offered_rps": rate, "duration_s": durations.overload_s,
+              **summarize(records, slo_ms), "server_ready_after": server.is_ready()}
+    log(f"  {result['ok']} ok, {result['rejected']} rejected, {result['failed_other']} failed, {result['lost']} lost; "
+        f"admitted p95 {result['admitted_p95_ms']} ms (SLO {slo_ms:.0f})")
+    return result
+
+
+def run_isolation(server: TritonServer, factory: TextFactory, slo_ms: float, durations: Durations,
+                  steady_rps: float, flood_rps: float, credentials: Mapping[str, dict], log) -> dict:
+    spec_policy = load_spec(DEFAULT_SPEC).tenant_policy()
+    steady_tier, flood_tier = spec_policy.tier_of(STEADY_TENANT), spec_policy.tier_of(FLOOD_TENANT)
+    rng = random.Random(5)
+    short = [factory.text(rng.randint(6, 14), rng) for _ in range(200)]
+    long = [factory.text(rng.randint(200, 250), rng) for _ in range(200)]
+    steady = poisson_stream("B", steady_rps, durations.isolation_s, short, [STEADY_TENANT], steady_tier.priority, 21)
+    log(f"isolation: B ({STEADY_TENANT}, tier {steady_tier.name}) {steady_rps:.0f} req/s of short texts alone")
+    alone = asyncio.run(send_all(server.grpc_url, steady, NO_RETRIES, LOST_AFTER_S, credentials))
+    flood = poisson_stream("A", flood_rps, durations.isolation_s, long, [FLOOD_TENANT], flood_tier.priority, 22)
+    log(f"isolation: the same, while A ({FLOOD_TENANT}, tier {flood_tier.name}) floods the 256-token bucket "
+        f"at {flood_rps:.0f} req/s")
+    both = asyncio.run(send_all(server.grpc_url, [*steady, *flood], NO_RETRIES, LOST_AFTER_S, credentials))
+    b_alone = summarize(alone, slo_ms)
+    b_flood = summarize([r for r in both if r.stream == "B"], slo_ms)
+    a_flood = summarize([r for r in both if r.stream == "A"], slo_ms)
+    a_over_quota = sum(1 for r in both if r.stream == "A" and "over its quota" in r.message)
+    result = {
+        "slo_ms": slo_ms,
+        "b": {"tenant": STEADY_TENANT, "tier": steady_tier.name, "rate_rps": steady_rps,
+              "p95_ms_alone": b_alone["admitted_p95_ms"], "p95_ms_with_flood": b_flood["admitted_p95_ms"],
+              "rejected_with_flood": b_flood["rejected"] + b_flood["failed_other"] + b_flood["lost"],
+              "alone": b_alone, "with_flood": b_flood},
+        "a": {"tenant": FLOOD_TENANT, "tier": flood_tier.name, "rate_rps": flood_rps,
+              "quota_rps": flood_tier.requests_per_s, "ok": a_flood["ok"],
+              "rejected": a_flood["rejected"], "rejected_over_quota": a_over_quota, "summary": a_flood},
+    }
+    log(f"  B p95 {result['b']['p95_ms_alone']} ms alone, {result['b']['p95_ms_with_flood']} ms with A's flood; "
+        f"B not served: {result['b']['rejected_with_flood']}; A: {a_flood['ok']} ok, {a_flood['rejected']} rejected "
+        f"({a_over_quota} over quota)")
+    return result
+
+
+def kill_one_instance(server: TritonServer, model: str) -> str:
+    stubs = sorted((s for s in scan_stubs(server.process.pid).values() if s.model == model),
+                   key=lambda s: (s.version, s.instance))
+    if not stubs:
+        raise ServerError(f"no running instance of {model} to kill")
+    victim = stubs[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    return f"{victim.instance} v{victim.version} (pid {victim.pid})"
+
+
+def wait_restart(supervisor: Supervisor, restarts_before: int, timeout_s: float = 120.0) -> dict:
+    """The supervisor's record of the reload that followed the kill."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if len(supervisor.restarts) > restarts_before:
+            return supervisor.restarts[restarts_before]
+        time.sleep(0.05)
+    raise ServerError(f"the supervisor did not reload the model within {timeout_s:.0f} s")
+
+
+def run_crash(server: TritonServer, supervisor: Supervisor, texts: Sequence[str], slo_ms: float,
+              durations: Durations, rate_rps: float, victim_model: str, credentials: Mapping[str, dict],
+              log) -> dict:
+    result: dict = {"rate_rps": rate_rps, "victim_model": victim_model, "slo_ms": slo_ms}
+    for label, policy in (("without_retries", NO_RETRIES), ("with_retries", RetryPolicy())):
+        arrivals = poisson_stream("load", rate_rps, durations.crash_s, texts, [CRASH_TENANT], 0,
+                                  seed=31 if label == "without_retries" else 32)
+        restarts_before = len(supervisor.restarts)
+
+        async def phase(policy=policy, arrivals=arrivals, restarts_before=restarts_before):
+            sending = asyncio.create_task(send_all(server.grpc_url, arrivals, policy, CRASH_BUDGET_S, credentials))
+            await asyncio.sleep(durations.crash_s / 3)
+            victim = kill_one_instance(server, victim_model)
+            killed_at = time.time()
+            restart = await asyncio.to_thread(wait_restart, supervisor, restarts_before)
+            return await sending, victim, killed_at, restart
+
+        log(f"crash ({label}): {rate_rps:.0f} req/s, one {victim_model} instance killed at "
+            f"{durations.crash_s / 3:.0f} s")
+        records, victim, killed_at, restart = asyncio.run(phase())
+        summary = summarize(records, slo_ms)
+        failed = summary["rejected"] + summary["crashed"] + summary["failed_other"] + summary["lost"]
+        detected_s = restart["detected_at"] - killed_at
+        result[label] = {
+            "killed": victim, "failed": failed, "failed_by_crash": summary["crashed"],
+            "seconds_to_detect": round(detected_s, 2), "seconds_to_recover": round(detected_s + restart["reload_s"], 2),
+            "supervisor": restart, **summary,
+        }
+        log(f"  {summary['ok']} ok, {failed} failed ({summary['crashed']} by the crash, {summary['retried']} "
+            f"retried); detected after {detected_s:.1f} s, whole again after {detected_s + restart['reload_s']:.1f} s")
+        time.sleep(2.0)
+    result["failed_without_retries"] = result["without_retries"]["failed"]
+    result["failed_with_retries"] = result["with_retries"]["failed"]
+    result["seconds_to_recover"] = max(result["without_retries"]["seconds_to_recover"],
+                                       result["with_retries"]["seconds_to_recover"])
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("results/overload.json"),
+                        help="result JSON (default: %(default)s)")
+    parser.add_argument("--goodput-rps", type=float, default=None,
+                        help="goodput to overload at 3x (default: slo_bucketed in results/goodput.json)")
+    parser.add_argument("--parts", default="overload,isolation,crash",
+                        help="comma-separated subset of overload, isolation, crash (default: all)")
+    parser.add_argument("--steady-rps", type=float, default=10.0, help="tenant B's rate (default: %(default)s)")
+    parser.add_argument("--flood-rps", type=float, default=60.0,
+                        help="tenant A's rate of 256-token texts (default: %(default)s)")
+    parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
+    parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="short form for the test suite: 15 s of overload, 10 s isolation phases, 9 s crash phases")
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - {"overload", "isolation", "crash"})
+    if unknown or not parts:
+        print(f"error: unknown parts {unknown}; choose from overload, isolation, crash", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(DEFAULT_SPEC)
+        workload = load_workload(DEFAULT_WORKLOAD)
+        # Every tenant's token, signed with the spec's keys before the server starts reading them.
+        credentials = tenant_parameters(spec, [*ordinary_tenants(), STEADY_TENANT, FLOOD_TENANT, WARMUP_TENANT,
+                                               CRASH_TENANT])
+    except (SpecError, KeysError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    goodput_rps = args.goodput_rps or measured_goodput(REPO_ROOT / "results" / "goodput.json")
+    if "overload" in parts and not goodput_rps:
+        print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps",
+              file=sys.stderr)
+        return 2
+    model = spec.models[0]
+    durations = QUICK if args.quick else FULL
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    hardware = detect_hardware(None)
+    factory = TextFactory()
+    texts = factory.texts_for(workload, 2000, seed=7)
+    repository = DEFAULT_MODEL_REPOSITORY
+    embed_models = [model.name, *(model.encoder_name(b) for b in model.bucket_lens)]
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
+                          load_models=tuple(embed_models))
+    report: dict = {
+        "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
+        "command": "python -m tools bench overload " + " ".join(sys.argv[3:]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "slo_ms": model.slo_p95_ms,
+        "note": "load generator on the same machine as the server",
+    }
+    log(f"overload benchmark on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms")
+    try:
+        with TritonServer(config, log_path=REPO_ROOT / "build" / "bench" / "overload.log") as server:
+            supervisor = Supervisor(f"http://{server.http_url}", server.process.pid,
+                                    log=lambda line: log(f"  {line}")).start()
+            try:
+                asyncio.run(send_all(server.grpc_url, poisson_stream("warmup", 20, 2, texts, [WARMUP_TENANT], 0, 1),
+                                     NO_RETRIES, LOST_AFTER_S, credentials))
+                if "overload" in parts:
+                    report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations,
+                                                      credentials, log)
+                    time.sleep(2.0)
+                if "isolation" in parts:
+                    report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
+                                                        args.steady_rps, args.flood_rps, credentials, log)
+                    time.sleep(2.0)
+                if "crash" in parts:
+                    report["crash"] = run_crash(server, supervisor, texts, model.slo_p95_ms, durations,
+                                                args.crash_rps, args.victim, credentials, log)
+                report["server_healthy_at_end"] = server.is_ready()
+            finally:
+                supervisor.stop()
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,187 @@
+"""Serve the model repository on tritonserver 2.51 (from the nvidia-pytriton wheel).
+
+Starts the server, waits until every model is ready, prints the endpoints and an
+example request, and stops cleanly on Ctrl-C or SIGTERM (in-flight requests finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+from tools.clients.tls import TlsConfigError, check_pem
+from tools.paths import DEFAULT_MODEL_REPOSITORY
+from tools.server.admin_key import ADMIN_HEADER, ADMIN_KEY_ENV, AdminKeyError, find_admin_key
+from tools.server.supervisor import Supervisor
+from tools.server.triton_server import (
+    GrpcTls,
+    ModelControlMode,
+    ServerConfig,
+    ServerError,
+    TritonServer,
+    find_distribution,
+    model_names,
+)
+
+
+def port(value: str) -> int:
+    number = int(value)
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="model repository to serve (default: %(default)s)")
+    parser.add_argument("--http-port", type=port, default=8000, help="HTTP/REST port (default: %(default)s)")
+    parser.add_argument("--grpc-port", type=port, default=8001, help="gRPC port (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=port, default=8002,
+                        help="Prometheus metrics port (default: %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument("--model-control-mode", type=ModelControlMode,
+                        choices=list(ModelControlMode), default=ModelControlMode.EXPLICIT,
+                        help="explicit: load every model at start, then load/unload versions through the "
+                             "repository API (what `rollout` uses); none: load all, no changes; poll: follow "
+                             "repository changes (default: %(default)s)")
+    parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                        help="with explicit mode: a model to load at start (repeatable; default: all)")
+    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL",
+                        help="tritonserver verbose log level, 0 = off (default: %(default)s)")
+    parser.add_argument("--log-file", type=Path, default=None,
+                        help="write the server log here instead of the terminal")
+    parser.add_argument("--no-supervisor", dest="supervise", action="store_false",
+                        help="do not reload a model whose Python backend instance died (by default, in explicit "
+                             "mode, a watcher reloads it within about a second; Triton itself never restarts one)")
+    parser.add_argument("--triton-home", type=Path, default=None, metavar="DIR",
+                        help="run the tritonserver of this Triton installation (e.g. /opt/tritonserver in the "
+                             "nvcr.io 24.10 container, the same 2.51 release) instead of the nvidia-pytriton wheel's; "
+                             "the wheel still provides the Python backend stub for this interpreter")
+    parser.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",
+                        help=f"put the control endpoints (load/unload, shared memory, trace, logging) behind the key "
+                             f"in FILE (default: ${ADMIN_KEY_ENV}); explicit mode refuses to start without a key. "
+                             "`python -m tools admin-key new FILE` makes one; clients send it in the "
+                             f"'{ADMIN_HEADER}' header")
+    parser.add_argument("--grpc-tls-cert", type=Path, default=None, metavar="PEM",
+                        help="serve gRPC over TLS with this certificate (with --grpc-tls-key); plaintext gRPC is "
+                             "then refused. Clients pass the CA with --grpc-tls-ca. Triton's HTTP port has no TLS: "
+                             "put a TLS-terminating proxy in front of it")
+    parser.add_argument("--grpc-tls-key", type=Path, default=None, metavar="PEM",
+                        help="the private key of --grpc-tls-cert")
+    parser.add_argument("--pinned-memory-mb", type=int, default=0, metavar="MB",
+                        help="CUDA pinned host memory pool: 0 without a GPU (default), e.g. 256 on GPU nodes")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="give up if the models are not ready within this time (default: %(default)s)")
+
+
+def example_request(http_port: int) -> str:
+    return (
+        f"curl -s -X POST localhost:{http_port}/v2/models/embed/infer \\\n"
+        "  -H 'Content-Type: application/json' \\\n"
+        "  -d '{\"inputs\":[{\"name\":\"TEXT\",\"shape\":[1,1],\"datatype\":\"BYTES\","
+        "\"data\":[\"Triton batches requests by length\"]}]}'"
+    )
+
+
+def server_admin_key(key_file: Path | None, mode: ModelControlMode, env: Mapping[str, str]) -> str | None:
+    """The admin key `serve` starts tritonserver with; explicit mode without one is refused,
+    since anyone reaching the port could then unload models."""
+    key = find_admin_key(key_file, env)
+    if key is None and mode is ModelControlMode.EXPLICIT:
+        raise AdminKeyError(f"explicit model control needs an admin key, so that only operators can load and unload "
+                            f"models: pass --admin-key-file FILE or set ${ADMIN_KEY_ENV} (`python -m tools admin-key "
+                            "new build/admin.key` makes one; `make serve` does it for you)")
+    return key
+
+
+def admin_line(key_file: Path | None, key: str | None) -> str:
+    if key is None:
+        return "control endpoints (load/unload, shared memory, trace, logging) OPEN: no admin key given"
+    source = key_file if key_file is not None else f"${ADMIN_KEY_ENV}"
+    return f"control endpoints need the key from {source} in the '{ADMIN_HEADER}' header"
+
+
+def grpc_tls(cert: Path | None, key: Path | None) -> GrpcTls | None:
+    """The server's gRPC TLS files, both or neither, each a PEM file."""
+    if (cert is None) != (key is None):
+        raise TlsConfigError("--grpc-tls-cert and --grpc-tls-key go together: give both, or neither for plaintext")
+    if cert is None or key is None:
+        return None
+    return GrpcTls(cert=check_pem(cert, "gRPC TLS certificate").resolve(),
+                   key=check_pem(key, "gRPC TLS private key").resolve())
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        admin_key = server_admin_key(args.admin_key_file, args.model_control_mode, os.environ)
+        tls = grpc_tls(args.grpc_tls_cert, args.grpc_tls_key)
+    except (AdminKeyError, TlsConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    load_models = tuple(args.load_model)
+    if args.model_control_mode is ModelControlMode.EXPLICIT and not load_models:
+        load_models = tuple(model_names(args.model_repository))
+    config = ServerConfig(
+        model_repository=args.model_repository.resolve(),
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        model_control_mode=args.model_control_mode,
+        load_models=load_models,
+        log_verbose=args.log_verbose,
+        pinned_memory_bytes=args.pinned_memory_mb * 1024 * 1024,
+        admin_key=admin_key,
+        grpc_tls=tls,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        if args.pinned_memory_mb < 0:
+            raise ServerError(f"--pinned-memory-mb must be >= 0, got {args.pinned_memory_mb}")
+        dist = find_distribution(triton_home=args.triton_home) if args.triton_home else None
+        server = TritonServer(config, log_path=args.log_file, dist=dist)
+        server.start()
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"tritonserver starting on {config.model_repository} ...", flush=True)
+    try:
+        server.wait_ready(timeout_s=args.ready_timeout)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        server.stop()
+        return 1
+    print(
+        "\ntritonserver is ready\n"
+        f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
+        f"  gRPC     localhost:{config.grpc_port}{'   (TLS)' if tls else ''}\n"
+        f"  metrics  http://localhost:{config.metrics_port}/metrics\n"
+        f"  models   {', '.join(model_names(config.model_repository))}\n"
+        f"  admin    {admin_line(args.admin_key_file, admin_key)}\n\n"
+        f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
+        flush=True,
+    )
+    supervisor = None
+    if args.supervise and config.model_control_mode is ModelControlMode.EXPLICIT:
+        supervisor = Supervisor(f"http://localhost:{config.http_port}", server.process.pid,
+                                log=lambda line: print(line, flush=True), admin_key=admin_key).start()
+    while not stop.wait(1.0):
+        if server.process is not None and server.process.poll() is not None:
+            print(f"error: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
+            if supervisor is not None:
+                supervisor.stop()
+            server.stop()  # its stubs' stragglers and the shared memory it left
+            return 1
+    if supervisor is not None:
+        supervisor.stop()
+    print("stopping tritonserver (in-flight requests finish first) ...", flush=True)
+    code = server.stop()
+    print(f"tritonserver stopped (exit code {code})", flush=True)
+    return 0

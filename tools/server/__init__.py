@@ -1,0 +1,3 @@
+"""The tritonserver process: finding the distribution in the `nvidia-pytriton` wheel, starting and
+stopping the server (`triton_server`), bringing crashed Python-backend instances back
+(`supervisor`), and the admin key that guards its control endpoints (`admin_key`)."""
