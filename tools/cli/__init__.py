@@ -6,22 +6,28 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tools.bench import goodput as bench
-from tools.bench import profiler, sweep
-from tools.cli import batch as batch_cli
-from tools.cli import serve
-from tools.clients import tenant_token
-from tools.observe import explain, top
-from tools.ops import rollout
-from tools.planning import autoscale, capacity
-from tools.repository import build as build_models
-from tools.repository import configs as gen_config
-from tools.server import admin_key
+from tools.cli import (
+    admin_key,
+    autoscale,
+    batch,
+    bench,
+    build_models,
+    capacity,
+    explain,
+    gen_config,
+    profile,
+    rollout,
+    serve,
+    sweep,
+    tenant_token,
+    top,
+)
 
+# verb -> its module in tools/cli/, named as the verb
 COMMANDS = {
     "serve": serve,
     "build-models": build_models,
-    "profile": profiler,
+    "profile": profile,
     "gen-config": gen_config,
     "sweep": sweep,
     "bench": bench,
@@ -30,7 +36,7 @@ COMMANDS = {
     "explain": explain,
     "autoscale": autoscale,
     "capacity": capacity,
-    "batch": batch_cli,
+    "batch": batch,
     "admin-key": admin_key,
     "tenant-token": tenant_token,
 }
