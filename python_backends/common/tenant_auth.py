@@ -1,22 +1,42 @@
-"""Authenticated tenants: signed tenant tokens, the keys that verify them, and who a request is from.
+"""Authenticated tenants: tenant tokens (JWT), the keys that verify them, and who a request is from.
 
-A tenant token is one ASCII string, `v1.<tenant>.<expiry>.<key id>.<signature>`:
+A tenant token is a JSON Web Token (RFC 7519) in its compact form, `<header>.<claims>.<signature>`,
+each part base64url without padding. It names its tenant and its signing key:
 
-  tenant     the tenant id (`quotas.TENANT_PATTERN`; it may itself contain dots)
-  expiry     Unix seconds after which the token is refused (decimal, no sign, no leading zero)
-  key id     which key signed it, so two keys can be valid at once while they are rotated
-  signature  HMAC-SHA256 over `v1.<tenant>.<expiry>.<key id>` with that key's secret,
-             base64url without padding (always 43 characters)
+  header     {"alg": "HS256" | "RS256" | "ES256", "kid": "<key id>", "typ": "JWT"}
+  claims     {"sub": "<tenant id>", "exp": <Unix seconds>}   `nbf` is honoured when present;
+             `iat`, `iss`, `aud` and any other claim are carried but not checked
+  signature  over `<header>.<claims>` as sent, with the key named by `kid`
 
-The fields are split from the right: expiry, key id and signature never contain a dot, so
-a tenant id with dots stays unambiguous. Everything the signature covers is in the token,
-the version included, so no field can be changed without the signature failing.
+PyJWT checks the signature (HMAC-SHA256, RSA PKCS#1 v1.5 or ECDSA P-256, each with SHA-256) and
+parses JWKS keys. The rest stays here because the kit's rules are stricter than a JWT library's
+defaults: the clock is passed in (`now_s`) instead of read, the algorithm is the one of the key
+`kid` names (never the one the token asks for: an HS256 token signed with a public RSA key, or
+`alg: none`, is refused), `sub` must be a tenant id (`quotas.TENANT_PATTERN`), and a signature
+has exactly one spelling (base64url's unused low bits must be zero). The order of the checks is
+fixed: the token's shape, then the key, then the signature, then the expiry, so only a genuine
+token is ever told it has expired. A token is valid up to and including its `exp` second plus
+the spec's `max_clock_skew_s` (the leeway).
 
-Keys live in a small JSON file, `{"<key id>": "<secret, base64url>", ...}`, each secret at
-least 32 random bytes. `KeySource` re-reads it when it changes (checked at most once a
-second), so keys rotate without a restart: add the new key, move the issuers to it, and
-drop the old one once its tokens have expired. A file that fails to parse keeps the last
-good keys.
+The spec's keys file is one of two documents, told apart by content:
+
+  the kit's own keys  `{"<key id>": "<secret, base64url>", ...}`, each secret 32-1024 random bytes;
+                      `python -m tools tenant-token` adds and drops keys and signs HS256 tokens
+                      with the newest one. Keys rotate as today: add the new key, move the issuers
+                      to it, drop the old one once its tokens have expired.
+  a JWKS document     `{"keys": [<JWK>, ...]}` (RFC 7517), the public keys of an identity provider
+                      or gateway that issues the tenants' tokens; the kit only verifies them.
+                      Keys with `use` other than `sig`, or for an algorithm other than RS256 or
+                      ES256, are skipped (a provider's set often holds such keys); a key the kit
+                      would use must have a `kid`, and RSA keys at least 2048 bits. A symmetric
+                      (`oct`) key or a private key (`d`) in the document is refused. `iss` and `aud`
+                      are not checked: the JWKS names the issuer, and it must put the tenant id
+                      in `sub`.
+
+`{}` or `{"keys": []}` revokes every token at once. `KeySource` re-reads the file when it
+changes (checked at most once a second) and keeps the keys parsed (secrets, or the public
+keys built from the JWKs), so keys rotate without a restart; a file that fails to parse keeps
+the last good keys.
 
 `resolve_tenant` decides who a request is from, per the spec's mode:
 
@@ -25,16 +45,14 @@ good keys.
              parameter is served as the tenant `anonymous` (the spec gives it a low tier)
   required   every request needs a valid token
 
-Policy here is pure: the clocks are passed in (`now_s`), nothing is logged, and no error
-message repeats a token or a secret.
+Policy here is pure: the clocks are passed in (`now_s`), nothing is logged, no error message
+repeats a token or a secret. The only I/O is `KeySource` reading the keys file.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import json
 import math
 import os
@@ -44,19 +62,30 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, EllipticCurvePublicKey
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+
 from python_backends.common.paths import KIT_ROOT
 from python_backends.common.quotas import TENANT_PATTERN, parse_tenant, parse_tenant_claim
 
-TOKEN_VERSION = "v1"
-MAX_TOKEN_LEN = 256  # the longest valid token is 157 characters; anything longer is refused unparsed
-# Matched with fullmatch: `$` would also match before a trailing newline, and a field must
-# have exactly one spelling (no second form of a valid token).
-KEY_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,32}")
-EXPIRY_PATTERN = re.compile(r"[1-9][0-9]{0,11}")
-SIGNATURE_PATTERN = re.compile(r"[A-Za-z0-9_-]{43}")  # 32 bytes of HMAC-SHA256, base64url, no padding
-MIN_SECRET_BYTES = 32  # as long as the HMAC-SHA256 output: shorter keys are the weak link
+SECRET_ALGORITHM = "HS256"  # the kit's own keys sign and verify with this
+PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")  # what a JWKS key may verify
+ALGORITHMS = (SECRET_ALGORITHM, *PUBLIC_KEY_ALGORITHMS)
+# An identity provider's token carries more claims and a longer signature than the kit's own
+# (at most 259 characters): 4 KiB holds an RS4096 token with a few dozen claims, and stays
+# within gRPC's 8 KiB metadata limit when it travels as the `tenant-token` header.
+MAX_TOKEN_LEN = 4096
+# Matched with fullmatch: `$` would also match before a trailing newline.
+KEY_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,32}")  # the kit's own key ids
+JWKS_KEY_ID_PATTERN = re.compile(r"[\x21-\x7e]{1,128}")  # a provider's (and a token's) kid: printable ASCII
+BASE64URL_PATTERN = re.compile(r"[A-Za-z0-9_-]*")
+MAX_EXPIRY_S = 10**12  # Unix seconds: 12 digits, as far ahead as anyone issues
+MIN_SECRET_BYTES = 32  # as long as the HMAC-SHA256 output (RFC 7518 3.2): shorter keys are the weak link
 MAX_SECRET_BYTES = 1024
-MAX_KEYS = 16  # a keys file holds the keys being rotated, not a key per tenant
+MIN_RSA_BITS = 2048  # RFC 7518 3.3
+MAX_KEYS = 16  # the kit's keys file holds the keys being rotated, not a key per tenant
+MAX_JWKS_KEYS = 64  # a provider's set holds its signing keys of a few rotations
 MAX_KEYS_FILE_BYTES = 64 * 1024
 MAX_CLOCK_SKEW_S = 300.0  # largest allowance the spec may give for clocks that disagree
 
@@ -66,6 +95,11 @@ ANONYMOUS_TENANT = "anonymous"  # who a request without a token is, in `anonymou
 TOKEN_PARAMETER = "tenant_token"
 TOKEN_HEADER = "tenant-token"
 AUTH_FAILED = "authentication failed: "  # starts every AuthError message; clients and BLS callers match on it
+
+# PyJWT checks the signature only: every claim is checked below, against the clock passed in.
+SIGNATURE_ONLY = {"verify_signature": True, "verify_exp": False, "verify_nbf": False, "verify_iat": False,
+                  "verify_aud": False, "verify_iss": False, "verify_sub": False, "verify_jti": False,
+                  "require": []}
 
 
 class AuthMode(StrEnum):
@@ -78,10 +112,10 @@ class AuthFailure(StrEnum):
     """Why a request failed authentication (the `reason` label of the failure counter)."""
 
     MISSING = "missing"  # no token where the mode requires one
-    MALFORMED = "malformed"  # not a token of this format
+    MALFORMED = "malformed"  # not a tenant token (a JWT with a kid, a tenant `sub` and an `exp`)
     UNKNOWN_KEY = "unknown_key"  # signed with a key this server does not hold (never added, or retired)
-    BAD_SIGNATURE = "bad_signature"  # forged or altered
-    EXPIRED = "expired"  # genuine, but past its expiry
+    BAD_SIGNATURE = "bad_signature"  # forged or altered, unsigned (`alg: none`), or the wrong algorithm for its key
+    EXPIRED = "expired"  # genuine, but past its expiry (or before its `nbf`)
     UNVERIFIED_CLAIM = "unverified_claim"  # a `tenant` parameter without a token to prove it
     TENANT_MISMATCH = "tenant_mismatch"  # a `tenant` parameter that names another tenant than the token
 
@@ -95,21 +129,30 @@ class AuthError(Exception):
 
 
 @dataclass(frozen=True)
+class PublicKey:
+    """A key of a JWKS document, parsed once: verifies tokens of one algorithm."""
+
+    algorithm: str  # "RS256" or "ES256"
+    key: RSAPublicKey | EllipticCurvePublicKey
+
+
+# What verifies a token, by key id: a secret of the kit's own keys file (HS256), or a JWKS key.
+VerificationKey = bytes | PublicKey
+
+
+def key_algorithm(key: VerificationKey) -> str:
+    return key.algorithm if isinstance(key, PublicKey) else SECRET_ALGORITHM
+
+
+@dataclass(frozen=True)
 class TokenParts:
     """The fields of a token that parsed, before its signature is checked."""
 
-    tenant: str
-    expiry_s: int  # Unix seconds
-    key_id: str
-    signature: str  # base64url, as sent
-
-    @property
-    def signed_text(self) -> bytes:
-        return signing_input(self.tenant, self.expiry_s, self.key_id)
-
-
-def signing_input(tenant: str, expiry_s: int, key_id: str) -> bytes:
-    return f"{TOKEN_VERSION}.{tenant}.{expiry_s}.{key_id}".encode("ascii")
+    tenant: str  # `sub`
+    expiry_s: float  # `exp`, Unix seconds
+    key_id: str  # `kid`
+    algorithm: str  # `alg`, one of ALGORITHMS
+    not_before_s: float | None = None  # `nbf`, Unix seconds, when the token has one
 
 
 def encode_secret(secret: bytes) -> str:
@@ -127,10 +170,6 @@ def decode_secret(text: str) -> bytes:
         raise ValueError("a secret must be a base64url string") from None
 
 
-def _signature(secret: bytes, signed_text: bytes) -> str:
-    return base64.urlsafe_b64encode(hmac.new(secret, signed_text, hashlib.sha256).digest()).rstrip(b"=").decode()
-
-
 def check_key(key_id: str, secret: bytes) -> None:
     """ValueError when a key id or secret is not fit to sign with."""
     if not isinstance(key_id, str) or not KEY_ID_PATTERN.fullmatch(key_id):
@@ -141,85 +180,171 @@ def check_key(key_id: str, secret: bytes) -> None:
 
 
 def issue_token(tenant: str, expiry_s: int, key_id: str, secret: bytes) -> str:
-    """A token for `tenant`, valid until `expiry_s` (Unix seconds), signed with the key `key_id`."""
+    """An HS256 token for `tenant`, valid until `expiry_s` (Unix seconds), signed with the key `key_id`."""
     if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise ValueError(f"tenant id {tenant!r} must be 1-64 letters, digits, '.', '_' or '-'")
     check_key(key_id, secret)
-    if isinstance(expiry_s, bool) or not isinstance(expiry_s, int) or not EXPIRY_PATTERN.fullmatch(str(expiry_s)):
+    if isinstance(expiry_s, bool) or not isinstance(expiry_s, int) or not 0 < expiry_s < MAX_EXPIRY_S:
         raise ValueError(f"expiry {expiry_s!r} must be Unix seconds, a positive integer of at most 12 digits")
-    signed_text = signing_input(tenant, expiry_s, key_id)
-    return f"{signed_text.decode('ascii')}.{_signature(secret, signed_text)}"
+    return jwt.encode({"sub": tenant, "exp": expiry_s}, secret, algorithm=SECRET_ALGORITHM,
+                      headers={"kid": key_id, "typ": "JWT"})
 
 
 def _malformed(what: str) -> AuthError:
-    return AuthError(AuthFailure.MALFORMED, f"the tenant token is malformed: {what}; expected "
-                     f"{TOKEN_VERSION}.<tenant>.<expiry>.<key id>.<signature> from `python -m tools tenant-token`")
+    return AuthError(AuthFailure.MALFORMED, f"the tenant token is malformed: {what}; expected a JWT "
+                     "(<header>.<claims>.<signature>) from `python -m tools tenant-token` or the tenants' "
+                     "identity provider")
+
+
+def _segment(text: str, name: str) -> bytes:
+    if not text or not BASE64URL_PATTERN.fullmatch(text) or len(text) % 4 == 1:
+        raise _malformed(f"the {name} is not base64url")
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _json_object(text: str, name: str) -> dict:
+    try:
+        data = json.loads(_segment(text, name))
+    except (UnicodeDecodeError, ValueError):  # json.JSONDecodeError is a ValueError
+        raise _malformed(f"the {name} is not JSON") from None
+    if not isinstance(data, dict):
+        raise _malformed(f"the {name} is not a JSON object")
+    return data
+
+
+def _unix_seconds(value: object) -> float | None:
+    """A NumericDate claim (RFC 7519: integer or not), within (0, MAX_EXPIRY_S); None if it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < MAX_EXPIRY_S:
+        return None
+    return float(value)
 
 
 def parse_token(token: object) -> TokenParts:
-    """Split a token into its fields, strictly; AuthError(MALFORMED) says which part is wrong."""
+    """Split a token into its fields, strictly; AuthError(MALFORMED) says which part is wrong,
+    AuthError(BAD_SIGNATURE) refuses an unsigned one. Nothing here is verified yet."""
     if not isinstance(token, str):
         raise _malformed(f"it is a {type(token).__name__}, not a string")
     if len(token) > MAX_TOKEN_LEN:
         raise _malformed(f"it is {len(token)} characters long; the limit is {MAX_TOKEN_LEN}")
     if not token.isascii():
         raise _malformed("it contains non-ASCII characters")
-    parts = token.rsplit(".", 3)
-    if len(parts) != 4 or not parts[0].startswith(f"{TOKEN_VERSION}."):
-        raise _malformed(f"it does not start with '{TOKEN_VERSION}.' or has too few fields")
-    head, expiry, key_id, signature = parts
-    tenant = head[len(TOKEN_VERSION) + 1:]
-    if not TENANT_PATTERN.fullmatch(tenant):
-        raise _malformed("the tenant field is not a tenant id (1-64 letters, digits, '.', '_' or '-')")
-    if not EXPIRY_PATTERN.fullmatch(expiry):
-        raise _malformed("the expiry field is not Unix seconds")
-    if not KEY_ID_PATTERN.fullmatch(key_id):
-        raise _malformed("the key id field is not 1-32 letters, digits, '_' or '-'")
-    if not SIGNATURE_PATTERN.fullmatch(signature):
-        raise _malformed("the signature field is not 43 base64url characters")
-    return TokenParts(tenant=tenant, expiry_s=int(expiry), key_id=key_id, signature=signature)
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise _malformed(f"it has {len(parts)} part{'s' if len(parts) != 1 else ''}, not 3 separated by '.'")
+    header, claims = _json_object(parts[0], "header"), _json_object(parts[1], "claims part")
+    algorithm = header.get("alg")
+    if not isinstance(algorithm, str):
+        raise _malformed("the header has no algorithm (alg)")
+    if algorithm.lower() == "none" or not parts[2]:
+        # No signature at all is a forgery, however it is spelled.
+        raise AuthError(AuthFailure.BAD_SIGNATURE, "the tenant token is not signed (alg 'none' or no signature)")
+    if algorithm not in ALGORITHMS:
+        raise _malformed(f"alg {algorithm[:16]!r} is not one of {', '.join(ALGORITHMS)}")
+    key_id = header.get("kid")
+    if not isinstance(key_id, str) or not JWKS_KEY_ID_PATTERN.fullmatch(key_id):
+        raise _malformed("the header has no key id (kid) of 1-128 printable ASCII characters")
+    tenant = claims.get("sub")
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
+        raise _malformed("the subject (sub) is not a tenant id (1-64 letters, digits, '.', '_' or '-')")
+    expiry_s = _unix_seconds(claims.get("exp"))
+    if expiry_s is None:
+        raise _malformed("the expiry (exp) is missing or not Unix seconds")
+    not_before_s = None
+    if "nbf" in claims:
+        not_before_s = _unix_seconds(claims["nbf"])
+        if not_before_s is None:
+            raise _malformed("the not-before time (nbf) is not Unix seconds")
+    if not BASE64URL_PATTERN.fullmatch(parts[2]):
+        raise _malformed("the signature is not base64url")
+    return TokenParts(tenant=tenant, expiry_s=expiry_s, key_id=key_id, algorithm=algorithm,
+                      not_before_s=not_before_s)
 
 
-def verify_token(token: object, keys: Mapping[str, bytes], now_s: float, max_clock_skew_s: float = 0.0) -> str:
+def _forged() -> AuthError:
+    return AuthError(AuthFailure.BAD_SIGNATURE, "the tenant token's signature does not match (forged or altered)")
+
+
+def _canonical(signature: str) -> bool:
+    """Whether the signature is base64url as an encoder writes it: the unused low bits of its last
+    character must be zero, or one genuine token would have several accepted spellings."""
+    if len(signature) % 4 == 1:
+        return False
+    raw = base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") == signature
+
+
+def verify_token(token: object, keys: Mapping[str, VerificationKey], now_s: float,
+                 max_clock_skew_s: float = 0.0) -> str:
     """The tenant a token proves, or AuthError: malformed, unknown key, bad signature, expired.
 
-    `now_s` is the wall clock (Unix seconds). The signature is checked before the expiry, so
-    only a genuine token is ever told it has expired. `max_clock_skew_s` is how long after
-    its expiry a token is still taken, for an issuer whose clock runs behind this server's.
+    `keys` maps key ids to the kit's HS256 secrets or a JWKS document's public keys. `now_s` is
+    the wall clock (Unix seconds). The signature is checked before the expiry, so only a genuine
+    token is ever told it has expired. `max_clock_skew_s` (the leeway) is how long after its
+    expiry, and before its `nbf`, a token is still taken, for an issuer whose clock disagrees.
     """
     parts = parse_token(token)
-    secret = keys.get(parts.key_id)
-    if secret is None:
+    key = keys.get(parts.key_id)
+    if key is None:
         raise AuthError(AuthFailure.UNKNOWN_KEY, f"the tenant token was signed with key '{parts.key_id}', which "
                         "this server does not hold (never added, or already retired)")
-    expected = _signature(secret, parts.signed_text)
-    # Constant time: how much of a forged signature matched must not show in the answer's timing.
-    if not hmac.compare_digest(expected.encode("ascii"), parts.signature.encode("ascii")):
-        raise AuthError(AuthFailure.BAD_SIGNATURE, "the tenant token's signature does not match (forged or altered)")
+    algorithm = key_algorithm(key)
+    if parts.algorithm != algorithm:
+        # The algorithm is the key's, never the token's: verifying an HS256 token with an RSA
+        # public key as the secret is the classic forgery.
+        raise AuthError(AuthFailure.BAD_SIGNATURE, f"the tenant token is signed with {parts.algorithm}, but key "
+                        f"'{parts.key_id}' verifies {algorithm} only (forged or altered)")
+    assert isinstance(token, str)  # parse_token refused anything else
+    if not _canonical(token.rsplit(".", 1)[1]):
+        raise _forged()
+    try:
+        jwt.decode(token, key.key if isinstance(key, PublicKey) else key, algorithms=[algorithm],
+                   options=SIGNATURE_ONLY)
+    except jwt.InvalidSignatureError:
+        raise _forged() from None
+    except jwt.PyJWTError:  # e.g. a `crit` header it does not know; the message could quote the token
+        raise _malformed("PyJWT refused its header") from None
     if now_s > parts.expiry_s + max_clock_skew_s:
         raise AuthError(AuthFailure.EXPIRED, f"the tenant token for '{parts.tenant}' expired "
-                        f"{now_s - parts.expiry_s:.0f} s ago (at Unix time {parts.expiry_s}); ask for a new one")
+                        f"{now_s - parts.expiry_s:.0f} s ago (at Unix time {parts.expiry_s:.0f}); ask for a new one")
+    if parts.not_before_s is not None and now_s < parts.not_before_s - max_clock_skew_s:
+        raise AuthError(AuthFailure.EXPIRED, f"the tenant token for '{parts.tenant}' is not valid for another "
+                        f"{parts.not_before_s - now_s:.0f} s (nbf, Unix time {parts.not_before_s:.0f})")
     return parts.tenant
 
 
 # --- the keys file ---------------------------------------------------------------------------
 
 
-def parse_keys(text: str) -> dict[str, bytes]:
-    """Keys from the keys file's text: a JSON object of key id -> base64url secret.
+def is_jwks(data: object) -> bool:
+    """Whether a keys file's JSON is a JWKS document rather than the kit's own keys (whose
+    values are all strings, so a `keys` member holding a list tells them apart)."""
+    return isinstance(data, dict) and isinstance(data.get("keys"), list)
 
-    An empty object is valid (no token verifies: how to revoke every key at once). ValueError
-    names the offending key, never a secret.
-    """
+
+def _load_json(text: str) -> object:
     if len(text) > MAX_KEYS_FILE_BYTES:
         raise ValueError(f"the keys file is {len(text)} bytes; the limit is {MAX_KEYS_FILE_BYTES}")
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as err:
         # The position only: the decoder's message could quote the text, and the text is secrets.
         raise ValueError(f"the keys file is not valid JSON (line {err.lineno}, column {err.colno})") from None
+
+
+def parse_secrets(text: str) -> dict[str, bytes]:
+    """The kit's own keys (HS256 secrets) from the keys file's text, oldest first; ValueError for
+    anything else, a JWKS document included (it verifies, it cannot sign)."""
+    data = _load_json(text)
+    if is_jwks(data):
+        raise ValueError("the keys file is a JWKS document: it holds an identity provider's public keys, which "
+                         "verify tenant tokens but cannot sign them (the provider issues the tokens)")
+    return _secrets(data)
+
+
+def _secrets(data: object) -> dict[str, bytes]:
     if not isinstance(data, dict):
-        raise ValueError('the keys file must be a JSON object {"<key id>": "<secret, base64url>"}')
+        raise ValueError('the keys file must be a JSON object {"<key id>": "<secret, base64url>"} '
+                         'or a JWKS document {"keys": [...]}')
     if len(data) > MAX_KEYS:
         raise ValueError(f"the keys file holds {len(data)} keys; the limit is {MAX_KEYS} "
                          "(it holds the keys being rotated, not one per tenant)")
@@ -236,8 +361,78 @@ def parse_keys(text: str) -> dict[str, bytes]:
     return keys
 
 
+def _jwk_algorithm(jwk: dict) -> str | None:
+    """The algorithm a JWK verifies: its `alg`, else the one its key type implies (as PyJWK decides)."""
+    if "alg" in jwk:
+        return jwk["alg"] if isinstance(jwk["alg"], str) else None
+    if jwk.get("kty") == "RSA":
+        return "RS256"
+    if jwk.get("kty") == "EC" and jwk.get("crv", "P-256") == "P-256":
+        return "ES256"
+    return None
+
+
+def _public_key(jwk: dict, name: str, algorithm: str) -> PublicKey:
+    kty = {"RS256": "RSA", "ES256": "EC"}[algorithm]
+    if jwk.get("kty") != kty or (algorithm == "ES256" and jwk.get("crv") != "P-256"):
+        raise ValueError(f"{name}: alg {algorithm} needs kty {kty!r}" + (" and crv 'P-256'" if kty == "EC" else ""))
+    try:
+        key = jwt.PyJWK(jwk, algorithm).key
+    except (jwt.PyJWTError, ValueError, TypeError, KeyError):  # PyJWT's message quotes the key: not repeated
+        raise ValueError(f"{name}: not a valid {algorithm} public key") from None
+    if isinstance(key, RSAPublicKey) and key.key_size < MIN_RSA_BITS:
+        raise ValueError(f"{name}: the RSA key is {key.key_size} bits; at least {MIN_RSA_BITS} are needed")
+    if not isinstance(key, RSAPublicKey | EllipticCurvePublicKey) or (
+            isinstance(key, EllipticCurvePublicKey) and not isinstance(key.curve, SECP256R1)):
+        raise ValueError(f"{name}: not a {algorithm} public key")
+    return PublicKey(algorithm=algorithm, key=key)
+
+
+def parse_jwks(data: dict) -> dict[str, PublicKey]:
+    """The RS256 and ES256 signing keys of a JWKS document, by kid; the rest is skipped (see the
+    module docstring). ValueError names the offending key, never its numbers."""
+    entries = data["keys"]
+    if len(entries) > MAX_JWKS_KEYS:
+        raise ValueError(f"the JWKS document holds {len(entries)} keys; the limit is {MAX_JWKS_KEYS}")
+    keys: dict[str, PublicKey] = {}
+    for index, jwk in enumerate(entries, start=1):
+        if not isinstance(jwk, dict):
+            raise ValueError(f"JWKS key #{index} is not a JSON object")
+        kid = jwk.get("kid")
+        name = f"JWKS key {kid!r}" if isinstance(kid, str) and len(kid) <= 128 else f"JWKS key #{index}"
+        if "d" in jwk or jwk.get("kty") == "oct":
+            # A private or shared secret published beside the public keys: whoever reads the file can sign.
+            raise ValueError(f"{name} is a private or symmetric key: a JWKS keys file holds public keys only "
+                             "(the kit's own HS256 secrets go in a keys file of its own format)")
+        if jwk.get("use", "sig") != "sig":
+            continue  # the issuer's encryption keys
+        algorithm = _jwk_algorithm(jwk)
+        if algorithm not in PUBLIC_KEY_ALGORITHMS:
+            continue  # a key for an algorithm this server does not verify with
+        if not isinstance(kid, str) or not JWKS_KEY_ID_PATTERN.fullmatch(kid):
+            raise ValueError(f"{name}: a signing key needs a kid of 1-128 printable ASCII characters, "
+                             "which tokens name it by")
+        if kid in keys:
+            raise ValueError(f"{name} appears twice")
+        keys[kid] = _public_key(jwk, name, algorithm)
+    if entries and not keys:
+        raise ValueError(f"none of the JWKS document's {len(entries)} keys is an RS256 or ES256 signing key")
+    return keys
+
+
+def parse_keys(text: str) -> dict[str, VerificationKey]:
+    """The verification keys in the keys file's text, by key id: the kit's own HS256 secrets, or
+    the public keys of a JWKS document (told apart by `is_jwks`).
+
+    An empty object (or an empty JWKS) is valid: no token verifies, which is how to revoke every
+    key at once. ValueError names the offending key, never a secret.
+    """
+    data = _load_json(text)
+    return dict(parse_jwks(data)) if is_jwks(data) else dict(_secrets(data))
+
+
 def format_keys(keys: Mapping[str, bytes]) -> str:
-    """The keys file's text, keys in the order given (the last one signs new tokens by default)."""
+    """The kit's keys file text, keys in the order given (the last one signs new tokens by default)."""
     for key_id, secret in keys.items():
         check_key(key_id, secret)
     return json.dumps({key_id: encode_secret(secret) for key_id, secret in keys.items()}, indent=2) + "\n"
@@ -251,17 +446,18 @@ class KeySource:
     (a `stat`, and a read only when its mtime, size or inode changed). A file that cannot be
     read or parsed keeps the keys that were good before, and `on_error` hears of it once per
     change, not once a second. Before any good read there are no keys, so every token is
-    refused until the file appears.
+    refused until the file appears. The keys are kept parsed between reads (a JWKS document's
+    public keys are built once per change, not per request).
     """
 
     path: Path  # the keys file
     check_interval_s: float = 1.0
-    _keys: dict[str, bytes] = field(default_factory=dict, init=False)
+    _keys: dict[str, VerificationKey] = field(default_factory=dict, init=False)
     _stamp: tuple[int, int, int] | None = field(default=None, init=False)  # (mtime_ns, size, inode) last read
     _problem: str | None = field(default=None, init=False)  # the last problem reported
     _checked_at: float = field(default=-math.inf, init=False)
 
-    def keys(self, now_s: float, on_error: Callable[[str], None] | None = None) -> Mapping[str, bytes]:
+    def keys(self, now_s: float, on_error: Callable[[str], None] | None = None) -> Mapping[str, VerificationKey]:
         """The keys to verify with at monotonic time `now_s`."""
         if now_s - self._checked_at < self.check_interval_s:
             return self._keys
@@ -351,7 +547,8 @@ def find_token(params: Mapping[str, object]) -> object | None:
     return found[0]  # verify_token refuses anything but a string
 
 
-def resolve_tenant(params: Mapping[str, object], config: AuthConfig, keys: Mapping[str, bytes], now_s: float) -> str:
+def resolve_tenant(params: Mapping[str, object], config: AuthConfig, keys: Mapping[str, VerificationKey],
+                   now_s: float) -> str:
     """The tenant a request is served as.
 
     ValueError: the `tenant` parameter is not a tenant id (a bad request, as before

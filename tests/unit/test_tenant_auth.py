@@ -1,10 +1,16 @@
 """Tenant tokens, the keys file and its reloader, and who a request is served as."""
 
+import base64
+import hashlib
+import hmac
 import json
 import os
 from pathlib import Path
 
+import jwt
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +19,7 @@ from python_backends.common.tenant_auth import (
     AUTH_FAILED,
     AUTH_OFF,
     KIT_ROOT,
+    MAX_JWKS_KEYS,
     MAX_KEYS,
     MAX_TOKEN_LEN,
     AuthConfig,
@@ -20,13 +27,16 @@ from python_backends.common.tenant_auth import (
     AuthFailure,
     AuthMode,
     KeySource,
+    PublicKey,
     decode_secret,
     encode_secret,
     find_token,
     format_keys,
+    is_jwks,
     issue_token,
     parse_auth_parameter,
     parse_keys,
+    parse_secrets,
     parse_token,
     resolve_tenant,
     verify_token,
@@ -42,6 +52,18 @@ def token(tenant="team-a", expiry_s=int(NOW) + 3600, key_id="k1", secret=SECRET)
     return issue_token(tenant, expiry_s, key_id, secret)
 
 
+def b64(value) -> str:
+    """A JSON value as a JWT part: base64url without padding."""
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+
+def hs256(claims, header=None, key_id="k1", secret=SECRET) -> str:
+    """A token with any header and claims, signed as the kit signs (for claims it never issues)."""
+    head = f"{b64({'alg': 'HS256', 'kid': key_id} | (header or {}))}.{b64(claims)}"
+    signature = base64.urlsafe_b64encode(hmac.new(secret, head.encode(), hashlib.sha256).digest()).rstrip(b"=")
+    return f"{head}.{signature.decode()}"
+
+
 def failure(call) -> AuthError:
     with pytest.raises(AuthError) as info:
         call()
@@ -49,14 +71,17 @@ def failure(call) -> AuthError:
     return info.value
 
 
-# --- tokens ----------------------------------------------------------------------------------
+# --- tokens ---------------------------------------------------------------------------------
 
 
-def test_a_token_names_its_tenant_expiry_and_key_and_verifies():
+def test_a_token_is_a_jwt_naming_its_tenant_expiry_and_key_and_verifies():
     issued = token()
-    assert issued.startswith(f"v1.team-a.{int(NOW) + 3600}.k1.")
-    assert len(issued.rsplit(".", 1)[1]) == 43
+    assert jwt.get_unverified_header(issued) == {"alg": "HS256", "kid": "k1", "typ": "JWT"}
+    assert jwt.decode(issued, options={"verify_signature": False}) == {"sub": "team-a", "exp": int(NOW) + 3600}
+    assert len(issued.rsplit(".", 1)[1]) == 43  # 32 bytes of HMAC-SHA256
     assert verify_token(issued, KEYS, NOW) == "team-a"
+    parts = parse_token(issued)
+    assert (parts.tenant, parts.expiry_s, parts.key_id, parts.algorithm) == ("team-a", NOW + 3600, "k1", "HS256")
 
 
 def test_a_tenant_id_with_dots_is_unambiguous():
@@ -80,12 +105,11 @@ def test_a_token_signed_with_another_secret_under_a_known_key_id_is_forged():
     assert error.reason is AuthFailure.BAD_SIGNATURE
 
 
-@pytest.mark.parametrize("field", ["tenant", "expiry"])
-def test_changing_a_signed_field_breaks_the_signature(field):
-    issued = token()
-    head, expiry, key_id, signature = issued.rsplit(".", 3)
-    altered = (f"v1.team-b.{expiry}.{key_id}.{signature}" if field == "tenant"
-               else f"{head}.{int(expiry) + 86400}.{key_id}.{signature}")
+@pytest.mark.parametrize("claims", [{"sub": "team-b", "exp": int(NOW) + 3600},  # another tenant
+                                    {"sub": "team-a", "exp": int(NOW) + 86400 + 3600}])  # a later expiry
+def test_changing_a_signed_field_breaks_the_signature(claims):
+    header, _, signature = token().split(".")
+    altered = f"{header}.{b64(claims)}.{signature}"
     assert failure(lambda: verify_token(altered, KEYS, NOW)).reason is AuthFailure.BAD_SIGNATURE
 
 
@@ -118,36 +142,88 @@ def test_the_clock_skew_allowance_takes_a_token_just_past_its_expiry():
     assert failure(lambda: verify_token(token(expiry_s=expiry), KEYS, NOW + 1)).reason is AuthFailure.EXPIRED
 
 
+def test_a_token_before_its_not_before_time_is_refused_beyond_the_skew_allowance():
+    early = hs256({"sub": "team-a", "exp": int(NOW) + 3600, "nbf": int(NOW) + 60})
+    error = failure(lambda: verify_token(early, KEYS, NOW))
+    assert error.reason is AuthFailure.EXPIRED and "not valid for another 60 s" in str(error)
+    assert verify_token(early, KEYS, NOW, max_clock_skew_s=60) == "team-a"
+    assert verify_token(early, KEYS, NOW + 60) == "team-a"
+    # Claims the kit does not check are carried, and a fractional NumericDate is a date.
+    other_claims = {"sub": "team-a", "exp": NOW + 0.5, "iat": int(NOW), "iss": "gateway", "aud": ["x"]}
+    assert verify_token(hs256(other_claims), KEYS, NOW) == "team-a"
+
+
+@pytest.mark.parametrize("header", [{"alg": "none", "kid": "k1"}, {"alg": "None", "kid": "k1"},
+                                    {"alg": "NONE", "kid": "k1"}, {"alg": "HS256", "kid": "k1"}])
+def test_an_unsigned_token_is_refused_as_a_forgery(header):
+    unsigned = f"{b64(header)}.{b64({'sub': 'team-a', 'exp': int(NOW) + 60})}."
+    error = failure(lambda: verify_token(unsigned, KEYS, NOW))
+    assert error.reason is AuthFailure.BAD_SIGNATURE and "not signed" in str(error)
+
+
+def test_a_header_pyjwt_cannot_honour_is_malformed():
+    critical = hs256({"sub": "team-a", "exp": int(NOW) + 60}, header={"crit": ["exp"]})
+    error = failure(lambda: verify_token(critical, KEYS, NOW))
+    assert error.reason is AuthFailure.MALFORMED and "PyJWT refused its header" in str(error)
+
+
+HEADER, CLAIMS, SIGNATURE = token().split(".")
 VALID = token()
-HEAD, EXPIRY, KEY_ID, SIGNATURE = VALID.rsplit(".", 3)
+
+
+def crafted(header=None, claims=None, signature=SIGNATURE):
+    return (f"{b64(header) if header is not None else HEADER}.{b64(claims) if claims is not None else CLAIMS}"
+            f".{signature}")
+
+
+def claims(**changes):
+    return {key: value for key, value in ({"sub": "team-a", "exp": int(NOW) + 3600} | changes).items()
+            if value is not None}
 
 
 @pytest.mark.parametrize(("bad", "what"), [
     (None, "not a string"),
     (42, "not a string"),
-    ("", "too few fields"),
+    ("", "it has 1 part,"),
     ("x" * (MAX_TOKEN_LEN + 1), f"the limit is {MAX_TOKEN_LEN}"),
-    (VALID.replace("team-a", "téam-a"), "non-ASCII"),
-    (VALID.replace("v1.", "v2.", 1), "does not start with 'v1.'"),
-    (VALID[3:], "does not start with 'v1.'"),
-    (f"{HEAD}.{KEY_ID}.{SIGNATURE}", "does not start with 'v1.'"),
-    (f"v1..{EXPIRY}.{KEY_ID}.{SIGNATURE}", "tenant field"),
-    (f"v1.has space.{EXPIRY}.{KEY_ID}.{SIGNATURE}", "tenant field"),
-    (f"v1.{'x' * 65}.{EXPIRY}.{KEY_ID}.{SIGNATURE}", "tenant field"),
-    (f"{HEAD}.0{EXPIRY}.{KEY_ID}.{SIGNATURE}", "expiry field"),
-    (f"{HEAD}.-{EXPIRY}.{KEY_ID}.{SIGNATURE}", "expiry field"),
-    (f"{HEAD}.1e9.{KEY_ID}.{SIGNATURE}", "expiry field"),
-    (f"{HEAD}.{'9' * 13}.{KEY_ID}.{SIGNATURE}", "expiry field"),
-    (f"{HEAD}.{EXPIRY}..{SIGNATURE}", "key id field"),
-    (f"{HEAD}.{EXPIRY}.k:1.{SIGNATURE}", "key id field"),
-    (f"{HEAD}.{EXPIRY}.{KEY_ID}.{SIGNATURE[:-1]}", "signature field"),
-    (f"{HEAD}.{EXPIRY}.{KEY_ID}.{SIGNATURE}=", "signature field"),
-    (f"{HEAD}.{EXPIRY}.{KEY_ID}.{SIGNATURE[:-1]}+", "signature field"),
-    # A trailing newline on any field would make a second spelling of a valid token.
-    (f"{HEAD}\n.{EXPIRY}.{KEY_ID}.{SIGNATURE}", "tenant field"),
-    (f"{HEAD}.{EXPIRY}\n.{KEY_ID}.{SIGNATURE}", "expiry field"),
-    (f"{HEAD}.{EXPIRY}.{KEY_ID}\n.{SIGNATURE}", "key id field"),
-    (f"{VALID}\n", "signature field"),
+    (f"{HEADER}.{CLAIMS}é.{SIGNATURE}", "non-ASCII"),
+    (f"{HEADER}.{CLAIMS}", "it has 2 parts"),
+    (f"{VALID}.{SIGNATURE}", "it has 4 parts"),
+    ("v1.team-a.1800003600.k1." + SIGNATURE, "it has 5 parts"),  # the kit's tokens before JWT
+    (f".{CLAIMS}.{SIGNATURE}", "the header is not base64url"),
+    (f"{HEADER}=.{CLAIMS}.{SIGNATURE}", "the header is not base64url"),
+    (f"{HEADER}x.{CLAIMS}.{SIGNATURE}", "the header is not"),  # one character too many for base64
+    (f"{HEADER}.{CLAIMS}+.{SIGNATURE}", "the claims part is not base64url"),
+    (f"bm90IGpzb24.{CLAIMS}.{SIGNATURE}", "the header is not JSON"),
+    (crafted(header=[]), "the header is not a JSON object"),
+    (crafted(claims="team-a"), "the claims part is not a JSON object"),
+    (crafted(header={"kid": "k1"}), "no algorithm (alg)"),
+    (crafted(header={"alg": 256, "kid": "k1"}), "no algorithm (alg)"),
+    (crafted(header={"alg": "HS512", "kid": "k1"}), "alg 'HS512' is not one of HS256, RS256, ES256"),
+    (crafted(header={"alg": "PS256", "kid": "k1"}), "alg 'PS256'"),
+    (crafted(header={"alg": "HS256"}), "no key id (kid)"),
+    (crafted(header={"alg": "HS256", "kid": ""}), "no key id (kid)"),
+    (crafted(header={"alg": "HS256", "kid": "k 1"}), "no key id (kid)"),
+    (crafted(header={"alg": "HS256", "kid": "k" * 129}), "no key id (kid)"),
+    (crafted(header={"alg": "HS256", "kid": ["k1"]}), "no key id (kid)"),
+    (crafted(claims=claims(sub=None)), "the subject (sub) is not a tenant id"),
+    (crafted(claims=claims(sub="")), "the subject (sub)"),
+    (crafted(claims=claims(sub="has space")), "the subject (sub)"),
+    (crafted(claims=claims(sub="x" * 65)), "the subject (sub)"),
+    (crafted(claims=claims(sub=7)), "the subject (sub)"),
+    (crafted(claims=claims(sub="team-a\n")), "the subject (sub)"),
+    (crafted(claims=claims(exp=None)), "the expiry (exp) is missing or not Unix seconds"),
+    (crafted(claims=claims(exp=str(int(NOW)))), "the expiry (exp)"),
+    (crafted(claims=claims(exp=True)), "the expiry (exp)"),
+    (crafted(claims=claims(exp=0)), "the expiry (exp)"),
+    (crafted(claims=claims(exp=-5)), "the expiry (exp)"),
+    (crafted(claims=claims(exp=10**12)), "the expiry (exp)"),
+    (crafted(claims=claims(nbf="soon")), "the not-before time (nbf)"),
+    (crafted(signature=SIGNATURE + "="), "the signature is not base64url"),
+    (crafted(signature=SIGNATURE[:-1] + "+"), "the signature is not base64url"),
+    # A trailing newline would make a second spelling of a valid token.
+    (f"{VALID}\n", "the signature is not base64url"),
+    (f"{HEADER}\n.{CLAIMS}.{SIGNATURE}", "the header is not base64url"),
 ])
 def test_a_malformed_token_says_which_part_is_wrong(bad, what):
     error = failure(lambda: verify_token(bad, KEYS, NOW))
@@ -306,6 +382,174 @@ def test_an_emptied_keys_file_revokes_every_key(tmp_path):
     assert source.keys(0.0) == {"k1": SECRET}
     path.write_text("{}")
     assert source.keys(1.0) == {}
+
+
+# --- a JWKS document: an identity provider's public keys ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def provider():
+    """An identity provider's signing keys (RSA 2048 and EC P-256) and its JWKS document."""
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    document = {"keys": [jwk(rsa_key, "idp-rsa", "RS256"), jwk(ec_key, "idp-ec", "ES256")]}
+    return {"RS256": ("idp-rsa", rsa_key), "ES256": ("idp-ec", ec_key), "jwks": document}
+
+
+def jwk(private_key, kid, alg=None, **members) -> dict:
+    """The public half of a key as a JWK, as a provider publishes it."""
+    public = private_key.public_key()
+    algorithm = jwt.algorithms.RSAAlgorithm if isinstance(public, rsa.RSAPublicKey) else jwt.algorithms.ECAlgorithm
+    entry = algorithm.to_jwk(public, as_dict=True) | {"kid": kid, "use": "sig"} | members
+    return entry | ({"alg": alg} if alg else {})
+
+
+def signed(provider, algorithm, tenant="team-a", expiry_s=int(NOW) + 3600, kid=None, **claims) -> str:
+    key_id, private_key = provider[algorithm]
+    return jwt.encode({"sub": tenant, "exp": expiry_s, **claims}, private_key, algorithm=algorithm,
+                      headers={"kid": kid or key_id})
+
+
+@pytest.mark.parametrize("algorithm", ["RS256", "ES256"])
+def test_a_providers_token_verifies_with_its_jwks_file(tmp_path, provider, algorithm):
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps(provider["jwks"]))
+    keys = KeySource(path).keys(0.0)
+    assert set(keys) == {"idp-rsa", "idp-ec"} and all(isinstance(key, PublicKey) for key in keys.values())
+    issued = signed(provider, algorithm, iss="https://idp.example", aud="kit", iat=int(NOW))
+    assert verify_token(issued, keys, NOW) == "team-a"
+    assert resolve_tenant({"tenant-token": issued, "tenant": "team-a"}, REQUIRED, keys, NOW) == "team-a"
+    # Forged, altered and expired tokens of the provider are refused as the kit's own are.
+    header, _, signature = issued.split(".")
+    altered = f"{header}.{b64({'sub': 'team-b', 'exp': int(NOW) + 3600})}.{signature}"
+    assert failure(lambda: verify_token(altered, keys, NOW)).reason is AuthFailure.BAD_SIGNATURE
+    other = {"RS256": rsa.generate_private_key(public_exponent=65537, key_size=2048),
+             "ES256": ec.generate_private_key(ec.SECP256R1())}[algorithm]
+    forged = jwt.encode({"sub": "team-a", "exp": int(NOW) + 3600}, other, algorithm=algorithm,
+                        headers={"kid": provider[algorithm][0]})
+    assert failure(lambda: verify_token(forged, keys, NOW)).reason is AuthFailure.BAD_SIGNATURE
+    expired = signed(provider, algorithm, expiry_s=int(NOW) - 100)
+    error = failure(lambda: verify_token(expired, keys, NOW, max_clock_skew_s=30))
+    assert error.reason is AuthFailure.EXPIRED and "100 s ago" in str(error)
+    assert verify_token(expired, keys, NOW, max_clock_skew_s=100) == "team-a"
+
+
+def test_a_token_naming_a_kid_the_jwks_does_not_hold_is_an_unknown_key(provider):
+    keys = parse_keys(json.dumps(provider["jwks"]))
+    error = failure(lambda: verify_token(signed(provider, "RS256", kid="idp-rsa-2027"), keys, NOW))
+    assert error.reason is AuthFailure.UNKNOWN_KEY and "'idp-rsa-2027'" in str(error)
+
+
+def test_alg_none_is_refused_by_a_jwks_verifier(provider):
+    keys = parse_keys(json.dumps(provider["jwks"]))
+    unsigned = jwt.encode({"sub": "team-a", "exp": int(NOW) + 60}, None, algorithm="none",
+                          headers={"kid": "idp-rsa"})
+    error = failure(lambda: verify_token(unsigned, keys, NOW))
+    assert error.reason is AuthFailure.BAD_SIGNATURE and "not signed" in str(error)
+
+
+def test_an_hs256_token_signed_with_the_public_key_is_refused_by_a_jwks_verifier(provider):
+    """Algorithm confusion: the public key, which anyone may read, used as an HMAC secret."""
+    keys = parse_keys(json.dumps(provider["jwks"]))
+    public_pem = provider["RS256"][1].public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    for secret in (public_pem, json.dumps(provider["jwks"]["keys"][0]).encode()):
+        confused = hs256({"sub": "team-a", "exp": int(NOW) + 60}, key_id="idp-rsa", secret=secret)
+        error = failure(lambda confused=confused: verify_token(confused, keys, NOW))
+        assert error.reason is AuthFailure.BAD_SIGNATURE and "verifies RS256 only" in str(error)
+    # Nor does a kid pick an algorithm for the other key type, or a provider's key for the kit's.
+    wrong_kind = signed(provider, "ES256", kid="idp-rsa")
+    assert "verifies RS256 only" in str(failure(lambda: verify_token(wrong_kind, keys, NOW)))
+    own_kid = signed(provider, "RS256", kid="k1")
+    assert "verifies HS256 only" in str(failure(lambda: verify_token(own_kid, KEYS, NOW)))
+
+
+def test_keys_a_jwks_verifier_does_not_use_are_skipped(provider):
+    rsa_key, ec_key = provider["RS256"][1], provider["ES256"][1]
+    ec384 = ec.generate_private_key(ec.SECP384R1())
+    document = {"keys": [
+        jwk(rsa_key, "enc-1", "RSA-OAEP", use="enc"),  # the provider's encryption key
+        jwk(rsa_key, "rs512", "RS512"),  # an algorithm this server does not verify with
+        jwk(ec384, "p384"),  # ES384, from its curve
+        {"kty": "OKP", "crv": "Ed25519", "x": "11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"},  # no kid: not used
+        {key: value for key, value in jwk(rsa_key, "idp-rsa").items() if key != "use"},  # RS256 from its type
+        jwk(ec_key, "idp-ec", "ES256"),
+    ], "issuer": "members a JWKS may carry are ignored"}
+    keys = parse_keys(json.dumps(document))
+    assert list(keys) == ["idp-rsa", "idp-ec"]
+    assert [key.algorithm for key in keys.values()] == ["RS256", "ES256"]
+    assert parse_keys('{"keys": []}') == {}  # revokes every token, as `{}` does
+
+
+def broken(provider, **changes):
+    entry = jwk(provider["RS256"][1], "idp-rsa", "RS256") | changes
+    return json.dumps({"keys": [{key: value for key, value in entry.items() if value is not None}]})
+
+
+@pytest.mark.parametrize(("document", "message"), [
+    (lambda p: '{"keys": [1]}', "JWKS key #1 is not a JSON object"),
+    (lambda p: json.dumps({"keys": [{"kty": "oct", "kid": "s", "k": encode_secret(SECRET)}]}),
+     "JWKS key 's' is a private or symmetric key"),
+    (lambda p: json.dumps({"keys": [jwt.algorithms.RSAAlgorithm.to_jwk(p["RS256"][1], as_dict=True)
+                                    | {"kid": "leaked"}]}), "JWKS key 'leaked' is a private or symmetric key"),
+    (lambda p: broken(p, kid=None), "JWKS key #1: a signing key needs a kid"),
+    (lambda p: broken(p, kid="has space"), "a signing key needs a kid"),
+    (lambda p: json.dumps({"keys": json.loads(broken(p))["keys"] * 2}), "JWKS key 'idp-rsa' appears twice"),
+    (lambda p: broken(p, kty="EC"), "alg RS256 needs kty 'RSA'"),
+    (lambda p: json.dumps({"keys": [jwk(ec.generate_private_key(ec.SECP384R1()), "e", "ES256")]}),
+     "alg ES256 needs kty 'EC' and crv 'P-256'"),
+    (lambda p: json.dumps({"keys": [jwk(rsa.generate_private_key(public_exponent=65537, key_size=1024), "w")]}),
+     "the RSA key is 1024 bits; at least 2048"),
+    (lambda p: broken(p, n="!!"), "JWKS key 'idp-rsa': not a valid RS256 public key"),
+    (lambda p: broken(p, e=None), "not a valid RS256 public key"),
+    (lambda p: broken(p, use="enc"), "none of the JWKS document's 1 keys is an RS256 or ES256 signing key"),
+    (lambda p: json.dumps({"keys": json.loads(broken(p, kid=None))["keys"] * (MAX_JWKS_KEYS + 1)}),
+     f"the limit is {MAX_JWKS_KEYS}"),
+])
+def test_a_bad_jwks_document_is_refused_naming_the_key_never_its_numbers(provider, document, message):
+    text = document(provider)
+    with pytest.raises(ValueError) as info:
+        parse_keys(text)
+    assert message in str(info.value)
+    for entry in json.loads(text)["keys"]:
+        for member in ("n", "d", "k", "x"):
+            if isinstance(entry, dict) and isinstance(entry.get(member), str) and len(entry[member]) > 8:
+                assert entry[member] not in str(info.value)
+
+
+def test_the_kits_own_keys_and_a_jwks_are_told_apart_by_content(provider):
+    assert is_jwks(provider["jwks"]) and not is_jwks({"keys": encode_secret(SECRET)}) and not is_jwks([])
+    # A key of the kit's own file may even be called `keys`.
+    assert parse_keys(json.dumps({"keys": encode_secret(SECRET)})) == {"keys": SECRET}
+    assert parse_secrets(format_keys(KEYS)) == KEYS
+    with pytest.raises(ValueError, match=r"is a JWKS document: .* cannot sign them"):
+        parse_secrets(json.dumps(provider["jwks"]))
+
+
+def test_the_key_source_follows_a_jwks_through_a_providers_rotation(tmp_path, provider):
+    path = tmp_path / "jwks.json"
+    rsa_entry, ec_entry = provider["jwks"]["keys"]
+    path.write_text(json.dumps({"keys": [rsa_entry]}))
+    errors = []
+    source = KeySource(path, check_interval_s=1.0)
+    rsa_token, ec_token = signed(provider, "RS256"), signed(provider, "ES256")
+    assert verify_token(rsa_token, source.keys(0.0, errors.append), NOW) == "team-a"
+    assert failure(lambda: verify_token(ec_token, source.keys(0.5), NOW)).reason is AuthFailure.UNKNOWN_KEY
+    write_text(path, json.dumps({"keys": [rsa_entry, ec_entry]}))  # the provider publishes its next key
+    keys = source.keys(1.0)
+    assert verify_token(rsa_token, keys, NOW) == verify_token(ec_token, keys, NOW) == "team-a"
+    assert source.keys(1.5) is keys  # parsed once per change, not per request
+    write_text(path, '{"keys": [{"kty": "RSA", "kid": "half')  # caught mid-download
+    assert source.keys(2.0, errors.append) is keys and "keeping the keys read before (idp-rsa, idp-ec)" in errors[-1]
+    write_text(path, json.dumps({"keys": [ec_entry]}))  # and retires the old one
+    assert failure(lambda: verify_token(rsa_token, source.keys(3.0), NOW)).reason is AuthFailure.UNKNOWN_KEY
+    assert verify_token(ec_token, source.keys(3.0), NOW) == "team-a"
+
+
+def write_text(path, text):
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 # --- who a request is from -------------------------------------------------------------------
