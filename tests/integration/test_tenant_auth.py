@@ -1,14 +1,18 @@
 """Authenticated tenants against the real tritonserver.
 
 One server for the module, on its own model repository: the bucket models (version 1, one
-instance each) and two routers, `embed` requiring a tenant token and `embed_open` serving
-requests without one as the tenant `anonymous`. Both verify tokens with a keys file of
-this test, which it rotates while the server runs. The `batch` tier is cut to a burst of 3
-requests, so a tenant's quota runs out within the test.
+instance each) and three routers, `embed` requiring a tenant token and `embed_open` serving
+requests without one as the tenant `anonymous`, both verifying the kit's own HS256 tokens with
+a keys file of this test, which it rotates while the server runs; and `embed_idp`, requiring
+a token an identity provider signed (RS256, ES256), verified with the provider's JWKS document.
+The `batch` tier is cut to a burst of 3 requests, so a tenant's quota runs out within the test.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import re
 import subprocess
@@ -17,18 +21,20 @@ import time
 import urllib.request
 from pathlib import Path
 
+import jwt
 import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from python_backends.common.quotas import TenantPolicy, TierPolicy
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name
-from python_backends.common.tenant_auth import AuthConfig, AuthMode, encode_secret, parse_keys
+from python_backends.common.tenant_auth import MAX_TOKEN_LEN, AuthConfig, AuthMode, encode_secret, parse_keys
 from python_backends.embed.admission import SharedWork
 from tests.integration.helpers import ROUTER_COUNTERS_LAG_S, settled
 from tools.clients.tenant_token import add_key, drop_key, issue
@@ -37,7 +43,7 @@ from tools.spec.serving import load_spec
 
 from .conftest import LOG_DIR, REPO
 
-REQUIRED, OPEN = "embed", "embed_open"
+REQUIRED, OPEN, IDP = "embed", "embed_open", "embed_idp"
 BURST = 3  # requests a tenant of the `batch` tier may send at once here
 QUOTA_TENANTS = ("team-a", "team-b")  # in the batch tier
 
@@ -59,8 +65,8 @@ def tenants_json() -> str:
     return TenantPolicy(tiers=tiers, default_tier=policy.default_tier, members=members).to_json()
 
 
-def build_repository(root: Path, keys_file: Path) -> Path:
-    """Bucket models (version 1, one instance) and the two routers, sharing the built model files."""
+def build_repository(root: Path, keys_file: Path, jwks_file: Path) -> Path:
+    """Bucket models (version 1, one instance) and the three routers, sharing the built model files."""
     repository = root / "repository"
     for bucket in (16, 32, 64, 128, 256):
         name = f"encoder_{bucket}"
@@ -70,11 +76,12 @@ def build_repository(root: Path, keys_file: Path) -> Path:
         config.instance_group[0].count = 1
         write_config(repository / name, config)
         (repository / name / "1").symlink_to(REPO / "model_repository" / name / "1")
-    for name, mode in ((REQUIRED, AuthMode.REQUIRED), (OPEN, AuthMode.ANONYMOUS)):
+    for name, mode, keys in ((REQUIRED, AuthMode.REQUIRED, keys_file), (OPEN, AuthMode.ANONYMOUS, keys_file),
+                             (IDP, AuthMode.REQUIRED, jwks_file)):
         config = read_config("embed")
         config.name = name
-        config.instance_group[0].count = 2  # two processes, each reading the keys file on its own
-        config.parameters["tenant_auth"].string_value = AuthConfig(mode, str(keys_file), 30.0).to_json()
+        config.instance_group[0].count = 2 if keys is keys_file else 1  # two processes, each reading the file
+        config.parameters["tenant_auth"].string_value = AuthConfig(mode, str(keys), 30.0).to_json()
         config.parameters["tenants"].string_value = tenants_json()
         write_config(repository / name, config)
         (repository / name / "1").symlink_to(REPO / "model_repository" / "embed" / "1")
@@ -86,6 +93,18 @@ def keys_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tenant-keys") / "tenant_keys.json"
     add_key(path, "k1")
     return path
+
+
+@pytest.fixture(scope="module")
+def provider(tmp_path_factory) -> dict:
+    """An identity provider's signing keys, and its JWKS document as the `embed_idp` keys file."""
+    keys = {"idp-rsa": ("RS256", rsa.generate_private_key(public_exponent=65537, key_size=2048)),
+            "idp-ec": ("ES256", ec.generate_private_key(ec.SECP256R1()))}
+    document = {"keys": [jwt.get_algorithm_by_name(alg).to_jwk(key.public_key(), as_dict=True)
+                         | {"kid": kid, "alg": alg, "use": "sig"} for kid, (alg, key) in keys.items()]}
+    path = tmp_path_factory.mktemp("idp") / "jwks.json"
+    path.write_text(json.dumps(document))
+    return {"jwks_file": path, "keys": keys}
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +121,8 @@ def dead_run_files() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, keys_file, dead_run_files):
-    repository = build_repository(tmp_path_factory.mktemp("auth-repo"), keys_file)
+def server(tmp_path_factory, keys_file, provider, dead_run_files):
+    repository = build_repository(tmp_path_factory.mktemp("auth-repo"), keys_file, provider["jwks_file"])
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1")
     with TritonServer(config, log_path=LOG_DIR / "tenant-auth.log") as triton:
@@ -135,6 +154,20 @@ def refused(call) -> InferenceServerException:
 
 def token(keys_file: Path, tenant: str, ttl_s: float = 600, key_id: str | None = None, now_s: float | None = None):
     return issue(keys_file, tenant, ttl_s, key_id, now_s)[0]
+
+
+def b64(value) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+
+def with_claims(genuine: str, **changes) -> str:
+    """A genuine token's header and signature around claims changed by hand."""
+    header, _, signature = genuine.split(".")
+    return f"{header}.{b64(jwt.decode(genuine, options={'verify_signature': False}) | changes)}.{signature}"
+
+
+def kid(token_text: str) -> str:
+    return jwt.get_unverified_header(token_text)["kid"]
 
 
 def metric(server, name: str, **labels) -> float:
@@ -187,16 +220,19 @@ def test_a_valid_token_is_served_under_its_own_tenants_quota(server, http, keys_
 @pytest.mark.parametrize("model", [REQUIRED, OPEN])
 def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(server, http, keys_file, model):
     valid = token(keys_file, "team-c")  # standard tier: no quota runs out here
-    head, expiry, key_id, signature = valid.rsplit(".", 3)
+    header, claims, _ = valid.split(".")
+    expiry = jwt.decode(valid, options={"verify_signature": False})["exp"]
     cases = {
         # A signature made without the key: what someone guessing at team-c's token sends.
-        "forged": (f"{head}.{expiry}.{key_id}.{'A' * 43}", "signature does not match"),
+        "forged": (f"{header}.{claims}.{'A' * 43}", "signature does not match"),
         # A genuine token whose expiry was pushed out by hand.
-        "altered": (f"{head}.{int(expiry) + 86400}.{key_id}.{signature}", "signature does not match"),
+        "altered": (with_claims(valid, exp=expiry + 86400), "signature does not match"),
         "expired": (token(keys_file, "team-c", ttl_s=60, now_s=time.time() - 3600), "expired"),
-        "unknown key": (f"{head}.{expiry}.k9.{'A' * 43}", "key 'k9', which this server does not hold"),
+        "unknown key": (f"{b64({'alg': 'HS256', 'kid': 'k9'})}.{claims}.{'A' * 43}",
+                        "key 'k9', which this server does not hold"),
+        "unsigned": (f"{b64({'alg': 'none', 'kid': kid(valid)})}.{claims}.", "not signed"),
         "malformed": ("not-a-token", "malformed"),
-        "too long": ("v1." + "x" * 300, "the limit is 256"),
+        "too long": ("x" * (MAX_TOKEN_LEN + 1), f"the limit is {MAX_TOKEN_LEN}"),
     }
     before_encoders = encoder_requests(server)
     time.sleep(ROUTER_COUNTERS_LAG_S)  # earlier tests' refusals reach the counter first
@@ -222,7 +258,7 @@ def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(s
                        lambda n: n - before_refused >= len(cases) + 1)
     assert refusals - before_refused == len(cases) + 1
     assert settled(lambda: metric(server, "embed_auth_failures_total", model=model, reason="bad_signature"),
-                   lambda n: n >= 3) >= 3
+                   lambda n: n >= 4) >= 4
     assert settled(lambda: metric(server, "embed_auth_failures_total", model=model, reason="expired"),
                    lambda n: n >= 1) >= 1
     assert embed(http, model, {"tenant_token": valid}).as_numpy("EMBEDDING").shape == (1, 384)
@@ -232,9 +268,9 @@ def test_forged_expired_and_malformed_tokens_are_refused_before_any_model_runs(s
 def test_forged_tokens_do_not_spend_the_named_tenants_quota(http, keys_file):
     # team-b has not called `embed_open` yet: a forged flood in its name must leave its whole burst.
     valid = token(keys_file, "team-b")
-    head, expiry, key_id, _ = valid.rsplit(".", 3)
+    header, claims, _ = valid.split(".")
     for _ in range(10):
-        refused(lambda: embed(http, OPEN, {"tenant_token": f"{head}.{expiry}.{key_id}.{'B' * 43}"}))
+        refused(lambda: embed(http, OPEN, {"tenant_token": f"{header}.{claims}.{'B' * 43}"}))
     for _ in range(BURST):
         assert embed(http, OPEN, {"tenant_token": valid}).as_numpy("EMBEDDING").shape == (1, 384)
 
@@ -295,7 +331,7 @@ def test_keys_rotate_while_the_server_runs(http, keys_file):
     old = token(keys_file, "team-c", key_id="k1")
     add_key(keys_file, "k2")
     new = token(keys_file, "team-c")  # the newest key signs by default
-    assert new.split(".")[3] == "k2"
+    assert kid(new) == "k2"
     # Each router instance re-reads the file within a second of its next request.
     assert seconds_until(lambda: accepted(http, new)) < 3.0
     time.sleep(1.2)  # by now every instance has looked again
@@ -313,6 +349,37 @@ def test_keys_rotate_while_the_server_runs(http, keys_file):
     time.sleep(1.2)
     assert not any(accepted(http, old) for _ in range(6))
     assert all(accepted(http, new) for _ in range(6))
+
+
+def test_a_providers_tokens_are_verified_with_its_jwks_and_the_kits_own_are_refused(server, http, keys_file,
+                                                                                   provider):
+    """`embed_idp` holds only the provider's public keys: its RS256 and ES256 tokens are served;
+    a token the kit signed, an HS256 token made with the provider's public key as the secret
+    (algorithm confusion) and a token signed by another key under the provider's kid are not."""
+    now = int(time.time())
+    for key_id, (algorithm, private_key) in provider["keys"].items():
+        issued = jwt.encode({"sub": "team-c", "exp": now + 600, "iss": "https://idp.example"}, private_key,
+                            algorithm=algorithm, headers={"kid": key_id})
+        assert embed(http, IDP, {"tenant_token": issued}).as_numpy("EMBEDDING").shape == (1, 384), algorithm
+        assert embed(http, IDP, headers={"tenant-token": issued}).as_numpy("EMBEDDING").shape == (1, 384)
+    # PyJWT will not take a public key as an HMAC secret, so this forgery is signed by hand.
+    signing_input = f"{b64({'alg': 'HS256', 'kid': 'idp-rsa'})}.{b64({'sub': 'team-c', 'exp': now + 600})}"
+    public_key = provider["jwks_file"].read_bytes()
+    mac = hmac.new(public_key, signing_input.encode(), hashlib.sha256).digest()
+    confused = f"{signing_input}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
+    impostor = jwt.encode({"sub": "team-c", "exp": now + 600}, ec.generate_private_key(ec.SECP256R1()),
+                          algorithm="ES256", headers={"kid": "idp-ec"})
+    cases = {"the kit's own": (token(keys_file, "team-c"), "key 'k"),
+             "confused": (confused, "verifies RS256 only"),
+             "impostor": (impostor, "signature does not match")}
+    for name, (bad, reason) in cases.items():
+        error = refused(lambda bad=bad: embed(http, IDP, {"tenant_token": bad}))
+        assert error.status() == "400" and error.message().startswith("authentication failed: "), (name, error)
+        assert reason in error.message(), (name, error.message())
+    assert settled(lambda: metric(server, "embed_auth_failures_total", model=IDP, reason="bad_signature"),
+                   lambda n: n >= 2) == 2
+    assert settled(lambda: metric(server, "embed_auth_failures_total", model=IDP, reason="unknown_key"),
+                   lambda n: n >= 1) == 1
 
 
 def test_the_server_log_holds_no_request_text_token_or_secret(server, http, keys_file):
