@@ -29,9 +29,11 @@ The spec's keys file is one of two documents, told apart by content:
                       Keys with `use` other than `sig`, or for an algorithm other than RS256 or
                       ES256, are skipped (a provider's set often holds such keys); a key the kit
                       would use must have a `kid`, and RSA keys at least 2048 bits. A symmetric
-                      (`oct`) key or a private key (`d`) in the document is refused. `iss` and `aud`
-                      are not checked: the JWKS names the issuer, and it must put the tenant id
-                      in `sub`.
+                      (`oct`) key or a private key (`d`) in the document is refused. The issuer
+                      must put the tenant id in `sub`. `iss` and `aud` are not checked (the spec
+                      has no setting for them): every token these keys sign is taken, so the
+                      keys should sign tokens for the kit only (a gateway's, or an audience-
+                      specific signing key of the provider).
 
 `{}` or `{"keys": []}` revokes every token at once. `KeySource` re-reads the file when it
 changes (checked at most once a second) and keeps the keys parsed (secrets, or the public
@@ -152,6 +154,7 @@ class TokenParts:
     expiry_s: float  # `exp`, Unix seconds
     key_id: str  # `kid`
     algorithm: str  # `alg`, one of ALGORITHMS
+    signature: str  # base64url, as sent
     not_before_s: float | None = None  # `nbf`, Unix seconds, when the token has one
 
 
@@ -205,7 +208,7 @@ def _segment(text: str, name: str) -> bytes:
 def _json_object(text: str, name: str) -> dict:
     try:
         data = json.loads(_segment(text, name))
-    except (UnicodeDecodeError, ValueError):  # json.JSONDecodeError is a ValueError
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
         raise _malformed(f"the {name} is not JSON") from None
     if not isinstance(data, dict):
         raise _malformed(f"the {name} is not a JSON object")
@@ -256,7 +259,7 @@ def parse_token(token: object) -> TokenParts:
             raise _malformed("the not-before time (nbf) is not Unix seconds")
     if not BASE64URL_PATTERN.fullmatch(parts[2]):
         raise _malformed("the signature is not base64url")
-    return TokenParts(tenant=tenant, expiry_s=expiry_s, key_id=key_id, algorithm=algorithm,
+    return TokenParts(tenant=tenant, expiry_s=expiry_s, key_id=key_id, algorithm=algorithm, signature=parts[2],
                       not_before_s=not_before_s)
 
 
@@ -293,11 +296,10 @@ def verify_token(token: object, keys: Mapping[str, VerificationKey], now_s: floa
         # public key as the secret is the classic forgery.
         raise AuthError(AuthFailure.BAD_SIGNATURE, f"the tenant token is signed with {parts.algorithm}, but key "
                         f"'{parts.key_id}' verifies {algorithm} only (forged or altered)")
-    assert isinstance(token, str)  # parse_token refused anything else
-    if not _canonical(token.rsplit(".", 1)[1]):
+    if not _canonical(parts.signature):
         raise _forged()
     try:
-        jwt.decode(token, key.key if isinstance(key, PublicKey) else key, algorithms=[algorithm],
+        jwt.decode(str(token), key.key if isinstance(key, PublicKey) else key, algorithms=[algorithm],
                    options=SIGNATURE_ONLY)
     except jwt.InvalidSignatureError:
         raise _forged() from None

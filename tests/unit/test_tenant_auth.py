@@ -54,7 +54,11 @@ def token(tenant="team-a", expiry_s=int(NOW) + 3600, key_id="k1", secret=SECRET)
 
 def b64(value) -> str:
     """A JSON value as a JWT part: base64url without padding."""
-    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+    return b64_text(json.dumps(value))
+
+
+def b64_text(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode("latin-1")).rstrip(b"=").decode()
 
 
 def hs256(claims, header=None, key_id="k1", secret=SECRET) -> str:
@@ -195,6 +199,8 @@ def claims(**changes):
     (f"{HEADER}x.{CLAIMS}.{SIGNATURE}", "the header is not"),  # one character too many for base64
     (f"{HEADER}.{CLAIMS}+.{SIGNATURE}", "the claims part is not base64url"),
     (f"bm90IGpzb24.{CLAIMS}.{SIGNATURE}", "the header is not JSON"),
+    (f"{HEADER}.{b64_text('[' * 1500 + ']' * 1500)}.{SIGNATURE}", "the claims part is not JSON"),  # too deep
+    (f"{b64_text(chr(0xff) * 3)}.{CLAIMS}.{SIGNATURE}", "the header is not JSON"),
     (crafted(header=[]), "the header is not a JSON object"),
     (crafted(claims="team-a"), "the claims part is not a JSON object"),
     (crafted(header={"kid": "k1"}), "no algorithm (alg)"),

@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ms", type=positive_float, default=100.0,
                         help="latency SLO in ms; goodput counts successful requests within it (default: %(default)s)")
     parser.add_argument("--parameters", type=request_parameters, default={}, metavar="JSON",
-                        help='request parameters, e.g. \'{"tenant_token": "v1.team-a...", "priority": 1}\'; '
+                        help='request parameters, e.g. \'{"tenant_token": "eyJhbGciOi...", "priority": 1}\'; '
                              "priority and timeout (us) become Triton's request fields")
     parser.add_argument("--request-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                         help="client deadline per request; a later answer counts as an error (default: %(default)s)")
