@@ -22,8 +22,8 @@ The spec's keys file is one of two documents, told apart by content:
 
   the kit's own keys  `{"<key id>": "<secret, base64url>", ...}`, each secret 32-1024 random bytes;
                       `python -m tools tenant-token` adds and drops keys and signs HS256 tokens
-                      with the newest one. Keys rotate as today: add the new key, move the issuers
-                      to it, drop the old one once its tokens have expired.
+                      with the newest one. To rotate: add the new key, move the issuers to it,
+                      drop the old one once its tokens have expired.
   a JWKS document     `{"keys": [<JWK>, ...]}` (RFC 7517), the public keys of an identity provider
                       or gateway that issues the tenants' tokens; the kit only verifies them.
                       Keys with `use` other than `sig`, or for an algorithm other than RS256 or
@@ -180,6 +180,12 @@ def check_key(key_id: str, secret: bytes) -> None:
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ValueError(f"key {key_id!r}: the secret is {len(secret)} bytes; it must be "
                          f"{MIN_SECRET_BYTES}-{MAX_SECRET_BYTES} random bytes")
+    try:
+        # PyJWT refuses an HMAC secret that parses as a PEM, DER or SSH key or holds a JWK: said
+        # here, when the file is read, rather than as every token failing.
+        jwt.get_algorithm_by_name(SECRET_ALGORITHM).prepare_key(secret)
+    except jwt.InvalidKeyError:
+        raise ValueError(f"key {key_id!r}: the secret looks like a public key or a JWK, not random bytes") from None
 
 
 def issue_token(tenant: str, expiry_s: int, key_id: str, secret: bytes) -> str:

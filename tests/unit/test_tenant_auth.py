@@ -318,6 +318,8 @@ def test_a_secret_may_be_written_in_standard_base64_with_padding():
     (json.dumps({"k1": 12345}), "'k1': the secret is not a base64url string"),
     (json.dumps({"k1": "not base64!"}), "'k1': the secret is not a base64url string"),
     (json.dumps({"k1": encode_secret(b"short")}), "5 bytes"),
+    (json.dumps({"k1": encode_secret(json.dumps({"kty": "oct", "k": encode_secret(SECRET)}).encode())}),
+     "'k1': the secret looks like a public key or a JWK"),
     ("x" * 70_000, "the limit is 65536"),
 ])
 def test_a_bad_keys_file_is_refused_with_the_reason(text, message):
