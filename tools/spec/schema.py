@@ -81,6 +81,10 @@ def _message(error: Any) -> tuple[tuple[str | int, ...], str]:
         return loc + tuple(ctx.get("at", ())), str(ctx["message"])
     if kind in _TABLE_TYPES:
         return loc, f"must be a table, got {value!r}"
+    if loc and loc[-1] == "[key]":  # a key of a table keyed by numbers: ('compute_ms', 'x', '[key]')
+        table, key = _split(loc[:-2])
+        what = "a number" if kind in _NUMBER_TYPES | {"int_from_float"} else "valid"
+        return table, f"'{key}': key {loc[-2]!r} is not {what}"
     table, key = _split(loc)
     if kind == "value_error":  # a field validator's ValueError names the field itself
         return table, str(ctx["error"])
