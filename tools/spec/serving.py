@@ -174,11 +174,12 @@ class ServingSpec:
 
 
 def _root(info: ValidationInfo) -> Path:
-    """The folder paths in the spec are relative to (the spec's own folder)."""
+    """The folder that paths in the spec are relative to: the spec's own."""
     return Path((info.context or {}).get("root", "."))
 
 
 def _versions(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[int, ...]:
+    """Model versions, in one message whatever is wrong with them."""
     try:
         versions = handler(value)
     except ValidationError:
@@ -232,7 +233,7 @@ class AuthTable(ClosedTable):
     """The keys that verify tenant tokens, relative to the spec."""
     anonymous_tier: str | None = None
     """Tier of the `anonymous` tenant in anonymous mode; default: the lowest tier."""
-    max_clock_skew_s: float = 30.0
+    max_clock_skew_s: float = Field(30.0, ge=0, le=MAX_CLOCK_SKEW_S)
     """A token is still taken this long past its expiry (issuer clocks drift), within [0, 300]."""
 
     @field_validator("mode", mode="before")
