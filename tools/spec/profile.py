@@ -1,5 +1,8 @@
 """Latency profiles: measured compute curves c(b) per bucket model and the router overhead o,
-recorded per hardware in `profiles/<name>.json` by `python -m tools profile`."""
+recorded per hardware in `profiles/<name>.json` by `python -m tools profile`.
+
+The file's schema is `ProfileFile` (pydantic); the dataclasses are what gen-config and the
+planners use. `load_profile` and `save_profile` read and write files; the rest is pure."""
 
 from __future__ import annotations
 
@@ -8,6 +11,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError
+
+from tools.spec.schema import Table, describe
 
 
 @dataclass(frozen=True)
@@ -125,29 +133,88 @@ def profile_to_dict(profile: LatencyProfile) -> dict:
     }
 
 
-def profile_from_dict(data: dict, path: Path | None = None, sha256: str = "") -> LatencyProfile:
+# --- the file's schema ------------------------------------------------------------------------
+# `profiles/<name>.json` as `python -m tools profile` writes it; `profile_from_dict` validates a
+# whole file and builds the dataclasses above from it.
+
+
+class HardwareTable(Table):
+    """`hardware`: the machine the profile was measured on. Keys beyond these (versions,
+    memory, platform, the threads measured with) are kept as the hardware's details."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    """Profile name, e.g. "cpu", "h100"."""
+    kind: str
+    """"cpu" or "gpu": selects the serving spec's [hardware.<kind>] limits."""
+    description: str = ""
+    """CPU model or GPU name, as read off the machine."""
+    cpu_count: int = Field(0, ge=0)
+    """Logical CPUs."""
+    gpu: str | None = None
+    """GPU name; null on CPU-only machines."""
+
+    def hardware(self) -> Hardware:
+        return Hardware(name=self.name, kind=self.kind, description=self.description, cpu_count=self.cpu_count,
+                        gpu=self.gpu, details=dict(self.model_extra or {}))
+
+
+class OverheadTable(Table):
+    """`overhead_ms.<router>`: router-path time outside the bucket model's compute, ms."""
+
+    p50: float = Field(ge=0)
+    """Median."""
+    p95: float = Field(ge=0)
+    """95th percentile: what the derivation uses, since the SLO is a p95."""
+    cpu: float | None = Field(None, ge=0)
+    """Server CPU per request outside the bucket model; absent: not measured."""
+
+
+def _curve(compute_ms: dict[int, float]) -> dict[int, float]:
     try:
-        hw = data["hardware"]
-        known = {"name", "kind", "description", "cpu_count", "gpu"}
-        hardware = Hardware(
-            name=hw["name"], kind=hw["kind"], description=hw.get("description", ""),
-            cpu_count=int(hw.get("cpu_count", 0)), gpu=hw.get("gpu"),
-            details={k: v for k, v in hw.items() if k not in known},
-        )
-        models = {
-            name: ModelProfile(
-                seq_len=int(m["seq_len"]),
-                curve=LatencyCurve({int(b): float(ms) for b, ms in m["compute_ms"].items()}),
-                reps={int(b): int(n) for b, n in m.get("executions", {}).items()},
-            )
-            for name, m in data["models"].items()
-        }
-        overhead = {name: Overhead(float(o["p50"]), float(o["p95"]), float(o["cpu"]) if "cpu" in o else None)
-                    for name, o in data["overhead_ms"].items()}
-    except (KeyError, TypeError, ValueError) as err:
-        raise ProfileError(f"profile {path}: malformed ({type(err).__name__}: {err})") from None
-    return LatencyProfile(path=path, sha256=sha256, hardware=hardware, measured_at=data.get("measured_at", ""),
-                          models=models, overhead=overhead)
+        LatencyCurve(compute_ms)
+    except ValueError as err:
+        raise ValueError(f"compute_ms: {err}") from None
+    return compute_ms
+
+
+class ModelTable(Table):
+    """`models.<bucket model>`: one bucket model's measured curve."""
+
+    seq_len: int = Field(gt=0)
+    """Bucket length the model was measured at."""
+    compute_ms: Annotated[dict[int, float], AfterValidator(_curve)]
+    """Batch size -> mean compute time of one execution, ms; batch size 1 included."""
+    executions: dict[int, int] = {}
+    """Batch size -> executions measured."""
+
+
+class ProfileFile(Table):
+    """A latency profile as written by `python -m tools profile`."""
+
+    hardware: HardwareTable
+    """Where it was measured."""
+    measured_at: str = ""
+    """UTC timestamp."""
+    overhead_ms: dict[str, OverheadTable]
+    """Router model name -> overhead."""
+    models: dict[str, ModelTable]
+    """Bucket model name -> curve."""
+
+
+def profile_from_dict(data: dict, path: Path | None = None, sha256: str = "") -> LatencyProfile:
+    """The profile in `data` (a parsed profile JSON); ProfileError names every problem."""
+    try:
+        table = ProfileFile.model_validate(data)
+    except ValidationError as err:
+        raise ProfileError(f"profile {path}: malformed\n{describe(err, str(path or 'profile'))}") from None
+    return LatencyProfile(
+        path=path, sha256=sha256, hardware=table.hardware.hardware(), measured_at=table.measured_at,
+        models={name: ModelProfile(seq_len=m.seq_len, curve=LatencyCurve(m.compute_ms), reps=dict(m.executions))
+                for name, m in table.models.items()},
+        overhead={name: Overhead(p50_ms=o.p50, p95_ms=o.p95, cpu_ms=o.cpu) for name, o in table.overhead_ms.items()},
+    )
 
 
 def load_profile(path: str | Path) -> LatencyProfile:

@@ -4,6 +4,11 @@ It says what is served and what it must deliver: models, versions, buckets, the 
 expected and peak request rates, the request length mix, tenant tiers, and what each kind
 of hardware can run in parallel. `python -m tools gen-config` combines it with a measured
 latency profile (`profiles/<hardware>.json`) to write the model configs.
+
+Two halves: `ServingFile` and its tables are the file's schema (pydantic: each key's type,
+bounds, default and docstring, and the rules across keys), and the frozen dataclasses are the
+resolved spec the tools use (absolute paths, tiers in priority order, defaults filled in).
+`load_spec` reads the file; the rest is pure.
 """
 
 from __future__ import annotations
@@ -12,6 +17,19 @@ import hashlib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 
 from python_backends.common.quotas import TENANT_PATTERN, TenantPolicy
 from python_backends.common.quotas import TierPolicy as TenantTier  # a tier of the spec is the policy's tier
@@ -19,6 +37,7 @@ from python_backends.common.tenant_auth import ANONYMOUS_TENANT, MAX_CLOCK_SKEW_
 from python_backends.embed.buckets import validate_buckets
 from python_backends.llm.scheduler import BatchingPolicy
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
+from tools.spec.schema import ClosedTable, Table, describe, table_error
 
 ENCODER_PRECISIONS = ("fp32", "int8")  # what build-models can make of an encoder version
 LLM_BATCHING = tuple(policy.value for policy in BatchingPolicy)  # the LLM engine's batching policies
@@ -148,233 +167,389 @@ class ServingSpec:
         return self.tenant_auth.config() if self.tenant_auth is not None else AuthConfig()
 
 
-def _positive(table: dict, key: str, where: str, kind=float, allow_zero: bool = False):
-    if key not in table:
-        raise SpecError(f"{where}: missing '{key}'")
+# --- the file's schema ------------------------------------------------------------------------
+# What a user writes, table by table, with its bounds and rules. `parse_spec` validates a whole
+# file against `ServingFile` and resolves it into the dataclasses above (absolute paths, tiers in
+# priority order, defaults that depend on other tables).
+
+
+def _root(info: ValidationInfo) -> Path:
+    """The folder that paths in the spec are relative to: the spec's own."""
+    return Path((info.context or {}).get("root", "."))
+
+
+def _versions(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[int, ...]:
+    """Model versions, in one message whatever is wrong with them."""
     try:
-        value = kind(table[key])
-    except (TypeError, ValueError):
-        raise SpecError(f"{where}: '{key}' must be a number, got {table[key]!r}") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise SpecError(f"{where}: '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    return value
+        versions = handler(value)
+    except ValidationError:
+        versions = ()
+    if not versions or min(versions) < 1:
+        raise ValueError("versions must be a non-empty list of integers >= 1")
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"versions {list(versions)} repeat a version")
+    return versions
 
 
-def _boolean(table: dict, key: str, where: str, default: bool) -> bool:
-    value = table.get(key, default)
-    if not isinstance(value, bool):
-        raise SpecError(f"{where}: '{key}' must be true or false, got {value!r}")
-    return value
-
-
-def _tier(name: str, raw: dict, where: str) -> TenantTier:
-    def quota(key: str) -> float:
-        return float(_positive({key: raw.get(key, 0)}, key, where, allow_zero=True))
-
-    tier = TenantTier(name=name, priority=int(_positive(raw, "priority", where, int)),
-                      requests_per_s=quota("requests_per_s"), burst=quota("burst"),
-                      llm_tokens_per_s=quota("llm_tokens_per_s"), llm_token_burst=quota("llm_token_burst"))
+def _buckets(value: tuple[int, ...]) -> tuple[int, ...]:
     try:
-        tier.verify()
+        return validate_buckets(value)
     except ValueError as err:
-        raise SpecError(f"{where}: {err}") from None
-    return tier
+        raise ValueError(f"buckets: {err}") from None
+
+
+Versions = Annotated[tuple[int, ...], WrapValidator(_versions)]  # distinct, each >= 1
+
+
+class TierTable(Table):
+    """`[tenants.tiers.<name>]`: what every tenant of the tier gets."""
+
+    priority: int = Field(gt=0)
+    """Triton priority level of the router queue; 1 is served first. The tiers' priorities are 1..n."""
+    requests_per_s: float = Field(0.0, ge=0)
+    """Sustained embed requests per second per tenant; 0: no limit."""
+    burst: float = Field(0.0, ge=0)
+    """Embed requests a tenant may send at once after being idle; >= 1 when requests_per_s is set."""
+    llm_tokens_per_s: float = Field(0.0, ge=0)
+    """Generated tokens per second per tenant on the LLM; 0: no limit."""
+    llm_token_burst: float = Field(0.0, ge=0)
+    """Generated tokens a tenant may take at once; >= 1 when llm_tokens_per_s is set."""
+
+    def policy(self, name: str) -> TenantTier:
+        return TenantTier(name=name, priority=self.priority, requests_per_s=self.requests_per_s, burst=self.burst,
+                          llm_tokens_per_s=self.llm_tokens_per_s, llm_token_burst=self.llm_token_burst)
+
+
+class AuthTable(ClosedTable):
+    """`[tenants.auth]`: how a request proves which tenant it is. Without the table tenants
+    authenticate in anonymous mode: a bare `tenant` parameter is never trusted unless the spec
+    says `mode = "off"`. Unknown keys are refused: a misspelt key in a security setting must not
+    fall back to a default silently."""
+
+    mode: AuthMode = AuthMode.ANONYMOUS
+    """off: trust the `tenant` parameter; anonymous: a request without a token is the tenant
+    `anonymous`; required: every request needs a valid token."""
+    keys_file: str = DEFAULT_KEYS_FILE
+    """The keys that verify tenant tokens, relative to the spec."""
+    anonymous_tier: str | None = None
+    """Tier of the `anonymous` tenant in anonymous mode; default: the lowest tier."""
+    max_clock_skew_s: float = Field(30.0, ge=0, le=MAX_CLOCK_SKEW_S)
+    """A token is still taken this long past its expiry (issuer clocks drift), within [0, 300]."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _known_mode(cls, value: object) -> object:
+        modes = [m.value for m in AuthMode]
+        if value not in modes:
+            raise ValueError(f"mode must be one of {modes}, got {value!r}")
+        return value
+
+    @field_validator("keys_file", mode="before")
+    @classmethod
+    def _a_path(cls, value: object) -> object:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"keys_file must be a path (relative to the spec), got {value!r}")
+        return value
+
+    @field_validator("max_clock_skew_s", mode="before")
+    @classmethod
+    def _seconds(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_CLOCK_SKEW_S:
+            raise ValueError(f"max_clock_skew_s must be a number of seconds within [0, {MAX_CLOCK_SKEW_S:g}], "
+                             f"got {value!r}")
+        return value
+
+
+class TenantsTable(Table):
+    """`[tenants]`: tenant tiers, which tenant is in which, and how tenants authenticate."""
+
+    tiers: dict[str, TierTable] = Field(default_factory=lambda: {"standard": TierTable(priority=1)})
+    """Tiers by name, with priorities 1..n. Without the table: one unlimited tier, `standard`."""
+    default_tier: str | None = None
+    """Tier of requests that name no tenant tier; default: the lowest priority."""
+    members: dict[str, str] = {}
+    """Tenant id -> tier name. Tenants the spec does not name are in `default_tier`."""
+    auth: AuthTable = Field(default_factory=AuthTable, validate_default=True)
+    """How a request proves which tenant it is."""
+
+    @field_validator("tiers")
+    @classmethod
+    def _priorities_in_order(cls, tiers: dict[str, TierTable]) -> dict[str, TierTable]:
+        if not tiers:
+            raise ValueError("needs at least one [tenants.tiers.<name>] table")
+        for name, table in tiers.items():
+            try:
+                table.policy(name).verify()
+            except ValueError as err:
+                raise table_error(str(err), at=(name,)) from None
+        priorities = sorted(t.priority for t in tiers.values())
+        if priorities != list(range(1, len(tiers) + 1)):
+            raise ValueError(f"tenant tier priorities must be 1..{len(tiers)} without gaps, got {priorities}")
+        return tiers
+
+    @field_validator("default_tier")
+    @classmethod
+    def _a_tier(cls, name: str | None, info: ValidationInfo) -> str | None:
+        tiers = _tier_names(info)
+        if name is not None and tiers is not None and name not in tiers:
+            raise ValueError(f"default_tier {name!r} is not one of {tiers}")
+        return name
+
+    @field_validator("members")
+    @classmethod
+    def _members_in_tiers(cls, members: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        tiers = _tier_names(info)
+        for tenant, tier in members.items():
+            if not TENANT_PATTERN.match(tenant):
+                raise table_error(f"tenant id {tenant!r} must be 1-64 letters, digits, '.', '_' or '-'")
+            if tiers is not None and tier not in tiers:
+                raise table_error(f"tenant {tenant!r} is in tier {tier!r}, which is not one of {tiers}")
+        return members
+
+    @field_validator("auth")
+    @classmethod
+    def _auth_tiers(cls, auth: AuthTable, info: ValidationInfo) -> AuthTable:
+        if auth.mode is AuthMode.OFF:
+            return auth
+        tiers = _tier_names(info)
+        if auth.anonymous_tier is not None and tiers is not None and auth.anonymous_tier not in tiers:
+            raise table_error(f"anonymous_tier {auth.anonymous_tier!r} is not one of {tiers}")
+        if ANONYMOUS_TENANT in info.data.get("members", {}):
+            raise table_error(f"the tenant id {ANONYMOUS_TENANT!r} is reserved for requests without a token; "
+                              "remove it from [tenants.members]")
+        return auth
+
+    def lowest_tier(self) -> str:
+        return max(self.tiers, key=lambda name: self.tiers[name].priority)
+
+
+def _tier_names(info: ValidationInfo) -> list[str] | None:
+    """The tiers validated so far, highest priority first (None when they were invalid)."""
+    tiers = info.data.get("tiers")
+    return None if tiers is None else sorted(tiers, key=lambda name: tiers[name].priority)
+
+
+class HardwareTable(Table):
+    """`[hardware.<kind>]`: what one kind of hardware (the profile's `hardware.kind`) runs in parallel."""
+
+    instance_kind: Literal["KIND_CPU", "KIND_GPU"] | None = None
+    """Triton instance_group kind; default: KIND_GPU on `gpu`, KIND_CPU elsewhere."""
+    max_instances: int = Field(gt=0)
+    """Bucket-model instances that add throughput on this hardware."""
+    intra_op_threads: int = Field(ge=0)
+    """ONNX Runtime threads per instance; 0 lets ONNX Runtime choose."""
+    ort_spinning: StrictBool | None = None
+    """Let idle ONNX Runtime threads spin; default: on `gpu` only."""
+
+    @field_validator("instance_kind", mode="before")
+    @classmethod
+    def _known_kind(cls, value: object) -> object:
+        if value not in ("KIND_CPU", "KIND_GPU"):
+            raise ValueError(f"instance_kind must be KIND_CPU or KIND_GPU, got {value!r}")
+        return value
+
+    def limits(self, kind: str) -> HardwareLimits:
+        return HardwareLimits(
+            kind=kind,
+            instance_kind=self.instance_kind or ("KIND_GPU" if kind == "gpu" else "KIND_CPU"),
+            max_instances=self.max_instances,
+            intra_op_threads=self.intra_op_threads,
+            ort_spinning=kind == "gpu" if self.ort_spinning is None else self.ort_spinning,
+        )
+
+
+class EmbedModelTable(Table):
+    """`[models.<name>]`: the length-bucketed embedding service, a router model (named by the
+    table) and one encoder model per bucket."""
+
+    versions: Versions = (1,)
+    """Encoder versions loaded at start; every bucket model serves each of them."""
+    precision: dict[int, Literal["fp32", "int8"]] = {}
+    """Encoder version -> what build-models makes of it: "fp32" (the default) or "int8"."""
+    traffic: dict[int, float] = {}
+    """Encoder version -> weight of unpinned traffic at start; default: all on the first version."""
+    slo_p95_ms: float = Field(gt=0)
+    """End-to-end p95 latency target of one request."""
+    expected_rps: float = Field(gt=0)
+    """Requests per second in normal traffic."""
+    peak_rps: float = Field(gt=0)
+    """Requests per second at peak (what one node must carry); >= expected_rps."""
+    workload: Path
+    """Length mix of requests (a loadtest workload TOML), relative to the spec."""
+    buckets: Annotated[tuple[int, ...], AfterValidator(_buckets)]
+    """Bucket sequence lengths, distinct, each >= 2; read in ascending order."""
+    encoder_prefix: str = "encoder_"
+    """Bucket model name = prefix + length."""
+    max_request_rows: int = Field(gt=0)
+    """Rows one client request may carry (the router's max_batch_size)."""
+    max_router_instances: int = Field(gt=0)
+    """Cap on router instances (one per host core is derived)."""
+    max_text_bytes: int = Field(gt=0)
+    """Longest row accepted, in UTF-8 bytes."""
+    queue_timeouts: StrictBool = False
+    """Write default_timeout_microseconds on bucket models (see serving.toml for why not by default)."""
+
+    @field_validator("workload")
+    @classmethod
+    def _workload_exists(cls, path: Path, info: ValidationInfo) -> Path:
+        path = _root(info) / path
+        if not path.is_file():
+            raise ValueError(f"workload file {path} not found")
+        return path
+
+    @field_validator("precision", "traffic", mode="before")
+    @classmethod
+    def _keyed_by_version(cls, table: object, info: ValidationInfo) -> dict[int, object]:
+        """TOML keys are strings: `{ 1 = "fp32" }` is keyed by "1"."""
+        key_name = info.field_name
+        if not isinstance(table, dict):
+            raise ValueError(f"'{key_name}' must be a table of version = value")
+        keyed = {}
+        for key, value in table.items():
+            try:
+                version = int(key)
+            except ValueError:
+                raise ValueError(f"{key_name}: key {key!r} is not a version number") from None
+            if key_name == "precision" and value not in ENCODER_PRECISIONS:
+                raise ValueError(f"precision of version {version} must be one of {ENCODER_PRECISIONS}, got {value!r}")
+            if key_name == "traffic" and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+                raise ValueError(f"traffic weight of version {version} must be a number >= 0, got {value!r}")
+            keyed[version] = value
+        return keyed
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EmbedModelTable:
+        if self.peak_rps < self.expected_rps:
+            raise table_error(f"peak_rps ({self.peak_rps}) must be >= expected_rps ({self.expected_rps})")
+        for key in ("precision", "traffic"):
+            for version in getattr(self, key):
+                if version not in self.versions:
+                    raise table_error(f"{key} names version {version}, which is not in versions "
+                                      f"{list(self.versions)}")
+        if self.traffic and sum(self.traffic.values()) <= 0:
+            raise table_error("traffic needs a weight > 0 on at least one version")
+        return self
+
+    def model(self, name: str) -> EmbedModelSpec:
+        return EmbedModelSpec(
+            name=name,
+            versions=self.versions,
+            precision=dict(self.precision),
+            # all traffic on the first version until a rollout moves it
+            traffic={v: float(w) for v, w in self.traffic.items()} or {self.versions[0]: 100.0},
+            slo_p95_ms=self.slo_p95_ms,
+            expected_rps=self.expected_rps,
+            peak_rps=self.peak_rps,
+            workload=self.workload,
+            bucket_lens=self.buckets,
+            encoder_prefix=self.encoder_prefix,
+            max_request_rows=self.max_request_rows,
+            max_router_instances=self.max_router_instances,
+            max_text_bytes=self.max_text_bytes,
+            queue_timeouts=self.queue_timeouts,
+        )
+
+
+class LLMModelTable(Table):
+    """`[llm_models.<name>]`: a generative model on the continuous-batching engine (decoupled,
+    streaming), named by the table."""
+
+    versions: Versions = (1,)
+    """Versions of the model folder to serve."""
+    batching: Literal["continuous", "static", "static_retiring"] = "continuous"
+    """The engine's batching policy: "continuous", or the baselines the benchmark compares against."""
+    kv_cache_mb: float = Field(gt=0)
+    """Memory the KV cache may use: the admission constraint."""
+    block_size: int = Field(gt=0)
+    """Token slots per KV block."""
+    max_num_seqs: int = Field(gt=0)
+    """Sequences decoding together at most."""
+    max_num_batched_tokens: int = Field(gt=0)
+    """Tokens computed per engine step (prefill chunks + decodes); >= max_num_seqs."""
+    max_model_len: int = Field(gt=0)
+    """Context: prompt plus output tokens."""
+    default_max_tokens: int = Field(gt=0)
+    """Output tokens when a request does not say; < max_model_len."""
+    ttft_p95_ms: float = Field(gt=0)
+    """Time-to-first-token target (p95)."""
+    threads: int = Field(ge=0)
+    """Torch intra-op threads; 0: every core."""
+
+    @field_validator("batching", mode="before")
+    @classmethod
+    def _known_policy(cls, value: object) -> object:
+        if value not in LLM_BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(map(repr, LLM_BATCHING))}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LLMModelTable:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise table_error(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                              f"({self.max_num_seqs}) so every running sequence decodes each step")
+        if self.default_max_tokens >= self.max_model_len:
+            raise table_error(f"default_max_tokens ({self.default_max_tokens}) must be < max_model_len "
+                              f"({self.max_model_len})")
+        return self
+
+    def model(self, name: str) -> LLMModelSpec:
+        return LLMModelSpec(name=name, **self.model_dump())
+
+
+class ServingFile(Table):
+    """The serving spec as written: `serving.toml`. Paths in it are relative to the file."""
+
+    profile: Path = Path("profiles/cpu.json")
+    """Latency profile gen-config uses by default (one per hardware)."""
+    tenants: TenantsTable = Field(default_factory=TenantsTable)
+    """Tenant tiers, members and authentication."""
+    hardware: dict[str, HardwareTable] = {}
+    """What each kind of hardware runs in parallel, by the profile's hardware kind; at least one."""
+    models: dict[str, EmbedModelTable] = {}
+    """Embedding services by router model name; at least one."""
+    llm_models: dict[str, LLMModelTable] = {}
+    """Generative models by model name."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> ServingFile:
+        if not self.hardware:
+            raise table_error("needs at least one [hardware.<kind>] table")
+        if not self.models:
+            raise table_error("needs at least one [models.<name>] table")
+        for name in self.llm_models:
+            if name in self.models:
+                raise table_error(f"model name {name!r} is used twice")
+        return self
+
+    def spec(self, path: Path, sha256: str) -> ServingSpec:
+        """The spec this file says, its paths resolved against `path`'s folder."""
+        tenants, root = self.tenants, path.parent
+        auth = tenants.auth
+        return ServingSpec(
+            path=path,
+            sha256=sha256,
+            profile=root / self.profile,
+            models=tuple(table.model(name) for name, table in self.models.items()),
+            tiers=tuple(sorted((t.policy(name) for name, t in tenants.tiers.items()), key=lambda t: t.priority)),
+            default_tier=tenants.default_tier or tenants.lowest_tier(),
+            hardware={kind: table.limits(kind) for kind, table in self.hardware.items()},
+            llm_models=tuple(table.model(name) for name, table in self.llm_models.items()),
+            tenant_members=dict(tenants.members),
+            tenant_auth=None if auth.mode is AuthMode.OFF else TenantAuthSpec(
+                mode=auth.mode, keys_file=(root / auth.keys_file).resolve(),
+                anonymous_tier=auth.anonymous_tier or tenants.lowest_tier(),
+                max_clock_skew_s=float(auth.max_clock_skew_s)),
+        )
 
 
 def parse_spec(data: dict, path: Path) -> ServingSpec:
-    root = path.parent
-    where = str(path)
-    tiers_raw = data.get("tenants", {}).get("tiers", {"standard": {"priority": 1}})
-    tiers = tuple(sorted((_tier(name, t, f"{where} [tenants.tiers.{name}]") for name, t in tiers_raw.items()),
-                         key=lambda tier: tier.priority))
-    if sorted(t.priority for t in tiers) != list(range(1, len(tiers) + 1)):
-        raise SpecError(f"{where}: tenant tier priorities must be 1..{len(tiers)} without gaps, "
-                        f"got {[t.priority for t in tiers]}")
-    default_tier = data.get("tenants", {}).get("default_tier", tiers[-1].name)
-    if default_tier not in {t.name for t in tiers}:
-        raise SpecError(f"{where}: default_tier {default_tier!r} is not one of {[t.name for t in tiers]}")
-    members = data.get("tenants", {}).get("members", {})
-    for tenant, tier in members.items():
-        if not TENANT_PATTERN.match(tenant):
-            raise SpecError(f"{where} [tenants.members]: tenant id {tenant!r} must be 1-64 letters, digits, "
-                            "'.', '_' or '-'")
-        if tier not in {t.name for t in tiers}:
-            raise SpecError(f"{where} [tenants.members]: tenant {tenant!r} is in tier {tier!r}, which is not "
-                            f"one of {[t.name for t in tiers]}")
-
-    tenant_auth = parse_tenant_auth(data.get("tenants", {}).get("auth", {}), tiers, members, root,
-                                    f"{where} [tenants.auth]")
-
-    hardware = {}
-    for kind, raw in data.get("hardware", {}).items():
-        at = f"{where} [hardware.{kind}]"
-        instance_kind = raw.get("instance_kind", "KIND_GPU" if kind == "gpu" else "KIND_CPU")
-        if instance_kind not in ("KIND_CPU", "KIND_GPU"):
-            raise SpecError(f"{at}: instance_kind must be KIND_CPU or KIND_GPU, got {instance_kind!r}")
-        hardware[kind] = HardwareLimits(
-            kind=kind,
-            instance_kind=instance_kind,
-            max_instances=int(_positive(raw, "max_instances", at, int)),
-            intra_op_threads=int(_positive(raw, "intra_op_threads", at, int, allow_zero=True)),
-            ort_spinning=_boolean(raw, "ort_spinning", at, default=kind == "gpu"),
-        )
-    if not hardware:
-        raise SpecError(f"{where}: needs at least one [hardware.<kind>] table")
-
-    models = []
-    for name, raw in data.get("models", {}).items():
-        at = f"{where} [models.{name}]"
-        try:
-            buckets = validate_buckets([int(b) for b in raw.get("buckets", [])])
-        except (TypeError, ValueError) as err:
-            raise SpecError(f"{at}: buckets: {err}") from None
-        expected = _positive(raw, "expected_rps", at)
-        peak = _positive(raw, "peak_rps", at)
-        if peak < expected:
-            raise SpecError(f"{at}: peak_rps ({peak}) must be >= expected_rps ({expected})")
-        workload = root / raw.get("workload", "")
-        if not workload.is_file():
-            raise SpecError(f"{at}: workload file {workload} not found")
-        versions = tuple(int(v) for v in raw.get("versions", [1]))
-        if not versions or min(versions) < 1:
-            raise SpecError(f"{at}: versions must be a non-empty list of integers >= 1")
-        precision, traffic = _version_tables(raw, versions, at)
-        models.append(EmbedModelSpec(
-            name=name,
-            versions=versions,
-            precision=precision,
-            traffic=traffic,
-            slo_p95_ms=_positive(raw, "slo_p95_ms", at),
-            expected_rps=expected,
-            peak_rps=peak,
-            workload=workload,
-            bucket_lens=buckets,
-            encoder_prefix=str(raw.get("encoder_prefix", "encoder_")),
-            max_request_rows=int(_positive(raw, "max_request_rows", at, int)),
-            max_router_instances=int(_positive(raw, "max_router_instances", at, int)),
-            max_text_bytes=int(_positive(raw, "max_text_bytes", at, int)),
-            queue_timeouts=_boolean(raw, "queue_timeouts", at, default=False),
-        ))
-    if not models:
-        raise SpecError(f"{where}: needs at least one [models.<name>] table")
-    llm_models = tuple(parse_llm_model(name, raw, f"{where} [llm_models.{name}]")
-                       for name, raw in data.get("llm_models", {}).items())
-    taken = {m.name for m in models}
-    for llm in llm_models:
-        if llm.name in taken:
-            raise SpecError(f"{where}: model name {llm.name!r} is used twice")
-    return ServingSpec(
-        path=path,
-        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-        profile=root / data.get("profile", "profiles/cpu.json"),
-        models=tuple(models),
-        tiers=tiers,
-        default_tier=default_tier,
-        hardware=hardware,
-        llm_models=llm_models,
-        tenant_members=dict(members),
-        tenant_auth=tenant_auth,
-    )
-
-
-AUTH_KEYS = ("mode", "keys_file", "anonymous_tier", "max_clock_skew_s")
-
-
-def parse_tenant_auth(raw: object, tiers: tuple[TenantTier, ...], members: dict, root: Path,
-                      at: str) -> TenantAuthSpec | None:
-    """`[tenants.auth]`. Without the table tenants authenticate in anonymous mode: a bare
-    `tenant` parameter is never trusted unless the spec says `mode = "off"`."""
-    if not isinstance(raw, dict):
-        raise SpecError(f"{at}: must be a table")
-    unknown = sorted(set(raw) - set(AUTH_KEYS))
-    if unknown:  # a misspelt key in a security setting must not fall back to a default silently
-        raise SpecError(f"{at}: unknown key(s) {unknown}; the keys are {list(AUTH_KEYS)}")
-    modes = [m.value for m in AuthMode]
-    mode_name = raw.get("mode", AuthMode.ANONYMOUS.value)
-    if mode_name not in modes:
-        raise SpecError(f"{at}: mode must be one of {modes}, got {mode_name!r}")
-    mode = AuthMode(mode_name)
-    if mode is AuthMode.OFF:
-        return None
-    keys_file = raw.get("keys_file", DEFAULT_KEYS_FILE)
-    if not isinstance(keys_file, str) or not keys_file.strip():
-        raise SpecError(f"{at}: keys_file must be a path (relative to the spec), got {keys_file!r}")
-    lowest = max(tiers, key=lambda tier: tier.priority).name
-    anonymous_tier = raw.get("anonymous_tier", lowest)
-    if anonymous_tier not in {t.name for t in tiers}:
-        raise SpecError(f"{at}: anonymous_tier {anonymous_tier!r} is not one of {[t.name for t in tiers]}")
-    if ANONYMOUS_TENANT in members:
-        raise SpecError(f"{at}: the tenant id {ANONYMOUS_TENANT!r} is reserved for requests without a token; "
-                        "remove it from [tenants.members]")
-    skew = raw.get("max_clock_skew_s", 30.0)
-    if isinstance(skew, bool) or not isinstance(skew, int | float) or not 0 <= skew <= MAX_CLOCK_SKEW_S:
-        raise SpecError(f"{at}: max_clock_skew_s must be a number of seconds within [0, {MAX_CLOCK_SKEW_S:g}], "
-                        f"got {skew!r}")
-    return TenantAuthSpec(mode=mode, keys_file=(root / keys_file).resolve(), anonymous_tier=anonymous_tier,
-                          max_clock_skew_s=float(skew))
-
-
-def _version_tables(raw: dict, versions: tuple[int, ...], at: str) -> tuple[dict[int, str], dict[int, float]]:
-    """`precision` and `traffic` tables keyed by version; both may only name served versions."""
-    if len(set(versions)) != len(versions):
-        raise SpecError(f"{at}: versions {list(versions)} repeat a version")
-    tables = {}
-    for key in ("precision", "traffic"):
-        table = raw.get(key, {})
-        if not isinstance(table, dict):
-            raise SpecError(f"{at}: '{key}' must be a table of version = value")
-        parsed = {}
-        for version_key, value in table.items():
-            try:
-                version = int(version_key)
-            except ValueError:
-                raise SpecError(f"{at}: {key}: key {version_key!r} is not a version number") from None
-            if version not in versions:
-                raise SpecError(f"{at}: {key} names version {version}, which is not in versions {list(versions)}")
-            parsed[version] = value
-        tables[key] = parsed
-    for version, value in tables["precision"].items():
-        if value not in ENCODER_PRECISIONS:
-            raise SpecError(f"{at}: precision of version {version} must be one of {ENCODER_PRECISIONS}, got {value!r}")
-    traffic = {}
-    for version, value in tables["traffic"].items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise SpecError(f"{at}: traffic weight of version {version} must be a number >= 0, got {value!r}")
-        traffic[version] = float(value)
-    if not traffic:
-        traffic = {versions[0]: 100.0}  # all traffic on the first version until a rollout moves it
-    if sum(traffic.values()) <= 0:
-        raise SpecError(f"{at}: traffic needs a weight > 0 on at least one version")
-    return tables["precision"], traffic
-
-
-def parse_llm_model(name: str, raw: dict, at: str) -> LLMModelSpec:
-    versions = tuple(int(v) for v in raw.get("versions", [1]))
-    if not versions or min(versions) < 1:
-        raise SpecError(f"{at}: versions must be a non-empty list of integers >= 1")
-    batching = str(raw.get("batching", "continuous"))
-    if batching not in LLM_BATCHING:
-        raise SpecError(f"{at}: batching must be one of {', '.join(map(repr, LLM_BATCHING))}, got {batching!r}")
-    llm = LLMModelSpec(
-        name=name,
-        versions=versions,
-        batching=batching,
-        kv_cache_mb=_positive(raw, "kv_cache_mb", at),
-        block_size=int(_positive(raw, "block_size", at, int)),
-        max_num_seqs=int(_positive(raw, "max_num_seqs", at, int)),
-        max_num_batched_tokens=int(_positive(raw, "max_num_batched_tokens", at, int)),
-        max_model_len=int(_positive(raw, "max_model_len", at, int)),
-        default_max_tokens=int(_positive(raw, "default_max_tokens", at, int)),
-        ttft_p95_ms=_positive(raw, "ttft_p95_ms", at),
-        threads=int(_positive(raw, "threads", at, int, allow_zero=True)),
-    )
-    if llm.max_num_batched_tokens < llm.max_num_seqs:
-        raise SpecError(f"{at}: max_num_batched_tokens ({llm.max_num_batched_tokens}) must be >= max_num_seqs "
-                        f"({llm.max_num_seqs}) so every running sequence decodes each step")
-    if llm.default_max_tokens >= llm.max_model_len:
-        raise SpecError(f"{at}: default_max_tokens ({llm.default_max_tokens}) must be < max_model_len "
-                        f"({llm.max_model_len})")
-    return llm
+    """The spec in `data` (a parsed `serving.toml` read from `path`); SpecError names every
+    problem with the file, the table and the key."""
+    try:
+        table = ServingFile.model_validate(data, context={"root": path.parent})
+    except ValidationError as err:
+        raise SpecError(describe(err, str(path))) from None
+    return table.spec(path, hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def load_spec(path: str | Path = DEFAULT_SPEC) -> ServingSpec:

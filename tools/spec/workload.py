@@ -4,6 +4,10 @@ A workload says how long requests are (token counts, special tokens included) an
 proportions. `TextFactory` writes texts of an exact token count from a small corpus: BERT's
 pre-tokenizer splits on whitespace first, so a text's token count is the sum of its words'
 counts plus [CLS] and [SEP].
+
+The files' schemas are pydantic tables (`Workload` and its `LengthBand`s, `ChatWorkloadFile` and
+its `ChatKind`s); errors name the file, the table and the key. `load_workload`,
+`load_chat_workload` and `TextFactory` read files; the rest is pure.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tools.paths import REPO_ROOT
+from tools.spec.schema import Table, describe, table_error
 
 WORKLOAD_DIR = REPO_ROOT / "loadtest" / "workloads"
 DEFAULT_WORKLOAD = WORKLOAD_DIR / "embed_mix.toml"
@@ -23,24 +31,59 @@ CORPUS = WORKLOAD_DIR / "corpus.txt"
 SPECIAL_TOKENS = 2  # [CLS] and [SEP]
 
 
-@dataclass(frozen=True)
-class LengthBand:
-    """Requests whose token count is uniform in [min_tokens, max_tokens]."""
+class LengthBand(Table):
+    """`[[lengths]]`: requests whose token count is uniform in [min_tokens, max_tokens]."""
 
-    min_tokens: int  # shortest, special tokens included
-    max_tokens: int  # longest, special tokens included
-    weight: float  # relative share of requests
+    min_tokens: int
+    """Shortest, special tokens included; at least 3 ([CLS], [SEP] and one word)."""
+    max_tokens: int
+    """Longest, special tokens included; >= min_tokens."""
+    weight: float
+    """Relative share of requests, > 0."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _complete(cls, data: object) -> object:
+        missing = [key for key in cls.model_fields if isinstance(data, dict) and key not in data]
+        if missing:
+            raise table_error(f"needs min_tokens, max_tokens, weight (missing {', '.join(missing)})")
+        return data
+
+    @field_validator("weight")
+    @classmethod
+    def _positive(cls, weight: float) -> float:
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight:g}")
+        return weight
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthBand:
+        if not SPECIAL_TOKENS + 1 <= self.min_tokens <= self.max_tokens:
+            raise table_error(f"needs {SPECIAL_TOKENS + 1} <= min_tokens <= max_tokens, "
+                              f"got {self.min_tokens} and {self.max_tokens}")
+        return self
 
 
-@dataclass(frozen=True)
-class Workload:
-    """A length mix, from a workload file."""
+class Workload(Table):
+    """A length mix: a workload file (`loadtest/workloads/*.toml`)."""
 
-    name: str  # short identifier, used in result files
-    bands: tuple[LengthBand, ...]  # the length distribution
-    seed: int = 0  # makes the generated texts reproducible
-    rows_per_request: int = 1  # TEXT rows in each request
-    description: str = ""  # what the mix stands for
+    name: str = "workload"
+    """Short identifier, used in result files."""
+    bands: tuple[LengthBand, ...] = Field((), validation_alias="lengths", validate_default=True)
+    """The length distribution: the file's `[[lengths]]` bands."""
+    seed: int = 0
+    """Makes the generated texts reproducible."""
+    rows_per_request: int = Field(1, ge=1)
+    """TEXT rows in each request."""
+    description: str = ""
+    """What the mix stands for."""
+
+    @field_validator("bands")
+    @classmethod
+    def _some(cls, bands: tuple[LengthBand, ...]) -> tuple[LengthBand, ...]:
+        if not bands:
+            raise ValueError("needs at least one [[lengths]] band")
+        return bands
 
     def sample_lengths(self, count: int, seed: int | None = None) -> list[int]:
         """`count` token counts drawn from the mix (deterministic for a seed)."""
@@ -75,37 +118,26 @@ class Workload:
         return shares
 
 
+class WorkloadError(ValueError):
+    """A workload file is missing or invalid; the message names the file, the table and the key."""
+
+
 def parse_workload(data: dict, source: str = "workload") -> Workload:
-    bands_raw = data.get("lengths")
-    if not bands_raw:
-        raise ValueError(f"{source}: needs at least one [[lengths]] band")
-    bands = []
-    for index, raw in enumerate(bands_raw):
-        try:
-            band = LengthBand(int(raw["min_tokens"]), int(raw["max_tokens"]), float(raw["weight"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{source}: lengths[{index}] needs min_tokens, max_tokens, weight ({err})") from None
-        if not SPECIAL_TOKENS + 1 <= band.min_tokens <= band.max_tokens:
-            raise ValueError(f"{source}: lengths[{index}] needs {SPECIAL_TOKENS + 1} <= min_tokens <= max_tokens")
-        if band.weight <= 0:
-            raise ValueError(f"{source}: lengths[{index}] weight must be > 0")
-        bands.append(band)
-    rows = int(data.get("rows_per_request", 1))
-    if rows < 1:
-        raise ValueError(f"{source}: rows_per_request must be >= 1")
-    return Workload(
-        name=str(data.get("name", "workload")),
-        bands=tuple(bands),
-        seed=int(data.get("seed", 0)),
-        rows_per_request=rows,
-        description=str(data.get("description", "")),
-    )
+    """The workload in `data` (a parsed workload TOML); WorkloadError names every problem."""
+    try:
+        return Workload.model_validate(data)
+    except ValidationError as err:
+        raise WorkloadError(describe(err, source)) from None
 
 
 def load_workload(path: str | Path = DEFAULT_WORKLOAD) -> Workload:
     path = Path(path)
-    with open(path, "rb") as handle:
-        return parse_workload(tomllib.load(handle), source=str(path))
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise WorkloadError(f"workload {path}: {err}") from None
+    return parse_workload(data, source=str(path))
 
 
 class TextFactory:
@@ -160,56 +192,100 @@ class TextFactory:
 
 # Chat workloads (the LLM): kinds of requests, their prompts and output budgets.
 
-@dataclass(frozen=True)
-class ChatKind:
-    """One kind of chat request and its share of traffic."""
+def _bounds(value: object, info: ValidationInfo) -> object:
+    if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value)
+            and 1 <= value[0] <= value[1]):
+        raise ValueError(f"{info.field_name} must be [low, high] integers with 1 <= low <= high, got {value!r}")
+    return value
 
-    name: str
-    share: float  # fraction of requests, > 0 (shares are normalised)
-    prompts: tuple[str, ...]  # questions drawn uniformly
-    max_tokens: tuple[int, int]  # output budget, drawn log-uniformly in [low, high]
-    context_words: tuple[int, int] | None  # words of the corpus pasted before the question
+
+Bounds = Annotated[tuple[int, int], BeforeValidator(_bounds)]  # [low, high], 1 <= low <= high
+
+
+class ChatKind(Table):
+    """`[[kinds]]`: one kind of chat request and its share of traffic."""
+
+    name: str = ""
+    """What the kind is called in results; default: kind<index>."""
+    share: float
+    """Fraction of requests, > 0 (shares are normalised)."""
+    prompts: tuple[str, ...]
+    """Questions, drawn uniformly."""
+    max_tokens: Bounds
+    """Output budget, drawn log-uniformly in [low, high]."""
+    context_words: Bounds | None = None
+    """Words of the corpus pasted before the question, drawn in [low, high]; none by default."""
+
+    @field_validator("share", mode="before")
+    @classmethod
+    def _positive(cls, share: object) -> object:
+        if isinstance(share, bool) or not isinstance(share, int | float) or not share > 0:
+            raise ValueError(f"share must be a number > 0, got {share!r}")
+        return share
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _some_text(cls, prompts: object) -> object:
+        if not (isinstance(prompts, list | tuple) and prompts
+                and all(isinstance(p, str) and p.strip() for p in prompts)):
+            raise ValueError("prompts must be a non-empty list of non-empty strings")
+        return prompts
+
+
+class ChatWorkloadFile(Table):
+    """A chat workload file (`loadtest/workloads/llm_chat.toml`): kinds of requests, their
+    prompts and output budgets."""
+
+    name: str | None = None
+    """Short identifier, used in result files; default: the file's name."""
+    corpus: str = "corpus.txt"
+    """The text long-context prompts are cut from, relative to the workload file."""
+    kinds: list[ChatKind] = Field([], validate_default=True)
+    """The kinds of requests, at least one."""
+
+    @field_validator("kinds")
+    @classmethod
+    def _some(cls, kinds: list[ChatKind]) -> list[ChatKind]:
+        if not kinds:
+            raise ValueError("needs at least one [[kinds]] table")
+        return [kind if kind.name else kind.model_copy(update={"name": f"kind{index}"})
+                for index, kind in enumerate(kinds)]
+
+    @model_validator(mode="after")
+    def _corpus_for_context(self, info: ValidationInfo) -> ChatWorkloadFile:
+        context = info.context or {}  # the corpus as the caller read it: its path and words
+        words, corpus = context.get("corpus_words", ()), context.get("corpus", self.corpus)
+        for index, kind in enumerate(self.kinds):
+            if kind.context_words and not words:
+                raise table_error(f"needs context words but the corpus {corpus} is missing or empty",
+                                  at=("kinds", index))
+        return self
 
 
 @dataclass(frozen=True)
 class ChatWorkload:
+    """A chat workload as the benchmark and the load tests draw from it."""
+
     name: str
     kinds: tuple[ChatKind, ...]
     corpus_words: tuple[str, ...]  # the text long-context prompts are cut from
 
 
-def _bounds(raw, where: str) -> tuple[int, int]:
-    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(v, int) for v in raw) and 1 <= raw[0] <= raw[1]):
-        raise ValueError(f"{where} must be [low, high] integers with 1 <= low <= high, got {raw!r}")
-    return raw[0], raw[1]
-
-
 def load_chat_workload(path: Path) -> ChatWorkload:
-    """Read and check a chat workload file; ValueError names the problem."""
+    """Read and check a chat workload file; WorkloadError names every problem."""
+    path = Path(path)
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as err:
-        raise ValueError(f"chat workload {path}: {err}") from None
-    corpus_path = Path(path).parent / data.get("corpus", "corpus.txt")
-    words = tuple(corpus_path.read_text().split()) if corpus_path.is_file() else ()
-    kinds = []
-    for index, raw in enumerate(data.get("kinds", [])):
-        where = f"{path}: kinds[{index}]"
-        share = raw.get("share")
-        if not isinstance(share, int | float) or share <= 0:
-            raise ValueError(f"{where}.share must be a number > 0, got {share!r}")
-        prompts = raw.get("prompts")
-        if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
-            raise ValueError(f"{where}.prompts must be a non-empty list of non-empty strings")
-        context = _bounds(raw["context_words"], f"{where}.context_words") if "context_words" in raw else None
-        if context and len(words) == 0:
-            raise ValueError(f"{where} needs context words but the corpus {corpus_path} is missing or empty")
-        kinds.append(ChatKind(name=str(raw.get("name", f"kind{index}")), share=float(share), prompts=tuple(prompts),
-                              max_tokens=_bounds(raw.get("max_tokens"), f"{where}.max_tokens"),
-                              context_words=context))
-    if not kinds:
-        raise ValueError(f"{path}: needs at least one [[kinds]] table")
-    return ChatWorkload(name=str(data.get("name", Path(path).stem)), kinds=tuple(kinds), corpus_words=words)
+        raise WorkloadError(f"chat workload {path}: {err}") from None
+    corpus = data.get("corpus", "corpus.txt")
+    corpus_path = path.parent / corpus if isinstance(corpus, str) else None
+    words = tuple(corpus_path.read_text().split()) if corpus_path and corpus_path.is_file() else ()
+    try:
+        table = ChatWorkloadFile.model_validate(data, context={"corpus": corpus_path, "corpus_words": words})
+    except ValidationError as err:
+        raise WorkloadError(describe(err, str(path))) from None
+    return ChatWorkload(name=table.name or path.stem, kinds=tuple(table.kinds), corpus_words=words)
 
 
 @dataclass(frozen=True)
