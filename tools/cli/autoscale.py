@@ -28,6 +28,9 @@ utilization and demand all say capacity is enough), the decision holds and says 
   python -m tools autoscale embed --replay tests/data/metrics/overload.jsonl.gz
 """
 
+# The `autoscale` command: reads the server (or a recording) and the served configs, and prints
+# the decisions of tools.planning.autoscale. The docstring above is its --help text.
+
 from __future__ import annotations
 
 import argparse

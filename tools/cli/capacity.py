@@ -19,6 +19,9 @@ the preferred batch size of the served config, with the profile's c(b): the gap 
 thin batches cost, e.g. traffic fragmented over versions during a rollout.
 """
 
+# The `capacity` command: reads a latency profile, the serving spec or a recording, and prints the
+# plans of tools.planning.capacity. The docstring above is its --help text.
+
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,10 @@ How each cause is told apart, per bucket queue (model version), over the window:
     device idles.
 """
 
+# The `explain` command: reads /metrics, the statistics API and the served configs (or a recording
+# and the repository's configs) and prints the diagnosis of tools.observe.explain. The docstring
+# above is its --help text.
+
 from __future__ import annotations
 
 import argparse

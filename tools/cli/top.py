@@ -16,6 +16,9 @@ Reads /metrics every --interval seconds and shows what happened over the last wi
   python -m tools top --replay run.jsonl.gz --interval 10     # the last 10 s of a recording
 """
 
+# The `top` command: reads /metrics (or a recording), keeps a recording, draws the tables of
+# tools.observe.top. The docstring above is its --help text.
+
 from __future__ import annotations
 
 import argparse

@@ -15,6 +15,7 @@ from tools.planning.capacity import Observed
 
 
 def signals_from(view: ServiceWindow, replicas: int, at_s: float) -> Signals:
+    """What a service's window says to the autoscaler, as measured on `replicas` replicas."""
     total = sum(q.num_requests for q in view.queues)
     linger = (sum(view.knobs[q.model].max_queue_delay_ms * q.num_requests for q in view.queues if q.model in view.knobs)
               / total if total else 0.0)
