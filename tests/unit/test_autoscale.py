@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 
 from tools.observe.explain import QueueKnobs
+from tools.observe.scaling import default_pending_per_replica
 from tools.planning.autoscale import (
     AutoscalePolicy,
     AutoscaleState,
     Signals,
     decide,
-    default_pending_per_replica,
     ratios,
 )
 

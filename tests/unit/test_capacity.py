@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tools.planning import capacity
+from tools.cli import capacity
 from tools.planning.capacity import Demand, best, candidates, plan
 from tools.spec.profile import LatencyCurve
 

@@ -8,12 +8,12 @@ import pytest
 from tools.observe.metrics import (
     Snapshot,
     Window,
-    histogram_quantile,
     parse_exposition,
     queue_stats,
     read_recording,
     windows,
 )
+from tools.planning.samples import histogram_quantile
 
 
 def triton_text(success: int, queue_us: int, compute_us: int, rows: int, batches: int, pending: int = 0,
@@ -66,6 +66,8 @@ def test_parse_exposition_filter_drops_unwanted_samples():
 def test_parse_exposition_rejects_garbage_with_a_clear_error():
     with pytest.raises(ValueError, match="unreadable metrics text"):
         parse_exposition("this is { not prometheus\n")
+    with pytest.raises(ValueError, match="line 2: 'not a sample'"):
+        parse_exposition("# HELP x a help line is fine\nnot a sample\n")
 
 
 def test_histogram_quantile_interpolates_inside_the_bucket():

@@ -13,14 +13,8 @@ import pytest
 
 from tools.observe.explain import Cause, diagnose, knobs_from_repository, service_layout, service_window
 from tools.observe.metrics import Window, read_recording, windows
-from tools.planning.autoscale import (
-    AutoscalePolicy,
-    AutoscaleState,
-    decide,
-    default_pending_per_replica,
-    replay,
-    signals_from,
-)
+from tools.observe.scaling import default_pending_per_replica, replay, signals_from
+from tools.planning.autoscale import AutoscalePolicy, AutoscaleState, decide
 from tools.spec.serving import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,11 +140,12 @@ def test_signals_from_a_recorded_window_carry_the_linger_budget_of_the_queues_us
 
 
 def test_capacity_from_the_batches_traffic_formed():
-    from tools.planning.capacity import Demand, observe, observed_plans
+    from tools.observe.scaling import observed_batches
+    from tools.planning.capacity import Demand, observed_plans
 
     snapshots = recording("fragmented")
-    one_queue = observe(window_at(snapshots, 10, 28), "encoder_16", KNOBS["encoder_16"].preferred_batch)
-    spread = observe(window_at(snapshots, 45, 68), "encoder_16", KNOBS["encoder_16"].preferred_batch)
+    one_queue = observed_batches(window_at(snapshots, 10, 28), "encoder_16", KNOBS["encoder_16"].preferred_batch)
+    spread = observed_batches(window_at(snapshots, 45, 68), "encoder_16", KNOBS["encoder_16"].preferred_batch)
     # One queue filled its preferred batches; split over versions, the same bucket's batches thinned.
     assert spread.mean_batch_rows < one_queue.mean_batch_rows
     assert one_queue.requests_per_min == pytest.approx(90 * 60, rel=0.2)
@@ -165,10 +160,11 @@ def test_capacity_from_the_batches_traffic_formed():
 
 
 def test_capacity_names_the_gap_to_the_preferred_batch():
-    from tools.planning.capacity import Demand, observe, observed_plans
+    from tools.observe.scaling import observed_batches
+    from tools.planning.capacity import Demand, observed_plans
     from tools.spec.profile import LatencyCurve
 
-    spread = observe(window_at(recording("fragmented"), 45, 68), "encoder_16", 4)
+    spread = observed_batches(window_at(recording("fragmented"), 45, 68), "encoder_16", 4)
     curve = LatencyCurve({1: 6.7, 2: 11.2, 4: 18.9, 8: 34.8})
     as_formed, at_preferred = observed_plans(spread, Demand(30_000), 1, curve)
     assert at_preferred is not None and at_preferred.batch == 4

@@ -3,7 +3,8 @@
 The pages are rendered the way tritonserver exports the `embed` router's custom metrics next to its own:
 `# HELP`/`# TYPE` per family, labels in alphabetical order, histograms as `_count`, `_sum` and cumulative
 `_bucket{le=...}` lines ending in `+Inf`, with the router's real bucket edges. A step is a series of such
-pages; it is judged as `tools.ops.rollout` judges it, each page minus the step's first page.
+pages; it is judged as `tools.ops.rollout` judges it: each page parsed by `tools.observe.metrics` (the kit's
+one Prometheus parser), minus the step's first page.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from python_backends.embed.router import (
     VERSION_INFLIGHT,
     VERSION_LATENCY,
 )
+from tools.observe.metrics import parse_exposition
 from tools.planning.rollout import (
     GateReading,
     Gates,
@@ -33,9 +36,8 @@ from tools.planning.rollout import (
     VersionStats,
     baseline_of,
     evaluate_gates,
-    parse_prometheus,
     parse_steps,
-    snapshot_from_metrics,
+    snapshot_from_samples,
     step_verdict,
     step_weights,
 )
@@ -44,6 +46,11 @@ MODEL = "embed"
 BASELINE, CANDIDATE = 1, 2
 GATES = Gates(slo_p95_ms=200)  # the defaults: 1% errors, cosine 0.98, 20 requests, 10 shadowed rows
 POLL_S = 5.0  # seconds between two pages of a series
+
+
+def snapshot_from_metrics(page: str, model: str) -> Snapshot:
+    """A page read as the rollout tool reads it: parsed, then the router's samples of `model`."""
+    return snapshot_from_samples(parse_exposition(page), model)
 
 
 # --- pages as tritonserver exports them -------------------------------------------------------
@@ -261,7 +268,7 @@ def unrouted_candidate(router: RouterMetrics, poll: int) -> None:
 # --- parsing ----------------------------------------------------------------------------------
 
 
-def test_parse_prometheus_reads_names_labels_and_values_and_skips_comments():
+def test_parsing_reads_names_labels_and_values_and_skips_comments():
     text = "\n".join([
         "# HELP embed_requests_total Routed requests",
         "# TYPE embed_requests_total counter",
@@ -269,27 +276,34 @@ def test_parse_prometheus_reads_names_labels_and_values_and_skips_comments():
         "nv_cpu_memory_used_bytes 1.2884901888e+10",
         'embed_request_duration_seconds_bucket{le="+Inf",model="embed",version="2"} 17 1712000000000',
         "",
-        "not a sample",
-        'broken{model="embed"} not-a-number',
     ])
-    assert parse_prometheus(text) == [
-        ("embed_requests_total", {"model": "embed", "outcome": "ok", "version": "2"}, 17.0),
-        ("nv_cpu_memory_used_bytes", {}, 1.2884901888e10),
-        ("embed_request_duration_seconds_bucket", {"le": "+Inf", "model": "embed", "version": "2"}, 17.0),
-    ]
+    assert parse_exposition(text) == {
+        ("embed_requests_total", (("model", "embed"), ("outcome", "ok"), ("version", "2"))): 17.0,
+        ("nv_cpu_memory_used_bytes", ()): 1.2884901888e10,
+        ("embed_request_duration_seconds_bucket", (("le", "+Inf"), ("model", "embed"), ("version", "2"))): 17.0,
+    }
 
 
-def test_parse_prometheus_keeps_labels_apart_around_escaped_quotes_and_braces():
+@pytest.mark.parametrize("bad_line", ["not a sample", 'broken{model="embed"} not-a-number'])
+def test_a_page_with_a_line_that_is_not_a_sample_is_refused_naming_the_line(bad_line):
+    # Skipping it would read as no traffic: the step would wait it out and blame the canary.
+    page = metrics_page(RouterMetrics()) + bad_line + "\n"
+    with pytest.raises(ValueError, match=f"unreadable metrics text at line {page.count(chr(10))}"):
+        snapshot_from_metrics(page, MODEL)
+
+
+def test_parsing_keeps_labels_apart_around_escaped_quotes_and_braces():
     line = r'nv_model_info{detail="say \"hi\" {x}",model="embed",path="C:\\models",version="1"} 3'
-    [(name, labels, value)] = parse_prometheus(line)
+    [((name, labels), value)] = parse_exposition(line).items()
     assert (name, value) == ("nv_model_info", 3.0)
-    assert set(labels) == {"detail", "model", "path", "version"}
-    assert (labels["model"], labels["version"]) == ("embed", "1")
+    assert {key for key, _ in labels} == {"detail", "model", "path", "version"}
+    assert (dict(labels)["model"], dict(labels)["version"]) == ("embed", "1")
 
 
-def test_parse_prometheus_unescapes_label_values():
+def test_parsing_unescapes_label_values():
     line = r'nv_model_info{detail="say \"hi\"",path="C:\\models"} 3'
-    assert parse_prometheus(line)[0][1] == {"detail": 'say "hi"', "path": "C:\\models"}
+    [(_, labels)] = parse_exposition(line)
+    assert dict(labels) == {"detail": 'say "hi"', "path": "C:\\models"}
 
 
 def test_rendered_page_looks_like_tritons():
@@ -776,3 +790,16 @@ def test_errors_exactly_at_the_limit_pass_with_a_full_sample(rate):
     gates = Gates(slo_p95_ms=200, max_error_rate=rate, min_requests=20, min_shadow_samples=0)
     errors_gate = next(r for r in evaluate_gates(window, 1, 2, gates) if r.gate == "errors")
     assert errors_gate.verdict is Verdict.PASS
+
+
+def test_the_rollout_tool_stops_on_a_page_that_is_not_metrics():
+    # A proxy's error page in place of /metrics: a RolloutError, which the tool answers by rolling back.
+    from types import SimpleNamespace
+
+    from tools.ops.rollout import Rollout, RolloutError
+
+    control = SimpleNamespace(metrics_url="http://localhost:8002/metrics",
+                              metrics=lambda: "<html><body>502 Bad Gateway</body></html>\n")
+    rollout = Rollout(SimpleNamespace(model=SimpleNamespace(name=MODEL)), control, Path("."), recorder=None)
+    with pytest.raises(RolloutError, match="is not a metrics page: unreadable metrics text at line 1"):
+        rollout._snapshot()

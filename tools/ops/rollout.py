@@ -35,6 +35,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from python_backends.common.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
 from python_backends.common.shared_files import boot_id, process_start_ticks
 from python_backends.embed.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
+from tools.observe.metrics import parse_exposition
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
 from tools.planning.rollout import (
     DEFAULT_STEPS,
@@ -44,7 +45,7 @@ from tools.planning.rollout import (
     baseline_of,
     evaluate_gates,
     parse_steps,
-    snapshot_from_metrics,
+    snapshot_from_samples,
     step_verdict,
     step_weights,
 )
@@ -277,7 +278,11 @@ class Rollout:
         write_routing_table(self.plan.routing_path, table)
 
     def _snapshot(self) -> Snapshot:
-        return snapshot_from_metrics(self.control.metrics(), self.plan.model.name)
+        try:
+            series = parse_exposition(self.control.metrics())
+        except ValueError as err:
+            raise RolloutError(f"{self.control.metrics_url} is not a metrics page: {err}") from None
+        return snapshot_from_samples(series, self.plan.model.name)
 
     def _load_versions(self, encoder: str, versions: set[int]) -> None:
         """Have `encoder` serve exactly `versions`, with its own config from the repository."""

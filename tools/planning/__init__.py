@@ -1,4 +1,5 @@
 """The numbers behind every decision, as pure functions over plain data: batching knobs and
 admission derived from the SLO and a latency curve (`derivation`), replicas for a demand
-(`capacity`), autoscaling decisions (`autoscale`) and canary rollout gates (`rollout`). No I/O and
-no clock read inside: callers pass measurements and `now` in, and the unit tests drive them."""
+(`capacity`), autoscaling decisions (`autoscale`), canary rollout gates (`rollout`), and parsed
+metric samples with the one histogram quantile (`samples`). No I/O and no clock read inside:
+callers pass measurements and `now` in, and the unit tests drive them."""

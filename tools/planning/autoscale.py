@@ -24,34 +24,17 @@ timer in split queues and latency is the only ratio over the band (queue, pendin
 utilization and demand all say capacity is enough), the decision holds and says why;
 `python -m tools explain` names the knob.
 
-  python -m tools autoscale embed                      # live: a decision every 10 s
-  python -m tools autoscale embed --replay tests/data/metrics/overload.jsonl.gz
+Pure: `decide` takes `Signals` and the clock is the window's end. `tools.observe.scaling` turns
+a window of /metrics into `Signals`; the `autoscale` command (`tools/cli/autoscale.py`) reads
+the server or a recording and prints the decisions.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-
-from tools.observe.explain import (
-    QueueKnobs,
-    ServiceWindow,
-    Thresholds,
-    knobs_from_repository,
-    knobs_from_server,
-    service_layout,
-    service_window,
-    split_lingering_share,
-)
-from tools.observe.metrics import Snapshot, Window, read_recording, take_snapshot, windows
-from tools.paths import REPO_ROOT
 
 # Ratios that fall in proportion to the load per replica: the ones a scale-down may trust.
 LOAD_RATIOS = ("pending", "utilization", "demand")
@@ -196,127 +179,3 @@ def decide(signals: Signals, state: AutoscaleState, policy: AutoscalePolicy) -> 
                     f"{policy.scale_down_window_s:.0f} s of it ({now - low_since:.0f} s so far)", low_since)
     return hold(f"hold at {current}: pressure {pressure:.2f} ({numbers}) is within the band "
                 f"{policy.scale_down_below}..{policy.scale_up_above}", None)
-
-
-def signals_from(view: ServiceWindow, replicas: int, at_s: float) -> Signals:
-    total = sum(q.num_requests for q in view.queues)
-    linger = (sum(view.knobs[q.model].max_queue_delay_ms * q.num_requests for q in view.queues if q.model in view.knobs)
-              / total if total else 0.0)
-    return Signals(at_s=at_s, replicas=replicas, queue_ms=view.queue_ms, linger_ms=linger,
-                   compute_ms=view.compute_ms, pending=sum(q.pending for q in view.queues), p95_ms=view.p95_ms,
-                   busy_share=view.busy_share,
-                   fragmented=split_lingering_share(view) >= Thresholds().lingering_share,
-                   num_served=view.num_served, num_busy=view.num_busy)
-
-
-def default_pending_per_replica(knobs: Mapping[str, QueueKnobs]) -> float:
-    """One preferred batch waiting per instance, summed over the bucket models: past that,
-    a request queues behind a full batch instead of joining one."""
-    return float(sum(k.instances * max(1, k.preferred_batch) for k in knobs.values())) or 1.0
-
-
-def replay(snapshots: list[Snapshot], view_of: Callable[[Window, Window | None], ServiceWindow],
-           policy: AutoscalePolicy, span_s: float, replicas: int = 1) -> Iterator[Decision]:
-    """Decisions over a recording, one per sliding window (what a live loop would have said)."""
-    state = AutoscaleState(desired=replicas)
-    by_end: dict[float, Window] = {}
-    for window in windows(snapshots, span_s):
-        view = view_of(window, by_end.get(window.start.at_s))  # the window just before, to see p99 rise
-        by_end[window.end.at_s] = window
-        decision = decide(signals_from(view, replicas, window.end.at_s), state, policy)
-        state = decision.state
-        yield decision
-
-
-# --- CLI -------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="the served model to scale (the router: embed)")
-    parser.add_argument("--metrics-url", default="http://localhost:8002/metrics", help="the server's metrics endpoint")
-    parser.add_argument("--http-url", default="localhost:8000", help="the server's HTTP endpoint (host:port)")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="replicas whose traffic the metrics show (default 1: this server)")
-    parser.add_argument("--interval", type=float, default=10.0, help="seconds per window and decision (default 10)")
-    parser.add_argument("--count", type=int, default=0, help="decisions to make, then exit (default 0: until Ctrl-C)")
-    parser.add_argument("--replay", type=Path, default=None,
-                        help="decide over a recording (from `python -m tools top --record`) instead of a server")
-    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository",
-                        help="model repository whose configs give the knobs in --replay mode")
-    parser.add_argument("--spec", type=Path, default=None, help="serving spec (default serving.toml): the SLO")
-    parser.add_argument("--min-replicas", type=int, default=1, help="never fewer (default 1)")
-    parser.add_argument("--max-replicas", type=int, default=32, help="never more (default 32)")
-    parser.add_argument("--startup-s", type=float, default=60.0,
-                        help="seconds a new pod takes to serve: no second scale-up before (default 60)")
-    parser.add_argument("--scale-down-window-s", type=float, default=300.0,
-                        help="seconds of low pressure before scaling down (default 300)")
-    parser.add_argument("--pending-per-replica", type=float, default=None,
-                        help="requests pending at the bucket models per replica at target (default: one "
-                             "preferred batch per bucket-model instance, from the served configs)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per decision")
-
-
-def _print(decision: Decision, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"at_s": decision.at_s, "desired_replicas": decision.desired,
-                          "pressure": round(decision.pressure, 3),
-                          "ratios": {k: round(v, 3) for k, v in decision.ratios.items()}, "reason": decision.reason}),
-              flush=True)
-    else:
-        print(f"{time.strftime('%H:%M:%S', time.localtime(decision.at_s))}  desired {decision.desired}  "
-              f"{decision.reason}", flush=True)
-
-
-def _live(args: argparse.Namespace, view_of, policy: AutoscalePolicy) -> Iterable[Decision]:
-    state = AutoscaleState(desired=args.replicas)
-    earlier: Window | None = None
-    start = take_snapshot(args.metrics_url)
-    made = 0
-    while args.count == 0 or made < args.count:
-        time.sleep(args.interval)
-        end = take_snapshot(args.metrics_url)
-        window = Window(start, end)
-        decision = decide(signals_from(view_of(window, earlier), args.replicas, end.at_s), state, policy)
-        state, earlier, start = decision.state, window, end
-        made += 1
-        yield decision
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.replicas < 1 or args.interval <= 0 or args.count < 0:
-        print("error: --replicas must be >= 1, --interval > 0 and --count >= 0", file=sys.stderr)
-        return 2
-    try:
-        layout = service_layout(args.model, args.spec)
-        if layout.slo_p95_ms is None:
-            print(f"error: the serving spec gives no SLO for {args.model!r}; autoscale a served router "
-                  "(e.g. embed)", file=sys.stderr)
-            return 2
-        if args.replay is not None:
-            knobs = knobs_from_repository(layout.bucket_models, args.repository)
-        else:
-            knobs = knobs_from_server(layout.bucket_models, args.http_url)
-        policy = AutoscalePolicy(
-            slo_p95_ms=layout.slo_p95_ms,
-            pending_per_replica=args.pending_per_replica or default_pending_per_replica(knobs),
-            min_replicas=args.min_replicas, max_replicas=args.max_replicas, startup_s=args.startup_s,
-            scale_down_window_s=args.scale_down_window_s)
-
-        def view_of(window: Window, earlier: Window | None) -> ServiceWindow:
-            return service_window(window, layout, knobs, earlier=earlier)
-
-        if args.replay is not None:
-            decisions = replay(read_recording(args.replay), view_of, policy, args.interval, args.replicas)
-        else:
-            decisions = _live(args, view_of, policy)
-        for decision in decisions:
-            _print(decision, args.json)
-    except KeyboardInterrupt:
-        return 0
-    except OSError as err:
-        print(f"error: cannot read the server: {err}; is it running (python -m tools serve)?", file=sys.stderr)
-        return 1
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0

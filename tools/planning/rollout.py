@@ -1,8 +1,9 @@
 """The arithmetic of a canary rollout: metric windows, gates, steps. No I/O here.
 
 A rollout moves unpinned traffic from a baseline version to a candidate in steps. During a
-step the tool reads the router's metrics (Prometheus text) now and then; the difference
-from the step's start is the step's window. Three gates judge the candidate on that window:
+step the tool reads the router's metrics now and then (parsed by `tools.observe.metrics`,
+they come here as samples); the difference from the step's start is the step's window. Three
+gates judge the candidate on that window:
 
 - errors: the candidate's error rate (failed / answered; queue rejections are retryable and
   reported apart) stays within `max_error_rate`. It fails as soon as the errors seen exceed
@@ -20,39 +21,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tools.planning.samples import SeriesKey, histogram_quantile
+
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)
-
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def _unescape(value: str) -> str:
-    """A label value as the exposition format writes it: backslash, quote and newline are escaped."""
-    return re.sub(r'\\(.)', lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text exposition: (name, labels, value); comments skipped."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, raw_labels, raw_value = match.groups()
-        try:
-            value = float(raw_value)
-        except ValueError:
-            continue
-        labels = {key: _unescape(raw) for key, raw in _LABEL.findall(raw_labels or "")}
-        samples.append((name, labels, value))
-    return samples
 
 
 @dataclass(frozen=True)
@@ -74,19 +49,12 @@ class Histogram:
                          self.count - earlier.count, self.total - earlier.total)
 
     def quantile(self, q: float) -> float:
-        """The q-quantile, interpolated linearly inside its bucket (as PromQL's histogram_quantile).
-        NaN without observations; the last finite edge when it falls in the +Inf bucket."""
-        if self.count <= 0:
-            return math.nan
-        rank = q * self.count
-        lower_edge, lower_count = 0.0, 0.0
-        for edge, cumulative in zip(self.edges, self.cumulative, strict=True):
-            if cumulative >= rank:
-                if cumulative == lower_count:
-                    return edge
-                return lower_edge + (edge - lower_edge) * (rank - lower_count) / (cumulative - lower_count)
-            lower_edge, lower_count = edge, cumulative
-        return self.edges[-1] if self.edges else math.inf
+        """The q-quantile, interpolated linearly inside its bucket (PromQL's histogram_quantile,
+        `tools.planning.samples.histogram_quantile`). NaN without observations; the last finite
+        edge when it falls in the +Inf bucket."""
+        buckets = [*zip(self.edges, self.cumulative, strict=True), (math.inf, self.count)]
+        value = histogram_quantile(q, buckets)
+        return math.nan if value is None else value
 
     @property
     def mean(self) -> float:
@@ -136,13 +104,11 @@ class Snapshot:
         )
 
 
-def _histograms(samples, name: str, model: str, key_of) -> dict:
+def _histograms(samples: Sequence[tuple[str, dict[str, str], float]], name: str, key_of) -> dict:
     buckets: dict = {}
     counts: dict = {}
     sums: dict = {}
     for metric, labels, value in samples:
-        if labels.get("model") != model:
-            continue
         if metric == f"{name}_bucket" and labels.get("le") not in (None, "+Inf"):
             buckets.setdefault(key_of(labels), []).append((float(labels["le"]), value))
         elif metric == f"{name}_count":
@@ -156,21 +122,23 @@ def _histograms(samples, name: str, model: str, key_of) -> dict:
     return result
 
 
-def snapshot_from_metrics(text: str, model: str) -> Snapshot:
-    """Read the router's per-version metrics of `model` from a /metrics page."""
-    samples = parse_prometheus(text)
+def snapshot_from_samples(series: Mapping[SeriesKey, float], model: str) -> Snapshot:
+    """The router's per-version metrics of `model` from a parsed /metrics page
+    (`tools.observe.metrics.parse_exposition`: (sample name, labels) -> value)."""
+    samples = [(metric, dict(labels), value) for (metric, labels), value in series.items()
+               if dict(labels).get("model") == model]
     counts: dict[int, dict[str, float]] = {}
     inflight: dict[int, float] = {}
     for metric, labels, value in samples:
-        if labels.get("model") != model or not labels.get("version", "").isdigit():
+        if not labels.get("version", "").isdigit():
             continue
         version = int(labels["version"])
         if metric == "embed_requests_total":
             counts.setdefault(version, {})[labels.get("outcome", "")] = value
         elif metric == "embed_inflight_requests":
             inflight[version] = value
-    latency = _histograms(samples, "embed_request_duration_seconds", model, lambda labels: int(labels["version"]))
-    drift = _histograms(samples, "embed_shadow_cosine", model,
+    latency = _histograms(samples, "embed_request_duration_seconds", lambda labels: int(labels["version"]))
+    drift = _histograms(samples, "embed_shadow_cosine",
                         lambda labels: (int(labels["baseline"]), int(labels["candidate"])))
     versions = {}
     for version in set(counts) | set(inflight) | set(latency):
