@@ -3,11 +3,13 @@ snapshots, and the psutil reader on real processes dressed as a server and its s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -132,22 +134,30 @@ def test_scan_finds_this_processs_running_stub_and_not_once_it_is_killed(tmp_pat
     assert scan_stubs(2 ** 22 + 1) == {}  # beyond pid_max: runs nothing
 
 
-def test_a_process_group_is_its_leader_and_the_leaders_stub_and_nothing_else(tmp_path):
+@contextlib.contextmanager
+def server_like_group(tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """(leader pid, child pid) of a new session: a leader that spins 0.3 s of CPU, standing for
+    the server, and its child, started as a stub of encoder_16 with REGION. Gone on exit."""
     leader_script = ("import subprocess, sys, time\n"
                      "child = subprocess.Popen(sys.argv[1:], executable=sys.executable, stdin=subprocess.PIPE)\n"
                      "end = time.process_time() + 0.3\n"
                      "while time.process_time() < end: pass\n"
                      "print(child.pid, flush=True)\n"
                      "sys.stdin.read()\n"
-                     "child.kill()\n")
+                     "child.kill()\n"
+                     "child.wait()\n")
     leader = subprocess.Popen([sys.executable, "-c", leader_script, *fake_stub(tmp_path, 0)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        child_pid = int(leader.stdout.readline())
-        members = {view.pid: view for view in process_group(leader.pid)}
-        assert sorted(members) == sorted([leader.pid, child_pid])  # not this process, in another group
-        assert members[leader.pid].cpu_s >= 0.3
-        assert shm_regions(members.values(), leader.pid) == {REGION}
+        yield leader.pid, int(leader.stdout.readline())
     finally:
         leader.communicate("")
-    assert process_group(leader.pid) == []
+
+
+def test_a_process_group_is_its_leader_and_the_leaders_stub_and_nothing_else(tmp_path):
+    with server_like_group(tmp_path) as (leader_pid, child_pid):
+        members = {view.pid: view for view in process_group(leader_pid)}
+        assert sorted(members) == sorted([leader_pid, child_pid])  # not this process, in another group
+        assert members[leader_pid].cpu_s >= 0.3
+        assert shm_regions(members.values(), leader_pid) == {REGION}
+    assert process_group(leader_pid) == []

@@ -141,33 +141,23 @@ def test_find_distribution_names_a_missing_binary(tmp_path, monkeypatch):
 
 
 def test_the_cpu_of_a_process_group_is_split_into_the_server_and_each_models_stubs(tmp_path):
-    """A session leader that spins 0.3 s stands for the server; its child, started under the
-    stub's name with a model file, for a stub of encoder_16. This process is in another group."""
-    from tools.server.triton_server import process_group_cpu_by_part, process_group_cpu_seconds
+    """A session leader stands for the server, its child for a stub of encoder_16; this process
+    is in another group and does not count."""
+    from tests.unit.test_stubs import REGION, server_like_group
+    from tools.server.triton_server import (
+        process_group_cpu_by_part,
+        process_group_cpu_seconds,
+        process_group_shm_regions,
+    )
 
-    model_file = tmp_path / "repo" / "encoder_16" / "1" / "model.py"
-    model_file.parent.mkdir(parents=True)
-    model_file.write_text("import sys\nsys.stdin.read()\n")
-    stub = [str(tmp_path / "triton_python_backend_stub"), str(model_file), "shm", "encoder_16_0_0", "DEFAULT"]
-    leader_script = ("import subprocess, sys, time\n"
-                     "child = subprocess.Popen(sys.argv[1:], executable=sys.executable, stdin=subprocess.PIPE)\n"
-                     "end = time.process_time() + 0.3\n"
-                     "while time.process_time() < end: pass\n"
-                     "print(child.pid, flush=True)\n"
-                     "sys.stdin.read()\n"
-                     "child.kill()\n")
-    leader = subprocess.Popen([sys.executable, "-c", leader_script, *stub], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        leader.stdout.readline()
-        parts = process_group_cpu_by_part(leader.pid)
+    with server_like_group(tmp_path) as (leader_pid, _):
+        parts = process_group_cpu_by_part(leader_pid)
         assert sorted(parts) == ["encoder_16", "tritonserver"]
         assert parts["tritonserver"] >= 0.3
-        assert process_group_cpu_seconds(leader.pid) == pytest.approx(sum(parts.values()))
-    finally:
-        leader.communicate("")
-    assert process_group_cpu_by_part(leader.pid) == {}
-    assert process_group_cpu_seconds(leader.pid) == 0.0
+        assert process_group_cpu_seconds(leader_pid) == pytest.approx(sum(parts.values()))
+        assert process_group_shm_regions(leader_pid) == {REGION}
+    assert process_group_cpu_by_part(leader_pid) == {}
+    assert process_group_cpu_seconds(leader_pid) == 0.0
 
 
 def test_find_distribution_with_a_triton_home_runs_its_server_with_the_wheels_stub(tmp_path):
@@ -191,10 +181,8 @@ def test_pinned_memory_pool_is_off_by_default_and_settable_for_gpu_nodes():
     assert "--pinned-memory-pool-byte-size=268435456" in build_command(gpu, FAKE, Path("/b"))
 
 
-REGION = "triton_python_backend_shm_region_46f79431-4ed8-427f-bc7a-a06e48063c35"
-
-
 def test_the_regions_still_present_are_removed_and_nothing_else(tmp_path):
+    from tests.unit.test_stubs import REGION
     from tools.server.triton_server import remove_shm_regions
 
     shm = tmp_path / "shm"

@@ -19,9 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from tools.server.admin_key import admin_headers
 
 CONNECT_TIMEOUT_S = 10.0  # a server that does not accept a connection by then is not answering
@@ -56,15 +53,20 @@ class ServerControl:
         return admin_headers(self.admin_key)
 
     @contextmanager
-    def _client(self) -> Iterator[httpclient.InferenceServerClient]:
+    def _client(self) -> Iterator[Any]:
+        # Imported here: tritonclient.http brings gevent (0.4 s), which every importer of the
+        # server module (tests, `python -m tools`) would pay for without calling the server.
+        import tritonclient.http as httpclient
+        from tritonclient.utils import InferenceServerException
+
         client = httpclient.InferenceServerClient(
             self.address, connection_timeout=min(CONNECT_TIMEOUT_S, self.timeout_s), network_timeout=self.timeout_s)
         try:
             yield client
         except InferenceServerException as err:
-            raise ControlError(err.message() or str(err)) from None
+            raise ControlError(err.message() or str(err)) from err
         except OSError as err:  # refused, reset, timed out
-            raise ControlError(f"tritonserver at {self.address} is not answering ({err})") from None
+            raise ControlError(f"tritonserver at {self.address} is not answering ({err})") from err
         finally:
             client.close()
 

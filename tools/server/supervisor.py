@@ -11,7 +11,8 @@ reload itself drops nothing. It needs `--model-control-mode explicit` (the defau
 
 `crashed_models` is the pure decision; `tools.server.stubs.scan_stubs` reads the stub
 processes (through psutil); `Supervisor` is the loop, which talks to the server through
-`tools.server.control` (tritonclient.http, the admin key in the headers).
+`tools.server.control` (tritonclient.http, the admin key in the headers); `serve_until_stopped`
+keeps a served server running under its supervisor until told to stop (`python -m tools serve`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from tools.server.control import ControlError, ServerControl
 from tools.server.stubs import StubProcess, scan_stubs
-from tools.server.triton_server import remove_shm_regions
+from tools.server.triton_server import TritonServer, remove_shm_regions
 
 RESTART_PARAMETER = "supervisor_restarts"  # config parameter bumped on each reload: forces a real reload
 
@@ -126,3 +127,22 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s)
+
+
+def serve_until_stopped(server: TritonServer, stop: threading.Event, *, supervise: bool, admin_key: str | None = None,
+                        log: Callable[[str], None] = print, poll_s: float = 1.0) -> int | None:
+    """Keep a ready server running until `stop` is set, reloading crashed models meanwhile when
+    `supervise` (explicit model control only). The server's exit code if it exited on its own,
+    None when `stop` ended the wait: stopping the server is the caller's."""
+    assert server.process is not None, "start() first"
+    supervisor = None
+    if supervise:
+        supervisor = Supervisor(server.http_url, server.process.pid, log=log, admin_key=admin_key).start()
+    try:
+        while not stop.wait(poll_s):
+            if server.process.poll() is not None:
+                return server.process.returncode
+        return None
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
