@@ -13,6 +13,7 @@ the server's own where it answered.
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,7 +66,7 @@ class ServerControl:
             yield client
         except InferenceServerException as err:
             raise ControlError(err.message() or str(err)) from err
-        except OSError as err:  # refused, reset, timed out
+        except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, closed mid-answer
             raise ControlError(f"tritonserver at {self.address} is not answering ({err})") from err
         finally:
             client.close()
