@@ -5,7 +5,7 @@ and tenant quotas live in small files they map together. A file must belong to e
 server run: a process id alone is not enough, because ids are reused (`pid_max` is often
 32768), and a new server that inherited a dead server's file would start with its work in
 flight and its spent quotas. The file name therefore carries the server's process id and
-its start time (clock ticks since boot, from `/proc/<pid>/stat`), which together name one
+its start time (clock ticks since boot, from psutil's `create_time`), which together name one
 process for as long as the machine runs.
 
 Process ids are only unique within a pid namespace (a container has its own, and containers
@@ -13,9 +13,10 @@ may share `/dev/shm`), so the name carries the namespace too: `triton-<ns>.<pid>
 
 A server that is killed cannot remove its files, so every router sweeps at start the files
 of its own namespace whose server is gone; files of other namespaces, and names without a
-namespace, it leaves alone, since it cannot see their processes. `stat_fields`,
-`parse_start_ticks`, `parse_namespace`, `shared_file_name`, `parse_shared_file_name` and
-`stale_files` are pure; the others read /proc or the shared directory.
+namespace, it leaves alone, since it cannot see their processes. `shared_file_name`,
+`parse_shared_file_name` and `stale_files` are pure; `process_start_ticks` asks psutil,
+`current_namespace` reads this process's namespace (psutil has no call for it), and the
+others read or change the shared directory.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 PREFIX = "triton-"
 _NAME = re.compile(r"^triton-(?:(\d+)\.(\d+)\.(\d+)|(\d+))-(.+)-([a-z]+)\.bin$")
-_START_FIELD = 22  # starttime in proc(5), counted from 1; fields 1 and 2 are the pid and (comm)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of a process's start time since boot
 
 
 @dataclass(frozen=True)
@@ -59,64 +62,32 @@ def shared_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def stat_fields(stat_text: str) -> list[str]:
-    """The fields of a `/proc/<pid>/stat` line after the command name: field 3 (the state)
-    first, so field n of proc(5) is at index n - 3.
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot; None when no such process runs.
 
-    The command name (field 2) is in parentheses and may itself hold spaces and
-    parentheses, so the fields are counted from the last closing parenthesis.
+    psutil's `create_time` is the start tick count divided by the tick rate plus the boot
+    time (read from the system clock at each call); taking the boot time back off gives the
+    kernel's integer start time again, which clock steps (NTP) do not move.
     """
-    end = stat_text.rfind(")")
-    if end < 0:
-        raise ValueError("not a /proc/<pid>/stat line: no ')' after the command name")
-    return stat_text[end + 1:].split()
-
-
-def parse_start_ticks(stat_text: str) -> int:
-    """The start time (clock ticks after boot) in the text of `/proc/<pid>/stat`."""
-    fields = stat_fields(stat_text)
-    index = _START_FIELD - 3
-    if len(fields) <= index:
-        raise ValueError(f"not a /proc/<pid>/stat line: {len(fields) + 2} fields, "
-                         f"the start time is field {_START_FIELD}")
-    return int(fields[index])
-
-
-def process_start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """When process `pid` started, or None when no such process runs (or there is no /proc)."""
     try:
-        return parse_start_ticks((proc / str(pid) / "stat").read_text())
-    except (OSError, ValueError):
+        created = psutil.Process(pid).create_time()
+        return round((created - psutil.boot_time()) * CLOCK_TICKS)
+    except psutil.Error:
         return None
-
-
-def boot_id(proc: Path = Path("/proc")) -> str | None:
-    """This boot of the machine (start times count from it), or None where there is no /proc."""
-    try:
-        return (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip() or None
-    except OSError:
-        return None
-
-
-def parse_namespace(link: str) -> int:
-    """The namespace number in a `/proc/<pid>/ns/pid` link such as `pid:[4026531836]`."""
-    match = re.fullmatch(r"pid:\[(\d+)\]", link)
-    if not match:
-        raise ValueError(f"not a pid namespace link: {link!r}")
-    return int(match.group(1))
 
 
 def current_namespace(proc: Path = Path("/proc")) -> int | None:
-    """The pid namespace this process runs in, or None where there is no /proc."""
+    """The pid namespace this process runs in (the inode of its `ns/pid` link, the number the
+    link's text `pid:[N]` shows), or None where there is no /proc."""
     try:
-        return parse_namespace(os.readlink(proc / "self" / "ns" / "pid"))
-    except (OSError, ValueError):
+        return os.stat(proc / "self" / "ns" / "pid").st_ino
+    except OSError:
         return None
 
 
 def server_run(pid: int, proc: Path = Path("/proc")) -> ServerRun:
     """The run of process `pid`, in this process's namespace (a backend stub and its server share one)."""
-    namespace, start = current_namespace(proc), process_start_ticks(pid, proc)
+    namespace, start = current_namespace(proc), process_start_ticks(pid)
     if namespace is None or start is None:
         return ServerRun(pid)
     return ServerRun(pid, namespace, start)
@@ -168,7 +139,7 @@ def sweep_stale(directory: Path, proc: Path = Path("/proc")) -> list[str]:
     except OSError:
         return []
     removed = []
-    for name in stale_files(names, namespace, lambda pid: process_start_ticks(pid, proc)):
+    for name in stale_files(names, namespace, process_start_ticks):
         try:
             (directory / name).unlink()
         except FileNotFoundError:

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tools.cli import main
-from tools.ops.rollout import process_stamp, same_process, tool_alive
-from tools.paths import DEFAULT_MODEL_REPOSITORY
+from tools.ops.rollout import RolloutLock, lock_path, rollout_running
+from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 
 ROUTING = DEFAULT_MODEL_REPOSITORY / "embed" / "routing.json"
 
@@ -63,36 +63,65 @@ def test_abort_without_a_running_rollout(tmp_path, capsys):
     assert "no rollout of embed is running" in capsys.readouterr().out
 
 
-def test_a_stamp_matches_only_the_process_that_wrote_it():
-    stamp = {"pid": 4321, "pid_start_ticks": 900, "boot_id": "boot-a"}
-    assert same_process(stamp, running=True, start_ticks=900, boot="boot-a")
-    assert not same_process(stamp, running=False, start_ticks=None, boot="boot-a")  # the pid runs nothing
-    assert not same_process(stamp, running=True, start_ticks=1500, boot="boot-a")  # the pid went to a later process
-    assert not same_process(stamp, running=True, start_ticks=900, boot="boot-b")  # the machine rebooted
-    # A stamp of an older tool names the pid only; where nothing more can be read, the pid decides.
-    assert same_process({"pid": 4321}, running=True, start_ticks=1500, boot="boot-b")
-    assert same_process(stamp, running=True, start_ticks=None, boot=None)
+def test_a_held_lock_is_a_running_rollout_and_a_second_one_is_refused(tmp_path):
+    records = tmp_path / "records"
+    assert not rollout_running(records, "embed")
+    assert not records.exists()  # asking creates nothing
+    first, second = RolloutLock(records, "embed"), RolloutLock(records, "embed")
+    assert first.acquire()
+    try:
+        assert rollout_running(records, "embed")
+        assert not second.acquire()
+        assert not rollout_running(records, "other")  # one lock per model
+    finally:
+        first.release()
+    assert not rollout_running(records, "embed")
+    assert second.acquire()
+    second.release()
 
 
-def test_this_process_is_alive_by_its_stamp_and_a_dead_or_reused_pid_is_not():
-    mine = process_stamp(os.getpid())
-    assert mine["pid_start_ticks"] is not None and mine["boot_id"]
-    assert tool_alive(mine)
-    assert not tool_alive({**mine, "pid_start_ticks": mine["pid_start_ticks"] + 1})  # same pid, another process
-    assert not tool_alive({**mine, "boot_id": "another-boot"})
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    assert not tool_alive(process_stamp(child.pid))
-    assert not tool_alive({})  # no pid recorded: not signal 0 to our own process group
+def test_the_lock_of_a_killed_tool_is_released_by_the_system(tmp_path):
+    records = tmp_path / "records"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from tools.ops.rollout import RolloutLock; "
+         "lock = RolloutLock(Path(sys.argv[1]), 'embed'); assert lock.acquire(); print(flush=True); sys.stdin.read()",
+         str(records)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        holder.stdout.readline()
+        assert rollout_running(records, "embed")
+        holder.kill()  # no chance to release anything
+        holder.wait()
+        assert lock_path(records, "embed").exists()  # the file stays; the lock on it does not
+        assert not rollout_running(records, "embed")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_second_rollout_is_refused_while_one_runs(tmp_path, capsys):
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "embed.state.json").write_text(json.dumps({"status": "step 5%", "baseline": 1, "candidate": 2,
+                                                           "model": "embed", "pid": 4321}))
+    running = RolloutLock(records, "embed")
+    assert running.acquire()
+    try:
+        assert rollout(tmp_path, "embed", "--to", "2", "--dry-run") == 2
+        assert "a rollout of embed is already running (pid 4321)" in capsys.readouterr().err
+        assert rollout(tmp_path, "status", "embed") == 0
+        assert "rollout v1 -> v2: step 5% (tool running)" in capsys.readouterr().out
+    finally:
+        running.release()
+    assert rollout(tmp_path, "status", "embed") == 0
+    assert "(tool no longer running: `rollout abort`)" in capsys.readouterr().out
 
 
 def test_abort_after_the_tool_died_and_its_pid_was_reused_rolls_back_at_once(tmp_path, capsys):
     records = tmp_path / "records"
     records.mkdir()
-    # The state a rollout tool left when it was killed; its pid now belongs to this test process.
-    mine = process_stamp(os.getpid())
-    reused = {**mine, "pid_start_ticks": mine["pid_start_ticks"] + 1}
-    state = {"status": "stepping", "baseline": 1, "candidate": 2, "model": "embed", **reused}
+    # The state a rollout tool left when it was killed; its pid now belongs to this test process,
+    # which runs, but holds no rollout lock.
+    state = {"status": "stepping", "baseline": 1, "candidate": 2, "model": "embed", "pid": os.getpid()}
     (records / "embed.state.json").write_text(json.dumps(state))
     routing = ROUTING.read_text() if ROUTING.exists() else None
     try:

@@ -1,7 +1,7 @@
-"""The crash supervisor's pure parts on a fake /proc, and one poll with its I/O replaced."""
+"""The crash supervisor's decision, and one poll with its I/O replaced (the stub reader itself:
+tests/unit/test_stubs.py)."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -11,52 +11,10 @@ from tools.server.supervisor import (
     StubProcess,
     Supervisor,
     crashed_models,
-    parse_stub_cmdline,
-    scan_stubs,
     with_restart_marker,
 )
 
 SERVER_PID = 4242
-
-
-def stub_argv(model: str, version: str = "1", instance: str | None = None) -> list[str]:
-    return ["/x/backends/python/triton_python_backend_stub", f"/repo/{model}/{version}/model.py",
-            "triton_python_backend_shm_region_1", "1048576", "1048576", str(SERVER_PID), "/x/backends/python",
-            "1048576", instance or f"{model}_0_0", "DEFAULT"]
-
-
-def fake_process(proc: Path, pid: int, argv: list[str], ppid: int = SERVER_PID, state: str = "S",
-                 comm: str = "triton_python_b") -> None:
-    entry = proc / str(pid)
-    entry.mkdir(parents=True)
-    (entry / "stat").write_text(f"{pid} ({comm}) {state} {ppid} 1 1 0 -1\n")
-    (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
-
-
-def test_a_stub_command_line_names_model_version_and_instance():
-    stub = parse_stub_cmdline(7, stub_argv("encoder_256", "2", "encoder_256_1_0"))
-    assert stub == StubProcess(pid=7, model="encoder_256", version="2", instance="encoder_256_1_0",
-                               shm_region="triton_python_backend_shm_region_1")
-    assert stub.key == ("encoder_256", "2", "encoder_256_1_0")
-
-
-@pytest.mark.parametrize("argv", [[], ["/usr/bin/python3", "x.py"], stub_argv("m")[:5],
-                                  ["/x/triton_python_backend_stub", "model.py", *["a"] * 8]])
-def test_anything_else_is_not_a_stub(argv):
-    assert parse_stub_cmdline(1, argv) is None
-
-
-def test_scan_finds_the_servers_live_stubs_only(tmp_path):
-    fake_process(tmp_path, 100, stub_argv("encoder_16", instance="encoder_16_0_0"))
-    fake_process(tmp_path, 101, stub_argv("encoder_16", instance="encoder_16_0_1"), comm="weird ) name")
-    fake_process(tmp_path, 102, stub_argv("encoder_32"), state="Z")  # killed, not yet reaped: dead
-    fake_process(tmp_path, 103, stub_argv("encoder_64"), ppid=1)  # another server's stub
-    fake_process(tmp_path, 104, ["/usr/bin/sleep", "100"])  # not a stub
-    (tmp_path / "105").mkdir()  # vanished while scanned: no stat file
-    (tmp_path / "self").mkdir()
-    stubs = scan_stubs(SERVER_PID, proc=tmp_path)
-    assert sorted(stubs) == [100, 101]
-    assert stubs[101].instance == "encoder_16_0_1"
 
 
 def stubs(*entries: tuple[int, str, str]) -> dict[int, StubProcess]:

@@ -140,49 +140,24 @@ def test_find_distribution_names_a_missing_binary(tmp_path, monkeypatch):
         find_distribution()
 
 
-def test_process_group_cpu_seconds_sums_the_group_only(tmp_path):
-    import os
+def test_the_cpu_of_a_process_group_is_split_into_the_server_and_each_models_stubs(tmp_path):
+    """A session leader stands for the server, its child for a stub of encoder_16; this process
+    is in another group and does not count."""
+    from tests.unit.test_stubs import REGION, server_like_group
+    from tools.server.triton_server import (
+        process_group_cpu_by_part,
+        process_group_cpu_seconds,
+        process_group_shm_regions,
+    )
 
-    from tools.server.triton_server import process_group_cpu_seconds
-
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def stat(pid, name, pgrp, utime, stime):
-        (tmp_path / str(pid)).mkdir()
-        fields = ["S", "1", str(pgrp)] + ["0"] * 8 + [str(utime), str(stime)] + ["0"] * 10
-        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) " + " ".join(fields))
-
-    stat(100, "tritonserver", 100, 3 * tick, tick)
-    stat(101, "triton python backend stub (embed)", 100, tick, 0)  # names may hold spaces and parens
-    stat(200, "other", 200, 50 * tick, 0)
-    (tmp_path / "self").mkdir()
-    assert process_group_cpu_seconds(100, proc=tmp_path) == pytest.approx(5.0)
-    assert process_group_cpu_seconds(999, proc=tmp_path) == 0.0
-
-
-def test_process_group_cpu_by_part_splits_the_server_from_each_models_stubs(tmp_path):
-    import os
-
-    from tools.server.triton_server import process_group_cpu_by_part
-
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def process(pid, pgrp, utime, argv):
-        (tmp_path / str(pid)).mkdir()
-        fields = ["S", "1", str(pgrp)] + ["0"] * 8 + [str(utime), "0"] + ["0"] * 10
-        (tmp_path / str(pid) / "stat").write_text(f"{pid} (x) " + " ".join(fields))
-        (tmp_path / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
-
-    stub = "/opt/backends/python/triton_python_backend_stub"
-    process(100, 100, 2 * tick, ["tritonserver", "--model-repository", "/repo"])
-    process(101, 100, tick, [stub, "/repo/embed/1/model.py", "shm", "embed_0_0", "DEFAULT"])
-    process(102, 100, tick, [stub, "/repo/embed/1/model.py", "shm", "embed_0_1", "DEFAULT"])
-    process(103, 100, 3 * tick, [stub, "/repo/encoder_16/2/model.py", "shm", "encoder_16_0_0", "DEFAULT"])
-    process(104, 100, tick, ["sh", "-c", "true"])
-    process(200, 200, 50 * tick, [stub, "/repo/embed/1/model.py"])  # another server's group
-    assert process_group_cpu_by_part(100, proc=tmp_path) == pytest.approx(
-        {"tritonserver": 2.0, "embed": 2.0, "encoder_16": 3.0, "other": 1.0})
-    assert process_group_cpu_by_part(999, proc=tmp_path) == {}
+    with server_like_group(tmp_path) as (leader_pid, _):
+        parts = process_group_cpu_by_part(leader_pid)
+        assert sorted(parts) == ["encoder_16", "tritonserver"]
+        assert parts["tritonserver"] >= 0.3
+        assert process_group_cpu_seconds(leader_pid) == pytest.approx(sum(parts.values()))
+        assert process_group_shm_regions(leader_pid) == {REGION}
+    assert process_group_cpu_by_part(leader_pid) == {}
+    assert process_group_cpu_seconds(leader_pid) == 0.0
 
 
 def test_find_distribution_with_a_triton_home_runs_its_server_with_the_wheels_stub(tmp_path):
@@ -206,41 +181,13 @@ def test_pinned_memory_pool_is_off_by_default_and_settable_for_gpu_nodes():
     assert "--pinned-memory-pool-byte-size=268435456" in build_command(gpu, FAKE, Path("/b"))
 
 
-REGION = "triton_python_backend_shm_region_46f79431-4ed8-427f-bc7a-a06e48063c35"
-STUB = "/opt/backends/python/triton_python_backend_stub"
+def test_the_regions_still_present_are_removed_and_nothing_else(tmp_path):
+    from tests.unit.test_stubs import REGION
+    from tools.server.triton_server import remove_shm_regions
 
-
-def test_a_stubs_shared_memory_region_is_its_third_argument():
-    from tools.server.triton_server import stub_shm_region
-
-    argv = [STUB, "/repo/encoder_16/1/model.py", REGION, "4194304", "1048576", "7098", "/opt/backends/python",
-            "336", "encoder_16_0_1", "DEFAULT"]
-    assert stub_shm_region(argv) == REGION
-    assert stub_shm_region(["tritonserver", "--model-repository", REGION]) is None  # not a stub
-    assert stub_shm_region([STUB, "/repo/embed/1/model.py"]) is None  # no region argument
-    assert stub_shm_region([STUB, "/repo/embed/1/model.py", "../../etc/passwd"]) is None  # never a path
-    assert stub_shm_region([STUB, "/repo/embed/1/model.py", "other_prefix_1234"]) is None
-
-
-def test_the_regions_of_a_groups_stubs_are_found_and_removed_and_nothing_else(tmp_path):
-    from tools.server.triton_server import process_group_shm_regions, remove_shm_regions
-
-    proc, shm = tmp_path / "proc", tmp_path / "shm"
-    proc.mkdir()
+    shm = tmp_path / "shm"
     shm.mkdir()
-
-    def process(pid, pgrp, argv):
-        (proc / str(pid)).mkdir()
-        (proc / str(pid) / "stat").write_text(f"{pid} (x) S 1 {pgrp} " + " ".join(["0"] * 20))
-        (proc / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
-
-    process(100, 100, ["tritonserver", "--model-repository", "/repo"])
-    process(101, 100, [STUB, "/repo/embed/1/model.py", REGION + "a", "4194304", "embed_0_0"])
-    process(102, 100, [STUB, "/repo/encoder_16/1/model.py", REGION + "b", "4194304", "encoder_16_0_0"])
-    process(200, 200, [STUB, "/repo/embed/1/model.py", REGION + "c", "4194304", "embed_0_0"])  # another server's
-    regions = process_group_shm_regions(100, proc=proc)
-    assert regions == {REGION + "a", REGION + "b"}
-
+    regions = {REGION + "a", REGION + "b"}  # of this server's stubs (tools.server.stubs.shm_regions)
     for name in (REGION + "a", REGION + "c", "unrelated"):
         (shm / name).write_bytes(b"\0" * 16)
     # b was already unlinked by its server; c belongs to another server; neither is touched.

@@ -20,8 +20,6 @@ import csv
 import json
 import shlex
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -285,15 +283,16 @@ async def check_server(target: LoadTarget, input_name: str | None) -> LoadTarget
 
 def check_http(url: str) -> None:
     """The HTTP endpoint answers as a live Triton server."""
+    from tools.server.control import ControlError, ServerControl
+
     host, port = split_host_port(url)
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/live", timeout=CONNECT_TIMEOUT_S):
-            pass
-    except urllib.error.HTTPError as err:
-        raise SweepError(f"tritonserver at {url} is not live (HTTP {err.code} from /v2/health/live)") from None
-    except (urllib.error.URLError, OSError) as err:
-        raise SweepError(f"cannot reach tritonserver over HTTP at {url} ({err}); "
+        live = ServerControl(f"{host}:{port}", timeout_s=CONNECT_TIMEOUT_S).is_server_live()
+    except ControlError as err:
+        raise SweepError(f"cannot reach tritonserver over HTTP at {url} ({err.__cause__ or err}); "
                          "is --http-url its HTTP port?") from None
+    if not live:
+        raise SweepError(f"tritonserver at {url} is not live (/v2/health/live did not answer 200)")
 
 
 async def sweep(target: LoadTarget, args: argparse.Namespace, search: RateSearch | None) -> list[StepResult]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from tools.clients.tls import TlsConfigError, check_pem
 from tools.paths import DEFAULT_MODEL_REPOSITORY
 from tools.server.admin_key import ADMIN_HEADER, ADMIN_KEY_ENV, AdminKeyError, find_admin_key
-from tools.server.supervisor import Supervisor
+from tools.server.supervisor import serve_until_stopped
 from tools.server.triton_server import (
     GrpcTls,
     ModelControlMode,
@@ -168,19 +168,13 @@ def run(args: argparse.Namespace) -> int:
         f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
         flush=True,
     )
-    supervisor = None
-    if args.supervise and config.model_control_mode is ModelControlMode.EXPLICIT:
-        supervisor = Supervisor(f"http://localhost:{config.http_port}", server.process.pid,
-                                log=lambda line: print(line, flush=True), admin_key=admin_key).start()
-    while not stop.wait(1.0):
-        if server.process is not None and server.process.poll() is not None:
-            print(f"error: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
-            if supervisor is not None:
-                supervisor.stop()
-            server.stop()  # its stubs' stragglers and the shared memory it left
-            return 1
-    if supervisor is not None:
-        supervisor.stop()
+    supervise = args.supervise and config.model_control_mode is ModelControlMode.EXPLICIT
+    exited = serve_until_stopped(server, stop, supervise=supervise, admin_key=admin_key,
+                                 log=lambda line: print(line, flush=True))
+    if exited is not None:
+        print(f"error: tritonserver exited with code {exited}", file=sys.stderr)
+        server.stop()  # its stubs' stragglers and the shared memory it left
+        return 1
     print("stopping tritonserver (in-flight requests finish first) ...", flush=True)
     code = server.stop()
     print(f"tritonserver stopped (exit code {code})", flush=True)

@@ -1,42 +1,40 @@
-"""Roll out a new encoder version by canary, with automatic rollback.
+"""The canary rollout of a new encoder version: plan, drive, record, and the lock that says one runs.
 
-    python -m tools rollout embed --to 2            # 1% -> 5% -> 25% -> 50% -> 100%, gated
-    python -m tools rollout embed --to 2 --dry-run  # print the plan, touch nothing
-    python -m tools rollout status embed            # the running or last rollout, and the live split
-    python -m tools rollout abort embed             # roll back the running rollout
+The server must run in explicit model-control mode (`python -m tools serve` does). `Rollout`
+loads the new version of every bucket model through the repository API (`TritonControl`, over
+`tools.server.control`: with the model's own config, its version list extended; `model_warmup`
+runs before the version reports ready), then moves unpinned traffic step by step by rewriting
+the router's routing file. At each step it reads the router's metrics and judges the candidate
+against the baseline (`tools.planning.rollout`): error rate, p95 against the SLO, embedding
+drift on a shadowed sample. A failing gate moves all traffic back, waits for the candidate's
+in-flight requests and unloads it; success moves all traffic to the candidate and unloads the
+old version once its in-flight requests have drained. Every step and gate reading goes to a
+JSON record (`Recorder`), and the model's state file says where the rollout stands.
 
-The server must run in explicit model-control mode (`python -m tools serve` does). The tool
-loads the new version of every bucket model through the repository API (with the model's
-own config, its version list extended; `model_warmup` runs before the version reports
-ready), then moves unpinned traffic step by step by rewriting the router's routing file.
-At each step it reads the router's metrics and judges the candidate against the baseline
-(`tools.planning.rollout`): error rate, p95 against the SLO, embedding drift on a shadowed
-sample. A failing gate moves all traffic back, waits for the candidate's in-flight requests
-and unloads it; success moves all traffic to the candidate and unloads the old version once
-its in-flight requests have drained. Every step and gate reading goes to a JSON record.
+A running rollout holds `RolloutLock` (an exclusive `flock` on `<model>.state.lock` beside the
+state file) for its whole life, so a second rollout of the model is refused, and the lock of a
+tool that crashed or was killed goes with its process. Everything here does I/O except
+`make_plan`'s checks and `RolloutPlan.describe`; the command line is `tools.cli.rollout`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import requests
+from filelock import FileLock, Timeout
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
-from python_backends.common.shared_files import boot_id, process_start_ticks
 from python_backends.embed.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
 from tools.observe.metrics import parse_exposition
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
+from tools.paths import REPO_ROOT
 from tools.planning.rollout import (
     DEFAULT_STEPS,
     Gates,
@@ -50,8 +48,8 @@ from tools.planning.rollout import (
     step_weights,
 )
 from tools.repository.configs import ROUTING_FILE
-from tools.server.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
-from tools.spec.serving import EmbedModelSpec, SpecError, load_spec
+from tools.server.control import ControlError, ServerControl
+from tools.spec.serving import EmbedModelSpec, load_spec
 
 DEFAULT_RECORDS = REPO_ROOT / "rollouts"
 FINAL_STATES = ("promoted", "rolled_back", "aborted", "failed")
@@ -66,44 +64,37 @@ class RolloutError(RuntimeError):
     """The rollout cannot start or continue; the message says why."""
 
 
+# What the server failing to answer looks like: a control call, or the metrics page (requests).
+SERVER_ERRORS = (ControlError, requests.RequestException)
+
+
 @dataclass
 class TritonControl:
     """The server's repository, readiness and metrics endpoints."""
 
-    http_url: str  # e.g. http://localhost:8000
+    http_url: str  # e.g. localhost:8000 (a http:// scheme is dropped)
     metrics_url: str  # e.g. http://localhost:8002/metrics
     timeout_s: float = 300.0  # loading with warm-up can take a while
     admin_key: str | None = field(default=None, repr=False)  # sent to the repository endpoints
 
     @property
-    def admin_headers(self) -> dict[str, str]:
-        return admin_headers(self.admin_key)
+    def server(self) -> ServerControl:
+        return ServerControl(self.http_url, admin_key=self.admin_key, timeout_s=self.timeout_s)
 
     def loaded_versions(self, model: str) -> set[int]:
-        response = requests.post(f"{self.http_url}/v2/repository/index", json={}, headers=self.admin_headers,
-                                 timeout=30)
-        response.raise_for_status()
-        return {int(entry["version"]) for entry in response.json()
+        return {int(entry["version"]) for entry in self.server.repository_index()
                 if entry.get("name") == model and entry.get("state") == "READY" and entry.get("version")}
 
     def is_ready(self, model: str, version: int) -> bool:
-        try:
-            return requests.get(f"{self.http_url}/v2/models/{model}/versions/{version}/ready", timeout=10).ok
-        except requests.RequestException:
-            return False
+        return self.server.is_model_ready(model, version)
 
     def load(self, config: mc.ModelConfig) -> None:
         """Load (or reload) a model with this config; Triton keeps serving the old set until the new is ready."""
-        body = {"parameters": {"config": json_format.MessageToJson(config)}}
-        response = requests.post(f"{self.http_url}/v2/repository/models/{config.name}/load", json=body,
-                                 headers=self.admin_headers, timeout=self.timeout_s)
-        if not response.ok:
-            try:
-                message = response.json().get("error", response.text)
-            except ValueError:
-                message = response.text
+        try:
+            self.server.load(config.name, config=json_format.MessageToJson(config))
+        except ControlError as err:
             raise RolloutError(f"loading {config.name} versions {list(config.version_policy.specific.versions)} "
-                               f"failed: {message}")
+                               f"failed: {err}") from None
 
     def metrics(self) -> str:
         response = requests.get(self.metrics_url, timeout=10)
@@ -178,7 +169,7 @@ class Recorder:
         self.record = {
             "model": self.model, "baseline": plan.baseline, "candidate": plan.candidate,
             "steps_planned": list(plan.steps), "gates": vars(plan.gates), "shadow_rate": plan.shadow_rate,
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **process_stamp(os.getpid()),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid(),
             "status": "loading", "steps": [], "events": [],
         }
         self.save()
@@ -214,44 +205,42 @@ def read_state(records_dir: Path, model: str) -> dict | None:
         return None
 
 
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+def lock_path(records_dir: Path, model: str) -> Path:
+    return records_dir / f"{model}.state.lock"
+
+
+class RolloutLock:
+    """The lock a rollout of one model holds for its whole life: an exclusive `flock` on a file
+    beside the model's state file. The kernel releases it when the holder exits, however it
+    exits, so a crashed tool never blocks the next rollout, and a reused pid never passes for
+    the tool that held it."""
+
+    def __init__(self, records_dir: Path, model: str):
+        self.path = lock_path(records_dir, model)
+        self._lock = FileLock(str(self.path))
+
+    def acquire(self) -> bool:
+        """Take the lock; False when another rollout of the model holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire(blocking=False)
+        except Timeout:
+            return False
         return True
-    return True
+
+    def release(self) -> None:
+        self._lock.release()
 
 
-def process_stamp(pid: int) -> dict[str, Any]:
-    """What names process `pid` beyond its id, which the system reuses: its start time and the boot."""
-    return {"pid": pid, "pid_start_ticks": process_start_ticks(pid), "boot_id": boot_id()}
-
-
-def same_process(stamp: Mapping[str, Any], running: bool, start_ticks: int | None, boot: str | None) -> bool:
-    """Whether the process a state file stamped still runs, given what runs under its pid now.
-
-    A pid alone says little once the tool is gone: the system hands it to a later process
-    (after a reboot, almost surely). So the start time and the boot must match where both
-    were recorded and can be read now; a stamp of an older tool, with the pid only, is
-    judged by the pid.
-    """
-    if not running:
-        return False
-    recorded_boot, recorded_start = stamp.get("boot_id"), stamp.get("pid_start_ticks")
-    if recorded_boot is not None and boot is not None and recorded_boot != boot:
-        return False
-    return recorded_start is None or start_ticks is None or int(recorded_start) == start_ticks
-
-
-def tool_alive(state: Mapping[str, Any]) -> bool:
-    """Whether the rollout tool that wrote `state` still runs."""
-    pid = int(state.get("pid", 0) or 0)
-    running = pid_alive(pid)
-    return same_process(state, running, process_start_ticks(pid) if running else None, boot_id())
+def rollout_running(records_dir: Path, model: str) -> bool:
+    """Whether a rollout tool of `model` runs now: whether some process holds its lock."""
+    if not lock_path(records_dir, model).exists():
+        return False  # no rollout ever ran here (and a dry run creates nothing)
+    probe = RolloutLock(records_dir, model)
+    if not probe.acquire():
+        return True
+    probe.release()
+    return False
 
 
 class Rollout:
@@ -313,7 +302,7 @@ class Rollout:
         rec.start(plan)
         try:
             self.load_candidate()
-        except (RolloutError, requests.RequestException) as err:
+        except (RolloutError, *SERVER_ERRORS) as err:
             rec.record.update(status="failed", reason=str(err))
             rec.event(f"rollout failed before any traffic moved: {err}")
             self._restore_versions(keep=plan.baseline)
@@ -377,7 +366,7 @@ class Rollout:
                 loaded = self.control.loaded_versions(encoder)
                 if loaded != before | {keep}:
                     self._load_versions(encoder, before | {keep})
-            except (RolloutError, requests.RequestException) as err:
+            except (RolloutError, *SERVER_ERRORS) as err:
                 self.recorder.event(f"could not restore the versions of {encoder}: {err}")
 
     def _roll_back(self, reason: str, aborted: bool) -> int:
@@ -398,7 +387,7 @@ class Rollout:
         """Roll back after an interruption; if even that fails, say what state things are in."""
         try:
             return self._roll_back(reason, aborted)
-        except (requests.RequestException, RolloutError, OSError) as err:
+        except (*SERVER_ERRORS, RolloutError, OSError) as err:
             self.recorder.record.update(status="failed", reason=f"{reason}; rolling back failed too: {err}")
             self.recorder.event(f"ROLLBACK INCOMPLETE: {err}. The routing file sends all traffic to "
                                 f"v{self.plan.baseline}; check the loaded versions with `rollout status`.")
@@ -437,167 +426,60 @@ def current_table(routing_path: Path, model: EmbedModelSpec) -> RoutingTable:
     return RoutingTable(dict(model.traffic))
 
 
-def make_plan(args: argparse.Namespace) -> RolloutPlan:
-    model = embed_model(args.spec, args.model)
-    repository = args.model_repository.resolve()
+def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, from_version: int | None = None,
+              steps: str = ",".join(f"{s:g}" for s in DEFAULT_STEPS), slo_ms: float | None = None,
+              max_error_rate: float = 0.01, min_cosine: float = 0.98, min_requests: int = 20,
+              min_shadow_samples: int = 10, shadow_rate: float = 0.2, step_seconds: float = 30.0,
+              max_step_seconds: float = 300.0) -> RolloutPlan:
+    """The plan for rolling `model_name` out to encoder version `to`, checked against the spec
+    and the repository; a RolloutError says what is wrong."""
+    model = embed_model(spec, model_name)
+    repository = model_repository.resolve()
     routing_path = repository / model.name / ROUTING_FILE
     try:
-        steps = parse_steps(args.steps)
-        gates = Gates(slo_p95_ms=args.slo_ms or model.slo_p95_ms, max_error_rate=args.max_error_rate,
-                      min_cosine=args.min_cosine, min_requests=args.min_requests,
-                      min_shadow_samples=args.min_shadow_samples)
-        baseline = args.from_version or baseline_of(current_table(routing_path, model).weights, args.to)
+        parsed_steps = parse_steps(steps)
+        gates = Gates(slo_p95_ms=slo_ms or model.slo_p95_ms, max_error_rate=max_error_rate,
+                      min_cosine=min_cosine, min_requests=min_requests, min_shadow_samples=min_shadow_samples)
+        baseline = from_version or baseline_of(current_table(routing_path, model).weights, to)
     except ValueError as err:
         raise RolloutError(str(err)) from None
-    if baseline == args.to:
-        raise RolloutError(f"--from and --to are both version {args.to}")
+    if baseline == to:
+        raise RolloutError(f"--from and --to are both version {to}")
     encoders = tuple(model.encoder_name(length) for length in model.bucket_lens)
-    missing = [f"{e}/{args.to}" for e in encoders if not (repository / e / str(args.to) / "model.py").is_file()]
+    missing = [f"{e}/{to}" for e in encoders if not (repository / e / str(to) / "model.py").is_file()]
     if missing:
-        raise RolloutError(f"version {args.to} has no model folder in {repository}: {', '.join(missing)}")
-    if not 0 < args.shadow_rate <= 1:
-        raise RolloutError(f"--shadow-rate must be within (0, 1], got {args.shadow_rate}")
-    return RolloutPlan(model=model, baseline=baseline, candidate=args.to, steps=steps, gates=gates,
-                       shadow_rate=args.shadow_rate, min_step_s=args.step_seconds, max_step_s=args.max_step_seconds,
+        raise RolloutError(f"version {to} has no model folder in {repository}: {', '.join(missing)}")
+    if not 0 < shadow_rate <= 1:
+        raise RolloutError(f"--shadow-rate must be within (0, 1], got {shadow_rate}")
+    return RolloutPlan(model=model, baseline=baseline, candidate=to, steps=parsed_steps, gates=gates,
+                       shadow_rate=shadow_rate, min_step_s=step_seconds, max_step_s=max_step_seconds,
                        routing_path=routing_path, encoders=encoders)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL | status | abort",
-                        help="the model to roll out (e.g. embed), or `status MODEL` / `abort MODEL`")
-    parser.add_argument("target", nargs="?", default=None, metavar="MODEL",
-                        help="with status or abort: the model")
-    parser.add_argument("--to", type=int, help="the encoder version to roll out (its folders must exist)")
-    parser.add_argument("--from", dest="from_version", type=int, default=None,
-                        help="the baseline version (default: the one taking all traffic now)")
-    parser.add_argument("--steps", default=",".join(f"{s:g}" for s in DEFAULT_STEPS),
-                        help="candidate traffic percent per step, ending at 100 (default: %(default)s)")
-    parser.add_argument("--step-seconds", type=float, default=30.0,
-                        help="least time a step lasts, even when its gates pass early (default: %(default)s)")
-    parser.add_argument("--max-step-seconds", type=float, default=300.0,
-                        help="roll back when a step has not gathered enough data by then (default: %(default)s)")
-    parser.add_argument("--max-error-rate", type=float, default=0.01,
-                        help="errors gate: failed / answered on the candidate (default: %(default)s)")
-    parser.add_argument("--slo-ms", type=float, default=None,
-                        help="latency gate: p95 limit in ms (default: the model's SLO in the spec)")
-    parser.add_argument("--min-cosine", type=float, default=0.98,
-                        help="drift gate: mean cosine to the baseline on shadowed rows (default: %(default)s)")
-    parser.add_argument("--min-requests", type=int, default=20,
-                        help="candidate requests a step needs before it can pass (default: %(default)s)")
-    parser.add_argument("--min-shadow-samples", type=int, default=10,
-                        help="shadowed rows a step needs before the drift gate can pass (default: %(default)s)")
-    parser.add_argument("--shadow-rate", type=float, default=0.2,
-                        help="share of the candidate's requests repeated on the baseline (default: %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=120.0,
-                        help="longest wait for in-flight requests before unloading (default: %(default)s)")
-    parser.add_argument("--url", default="localhost:8000", help="tritonserver HTTP address (default: %(default)s)")
-    add_key_file_argument(parser)
-    parser.add_argument("--metrics-url", default="localhost:8002/metrics",
-                        help="tritonserver metrics address (default: %(default)s)")
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
-                        help="the served repository; the routing file lives in it (default: %(default)s)")
-    parser.add_argument("--records", type=Path, default=DEFAULT_RECORDS,
-                        help="where rollout records and state go (default: %(default)s)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
+def request_abort(records_dir: Path, model: str, state: dict) -> None:
+    """Ask the running rollout of `model` to roll back at its next check (it reads the state file)."""
+    state["abort_requested"] = True
+    state_path(records_dir, model).write_text(json.dumps(state, indent=2) + "\n")
 
 
-def _url(address: str) -> str:
-    return address if address.startswith(("http://", "https://")) else f"http://{address}"
-
-
-def show_status(args: argparse.Namespace, model_name: str) -> int:
-    state = read_state(args.records, model_name)
-    repository = args.model_repository.resolve()
-    try:
-        table = current_table(repository / model_name / ROUTING_FILE, embed_model(args.spec, model_name))
-        print(f"live split of {model_name}: " + ", ".join(f"v{v} {table.share(v):.0%}" for v in table.versions)
-              + (f" (candidate v{table.candidate}, shadow {table.shadow_rate:.0%})" if table.candidate else ""))
-    except (RolloutError, SpecError, ValueError) as err:
-        print(f"live split: unknown ({err})")
-    if state is None:
-        print(f"no rollout of {model_name} recorded in {args.records}")
-        return 0
-    running = state.get("status") not in FINAL_STATES
-    alive = running and tool_alive(state)
-    print(f"rollout v{state['baseline']} -> v{state['candidate']}: {state['status']}"
-          + ("" if not running else " (tool running)" if alive else " (tool no longer running: `rollout abort`)"))
-    if state.get("reason"):
-        print(f"  reason: {state['reason']}")
-    for step in state.get("steps", []):
-        print(f"  step {step['percent']:g}%: {step.get('verdict', '?')} after {step.get('elapsed_s', 0)} s")
-        for reading in step.get("readings", []):
-            print(f"    {reading['gate']:<8} {reading['verdict']:<5} {reading['detail']}")
-    print(f"  record: {state.get('record')}")
-    return 0
-
-
-def abort(args: argparse.Namespace, model_name: str) -> int:
-    state = read_state(args.records, model_name)
-    if state is None or state.get("status") in FINAL_STATES:
-        print(f"no rollout of {model_name} is running")
-        return 1
-    path = state_path(args.records, model_name)
-    if tool_alive(state):
-        state["abort_requested"] = True
-        path.write_text(json.dumps(state, indent=2) + "\n")
-        print(f"abort requested; the rollout (pid {state['pid']}) rolls back at its next check", flush=True)
-        deadline = time.monotonic() + args.drain_timeout + 60
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            current = read_state(args.records, model_name) or {}
-            if current.get("status") in FINAL_STATES:
-                print(f"rollout {current['status']}: {current.get('reason', '')}")
-                return 0
-        print("the rollout did not finish rolling back in time; see `rollout status`", file=sys.stderr)
-        return 1
-    # The tool died mid-rollout: put traffic back on the baseline ourselves.
-    repository = args.model_repository.resolve()
-    model = embed_model(args.spec, model_name)
-    write_routing_table(repository / model.name / ROUTING_FILE, RoutingTable({int(state["baseline"]): 100.0}))
-    print(f"the rollout tool is gone; all traffic moved back to v{state['baseline']}. Version {state['candidate']} "
-          "stays loaded with no traffic; unload it with the repository API if it should go.")
+def roll_back_orphan(records_dir: Path, spec: Path, model_repository: Path, model_name: str, state: dict) -> None:
+    """Put all traffic back on the baseline of a rollout whose tool is gone, and mark it aborted.
+    The candidate stays loaded, with no traffic."""
+    model = embed_model(spec, model_name)
+    write_routing_table(model_repository.resolve() / model.name / ROUTING_FILE,
+                        RoutingTable({int(state["baseline"]): 100.0}))
     state.update(status="aborted", reason="aborted after the rollout tool stopped")
-    path.write_text(json.dumps(state, indent=2) + "\n")
-    return 0
+    state_path(records_dir, model.name).write_text(json.dumps(state, indent=2) + "\n")
 
 
-def run(args: argparse.Namespace) -> int:
+def drive(plan: RolloutPlan, control: TritonControl, model_repository: Path, recorder: Recorder,
+          drain_timeout_s: float) -> int:
+    """Run `plan` to its end: 0 when promoted, 1 when rolled back or failed. Ctrl-C, or a server
+    that stops answering, rolls back."""
+    rollout = Rollout(plan, control, model_repository.resolve(), recorder, drain_timeout_s=drain_timeout_s)
     try:
-        if args.model in ("status", "abort"):
-            if not args.target:
-                print(f"error: `rollout {args.model}` needs the model name", file=sys.stderr)
-                return 2
-            return show_status(args, args.target) if args.model == "status" else abort(args, args.target)
-        if args.to is None:
-            print("error: say which version to roll out with --to VERSION", file=sys.stderr)
-            return 2
-        state = read_state(args.records, args.model)
-        if state and state.get("status") not in FINAL_STATES and tool_alive(state):
-            print(f"error: a rollout of {args.model} is already running (pid {state['pid']}); "
-                  "see `rollout status`", file=sys.stderr)
-            return 2
-        plan = make_plan(args)
-    except (RolloutError, SpecError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(plan.describe(), flush=True)
-    if args.dry_run:
-        print("dry run: nothing changed")
-        return 0
-    try:
-        admin_key = key_for_tool(args)
-    except AdminKeyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    control = TritonControl(_url(args.url), _url(args.metrics_url), admin_key=admin_key)
-    recorder = Recorder(args.records, plan.model.name)
-    rollout = Rollout(plan, control, args.model_repository.resolve(), recorder, drain_timeout_s=args.drain_timeout)
-    try:
-        code = rollout.run()
+        return rollout.run()
     except KeyboardInterrupt:
-        code = rollout.roll_back_safely("interrupted (Ctrl-C)", aborted=True)
-    except (requests.RequestException, RolloutError) as err:
-        code = rollout.roll_back_safely(f"the server stopped answering the tool: {err}", aborted=False)
-    print(f"record: {recorder.path}")
-    return code
+        return rollout.roll_back_safely("interrupted (Ctrl-C)", aborted=True)
+    except (*SERVER_ERRORS, RolloutError) as err:
+        return rollout.roll_back_safely(f"the server stopped answering the tool: {err}", aborted=False)

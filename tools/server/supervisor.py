@@ -9,7 +9,10 @@ builds the new instances while the healthy ones keep serving, then swaps them in
 reload itself drops nothing. It needs `--model-control-mode explicit` (the default of
 `python -m tools serve`).
 
-`crashed_models` is the pure decision; `scan_stubs` reads /proc; `Supervisor` is the loop.
+`crashed_models` is the pure decision; `tools.server.stubs.scan_stubs` reads the stub
+processes (through psutil); `Supervisor` is the loop, which talks to the server through
+`tools.server.control` (tritonclient.http, the admin key in the headers); `serve_until_stopped`
+keeps a served server running under its supervisor until told to stop (`python -m tools serve`).
 """
 
 from __future__ import annotations
@@ -18,65 +21,12 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 
-import requests
-
-from python_backends.common.shared_files import stat_fields
-from tools.server.admin_key import admin_headers
-from tools.server.triton_server import STUB_BINARY, remove_shm_regions, stub_shm_region
+from tools.server.control import ControlError, ServerControl
+from tools.server.stubs import StubProcess, scan_stubs
+from tools.server.triton_server import TritonServer, remove_shm_regions
 
 RESTART_PARAMETER = "supervisor_restarts"  # config parameter bumped on each reload: forces a real reload
-
-
-@dataclass(frozen=True)
-class StubProcess:
-    """One Python backend stub: one model instance of one model version."""
-
-    pid: int
-    model: str  # model name, e.g. encoder_256
-    version: str  # model version folder, e.g. "1"
-    instance: str  # Triton's instance name, e.g. encoder_256_0_1
-    shm_region: str | None = None  # its shared-memory region under /dev/shm (argv[2]), if named as usual
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return self.model, self.version, self.instance
-
-
-def parse_stub_cmdline(pid: int, argv: list[str]) -> StubProcess | None:
-    """The stub's command line: binary, <repo>/<model>/<version>/model.py, shm region, sizes,
-    parent pid, backend dir, ipc size, instance name, runtime. None for anything else."""
-    if not argv or not argv[0].endswith(STUB_BINARY) or len(argv) < 9:
-        return None
-    model_file = Path(argv[1])
-    if len(model_file.parts) < 3:
-        return None
-    return StubProcess(pid=pid, model=model_file.parent.parent.name, version=model_file.parent.name,
-                       instance=argv[8], shm_region=stub_shm_region(argv))
-
-
-def scan_stubs(server_pid: int, proc: Path = Path("/proc")) -> dict[int, StubProcess]:
-    """Stub processes whose parent is the tritonserver process `server_pid`."""
-    stubs: dict[int, StubProcess] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            # Fields 3 and 4 are the state and the parent pid. A killed stub stays a zombie (Z)
-            # until the server reaps it, seconds later: it is already dead.
-            state, ppid = stat_fields(stat)[:2]
-            if int(ppid) != server_pid or state in ("Z", "X"):
-                continue
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue  # the process went away while we looked
-        stub = parse_stub_cmdline(int(entry.name), [a for a in argv if a])
-        if stub is not None:
-            stubs[stub.pid] = stub
-    return stubs
 
 
 def crashed_models(previous: Mapping[int, StubProcess], current: Mapping[int, StubProcess],
@@ -112,8 +62,8 @@ class Supervisor:
 
     def __init__(self, http_url: str, server_pid: int, interval_s: float = 0.5,
                  log: Callable[[str], None] = print, timeout_s: float = 300.0, admin_key: str | None = None):
-        self.http_url = http_url.rstrip("/")  # e.g. http://localhost:8000
-        self.admin_headers = admin_headers(admin_key)  # the repository endpoints may be behind the admin key
+        # e.g. http://localhost:8000; the repository endpoints may be behind the admin key
+        self.control = ServerControl(http_url, admin_key=admin_key, timeout_s=timeout_s)
         self.server_pid = server_pid
         self.interval_s = interval_s
         self.log = log
@@ -123,25 +73,21 @@ class Supervisor:
         self._thread: threading.Thread | None = None
 
     def ready_versions(self) -> set[tuple[str, str]]:
-        response = requests.post(f"{self.http_url}/v2/repository/index", json={}, headers=self.admin_headers,
-                                 timeout=30)
-        response.raise_for_status()
-        return {(entry["name"], str(entry.get("version", ""))) for entry in response.json()
-                if entry.get("state") == "READY"}
+        return self.control.ready_versions()
 
     def reload(self, model: str, dead: list[StubProcess]) -> dict:
         detected_at = time.time()
         started = time.monotonic()
-        config = requests.get(f"{self.http_url}/v2/models/{model}/config", timeout=30)
-        config.raise_for_status()
-        override = with_restart_marker(config.json(), len(self.restarts) + 1)
-        response = requests.post(f"{self.http_url}/v2/repository/models/{model}/load",
-                                 json={"parameters": {"config": json.dumps(override)}}, headers=self.admin_headers,
-                                 timeout=self.timeout_s)
+        override = with_restart_marker(self.control.model_config(model), len(self.restarts) + 1)
+        error = None
+        try:
+            self.control.load(model, config=override)
+        except ControlError as err:
+            error = str(err)
         record = {"model": model, "instances": sorted(f"{s.instance} (pid {s.pid})" for s in dead),
-                  "detected_at": detected_at, "reload_s": round(time.monotonic() - started, 2), "ok": response.ok}
-        if not response.ok:
-            record["error"] = response.text[:500]
+                  "detected_at": detected_at, "reload_s": round(time.monotonic() - started, 2), "ok": error is None}
+        if error is not None:
+            record["error"] = error[:500]
         self.restarts.append(record)
         return record
 
@@ -167,7 +113,7 @@ class Supervisor:
         while not self._stop.wait(self.interval_s):
             try:
                 seen = self.check(seen)
-            except requests.RequestException as err:
+            except ControlError as err:
                 # The server may be starting, stopping or busy: look again at the next poll.
                 self.log(f"supervisor: server not answering ({err}); retrying")
                 seen = scan_stubs(self.server_pid)
@@ -181,3 +127,22 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s)
+
+
+def serve_until_stopped(server: TritonServer, stop: threading.Event, *, supervise: bool, admin_key: str | None = None,
+                        log: Callable[[str], None] = print, poll_s: float = 1.0) -> int | None:
+    """Keep a ready server running until `stop` is set, reloading crashed models meanwhile when
+    `supervise` (explicit model control only). The server's exit code if it exited on its own,
+    None when `stop` ended the wait: stopping the server is the caller's."""
+    assert server.process is not None, "start() first"
+    supervisor = None
+    if supervise:
+        supervisor = Supervisor(server.http_url, server.process.pid, log=log, admin_key=admin_key).start()
+    try:
+        while not stop.wait(poll_s):
+            if server.process.poll() is not None:
+                return server.process.returncode
+        return None
+    finally:
+        if supervisor is not None:
+            supervisor.stop()

@@ -3,7 +3,9 @@
 No Docker: the wheel carries the server binary, its shared libraries
 (`nvidia_pytriton.libs`), the Python backend, and one backend stub per Python version.
 `prepare_backends` copies the backend with the stub for the running interpreter into a
-build folder; `build_command` / `build_env` are pure; `TritonServer` owns the process.
+build folder; `build_command` / `build_env` are pure; `TritonServer` owns the process. Its
+stub processes (CPU by model, shared-memory regions) are read by `tools.server.stubs`, its
+readiness asked through `tools.server.control`.
 """
 
 from __future__ import annotations
@@ -18,19 +20,18 @@ import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from python_backends.common.shared_files import shared_dir, stat_fields, sweep_stale
+from python_backends.common.shared_files import shared_dir, sweep_stale
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.server.admin_key import restricted_api_args
+from tools.server.control import ServerControl
+from tools.server.stubs import STUB_BINARY, cpu_by_part, process_group, shm_regions
 
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
-STUB_BINARY = "triton_python_backend_stub"  # the Python backend's stub executable, one process per instance
 # RE2, matched against header names: `tenant` and `tenant-token` reach the models as request
 # parameters of the same names. Nothing else is forwarded (an `authorization` header belongs
 # to whatever proxy sits in front, not to the tenant).
@@ -249,62 +250,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-SERVER_PART = "tritonserver"  # the server process itself, in `process_group_cpu_by_part`
-SHM_REGION_PREFIX = "triton_python_backend_shm_region_"  # the Python backend's default region name prefix
-
-
-def stub_model_name(cmdline: Sequence[str]) -> str | None:
-    """The model a Python backend stub serves, from its command line (argv[1] is
-    `<repository>/<model>/<version>/model.py`); None for any other process."""
-    if len(cmdline) < 2 or not cmdline[0].endswith(STUB_BINARY):
-        return None
-    parts = Path(cmdline[1]).parts
-    return parts[-3] if len(parts) >= 3 else None
-
-
-def stub_shm_region(cmdline: Sequence[str]) -> str | None:
-    """The shared-memory region (a file under /dev/shm) through which a Python backend stub
-    and its server talk: argv[2] of the stub; None for any other process."""
-    if stub_model_name(cmdline) is None or len(cmdline) < 3:
-        return None
-    name = cmdline[2]
-    return name if name.startswith(SHM_REGION_PREFIX) and "/" not in name else None
-
-
-def _group_members(pgid: int, proc: Path) -> Iterator[tuple[int, list[str]]]:
-    """(pid, stat fields after the name) of each live process in process group `pgid`."""
-    for entry in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat_fields(entry.read_text())
-        except (OSError, ValueError):
-            continue  # the process ended while we looked
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ..., utime (11), stime (12)
-            yield int(entry.parent.name), fields
-
-
-def _cmdline(pid: int, proc: Path) -> list[str]:
-    try:
-        return (proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []  # ended since its stat was read
-
-
-def process_group_cpu_by_part(pgid: int, proc: Path = Path("/proc")) -> dict[str, float]:
+def process_group_cpu_by_part(pgid: int) -> dict[str, float]:
     """CPU seconds used so far by the live processes of a server's process group, by part:
     `tritonserver` (the server process, whose pid is the group id) and one entry per model
     (all of its Python backend stubs); other members of the group count as `other`."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parts: dict[str, float] = {}
-    for pid, fields in _group_members(pgid, proc):
-        part = SERVER_PART if pid == pgid else stub_model_name(_cmdline(pid, proc)) or "other"
-        parts[part] = parts.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return parts
+    return cpu_by_part(process_group(pgid), pgid)
 
 
-def process_group_shm_regions(pgid: int, proc: Path = Path("/proc")) -> set[str]:
+def process_group_shm_regions(pgid: int) -> set[str]:
     """The shared-memory regions of the Python backend stubs now in process group `pgid`."""
-    regions = (stub_shm_region(_cmdline(pid, proc)) for pid, _ in _group_members(pgid, proc) if pid != pgid)
-    return {region for region in regions if region is not None}
+    return shm_regions(process_group(pgid), pgid)
 
 
 def remove_shm_regions(names: Iterable[str], shm_dir: Path = Path("/dev/shm")) -> list[str]:
@@ -319,10 +274,10 @@ def remove_shm_regions(names: Iterable[str], shm_dir: Path = Path("/dev/shm")) -
     return removed
 
 
-def process_group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float:
+def process_group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds used so far by the live processes of one process group
-    (tritonserver and its Python backend stubs); 0.0 where there is no /proc."""
-    return float(sum(process_group_cpu_by_part(pgid, proc).values()))
+    (tritonserver and its Python backend stubs)."""
+    return float(sum(process_group_cpu_by_part(pgid).values()))
 
 
 def _detach_and_die_with_parent() -> None:
@@ -397,11 +352,8 @@ class TritonServer:
         )
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+        """Whether the server and all its models are ready (`/v2/health/ready`); False while it cannot be reached."""
+        return ServerControl(self.http_url, timeout_s=2).is_server_ready()
 
     def wait_ready(self, timeout_s: float = 300.0, on_wait=None) -> None:
         """Block until the server and all its models are ready; raise with the log tail on failure."""
