@@ -27,6 +27,7 @@ from tools.server.stubs import StubProcess, scan_stubs
 from tools.server.triton_server import TritonServer, remove_shm_regions
 
 RESTART_PARAMETER = "supervisor_restarts"  # config parameter bumped on each reload: forces a real reload
+QUERY_TIMEOUT_S = 30.0  # reading the repository index or a model config
 
 
 def crashed_models(previous: Mapping[int, StubProcess], current: Mapping[int, StubProcess],
@@ -64,6 +65,9 @@ class Supervisor:
                  log: Callable[[str], None] = print, timeout_s: float = 300.0, admin_key: str | None = None):
         # e.g. http://localhost:8000; the repository endpoints may be behind the admin key
         self.control = ServerControl(http_url, admin_key=admin_key, timeout_s=timeout_s)
+        # Reading the index and a config answers at once on a healthy server: a 30 s bound
+        # keeps a hung server from holding the watch loop for the whole load timeout.
+        self.queries = ServerControl(http_url, admin_key=admin_key, timeout_s=QUERY_TIMEOUT_S)
         self.server_pid = server_pid
         self.interval_s = interval_s
         self.log = log
@@ -73,12 +77,12 @@ class Supervisor:
         self._thread: threading.Thread | None = None
 
     def ready_versions(self) -> set[tuple[str, str]]:
-        return self.control.ready_versions()
+        return self.queries.ready_versions()
 
     def reload(self, model: str, dead: list[StubProcess]) -> dict:
         detected_at = time.time()
         started = time.monotonic()
-        override = with_restart_marker(self.control.model_config(model), len(self.restarts) + 1)
+        override = with_restart_marker(self.queries.model_config(model), len(self.restarts) + 1)
         error = None
         try:
             self.control.load(model, config=override)
