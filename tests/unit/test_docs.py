@@ -1,0 +1,85 @@
+"""The docs as a reader meets them: every example they show runs as written (the convention is
+in tests/doc_examples.py; requests to a server are run by tests/integration/test_docs_requests.py),
+every command they only show parses, every link leads somewhere, and the benchmark tables agree
+with the result files."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+
+import pytest
+
+from tests.doc_examples import DOCUMENTS, LANGUAGES, REPO, blocks, console_commands, run_command, run_pycon
+from tools.cli import build_parser
+from tools.cli import main as cli_main
+
+BLOCKS = blocks()
+OFFLINE_COMMANDS = [c for b in BLOCKS if b.language == "console" and not b.needs_server for c in console_commands(b)]
+OFFLINE_PYCON = [b for b in BLOCKS if b.language == "pycon" and not b.needs_server]
+BASH_LINES = [(b, line) for b in BLOCKS if b.language == "bash"
+              for line in b.body.replace("\\\n", " ").splitlines()]
+TOOLS_CALL = re.compile(r"(?:\.venv/bin/)?python -m tools (?P<args>[^|;&)\n]*)")
+MAKE_CALL = re.compile(r"(?:^|[;&(]\s*)make (?P<target>[a-z][a-z-]*)")
+
+
+def test_every_example_uses_a_checked_language():
+    unknown = [f"{b.where}: ```{b.language}" for b in BLOCKS if b.language not in LANGUAGES]
+    assert not unknown, f"fences the doc checks do not know (use one of {sorted(LANGUAGES)}): {unknown}"
+
+
+def test_the_docs_run_examples_of_both_kinds():
+    assert OFFLINE_COMMANDS, "no offline console example found"
+    assert any(b.needs_server for b in BLOCKS), "no server example found"
+
+
+@pytest.mark.parametrize("command", OFFLINE_COMMANDS, ids=lambda c: f"{c.block.where} {c.command[:40]}")
+def test_offline_command_runs_as_shown(command):
+    run_command(command)
+
+
+@pytest.mark.parametrize("block", OFFLINE_PYCON, ids=lambda b: b.where)
+def test_offline_python_example_runs_as_shown(block):
+    run_pycon(block)
+
+
+@pytest.mark.parametrize(("block", "line"), [(b, line) for b, line in BASH_LINES if TOOLS_CALL.search(line)],
+                         ids=lambda x: x.where if hasattr(x, "where") else "")
+def test_shown_tools_command_parses(block, line):
+    parser = build_parser()
+    for match in TOOLS_CALL.finditer(line):
+        args = shlex.split(match["args"], comments=True)
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                parser.parse_args(args)
+            except SystemExit as exit_:
+                assert exit_.code == 0, f"{block.where}: `python -m tools {match['args'].strip()}`: {stderr.getvalue()}"
+
+
+def test_shown_make_targets_exist():
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    missing = [f"{b.where}: make {m['target']}" for b, line in BASH_LINES for m in MAKE_CALL.finditer(line)
+               if m["target"] not in targets]
+    assert not missing, f"make targets the Makefile lacks: {missing}"
+
+
+def test_relative_links_lead_to_files():
+    broken = []
+    for path in DOCUMENTS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(REPO)}: {target}")
+    assert not broken, f"links to files that do not exist: {broken}"
+
+
+def test_readme_stays_short():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_benchmark_tables_agree_with_the_result_files(capsys):
+    assert cli_main(["report", "--check"]) == 0, capsys.readouterr().err
