@@ -66,15 +66,24 @@ def test_shown_make_targets_exist():
     assert not missing, f"make targets the Makefile lacks: {missing}"
 
 
-def test_relative_links_lead_to_files():
+def _anchors(path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_relative_links_lead_somewhere():
     broken = []
     for path in DOCUMENTS:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (path.parent / target).exists():
+            linked = (path.parent / target) if target else path
+            if not linked.exists():
                 broken.append(f"{path.relative_to(REPO)}: {target}")
-    assert not broken, f"links to files that do not exist: {broken}"
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{path.relative_to(REPO)}: {target}#{anchor} (no such heading)")
+    assert not broken, f"links that lead nowhere: {broken}"
 
 
 def test_readme_stays_short():
