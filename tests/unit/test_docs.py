@@ -40,9 +40,9 @@ def test_offline_command_runs_as_shown(command):
     run_command(command)
 
 
-@pytest.mark.parametrize("block", OFFLINE_PYCON, ids=lambda b: b.where)
-def test_offline_python_example_runs_as_shown(block):
-    run_pycon(block)
+def test_offline_python_examples_run_as_shown():
+    for block in OFFLINE_PYCON:
+        run_pycon(block)
 
 
 @pytest.mark.parametrize(("block", "line"), [(b, line) for b, line in BASH_LINES if TOOLS_CALL.search(line)],

@@ -292,11 +292,11 @@ def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str)
     rows = [
         ["embedding goodput (p95 ≤ SLO)",
          f"{_num(slo_bucketed)} req/s, {_pct(goodput['ratios']['slo_bucketed_vs_ceiling'])} of the ceiling",
-         f"{_ratio(goodput['ratios']['slo_bucketed_vs_default_batching'], 1)} Triton's default batching",
+         f"{_ratio(goodput['ratios']['slo_bucketed_vs_default_batching'], 1)} the goodput of Triton's default batching",
          f"[goodput.json]({results_link}goodput.json)"],
         ["LLM streaming throughput",
          f"{_num(llm['continuous']['tokens_per_s'])} tokens/s, TTFT p95 {llm['continuous']['ttft_p95_s']:.2f} s",
-         f"{_ratio(llm['ratios']['tokens_per_s_continuous_vs_static'])} static batching",
+         f"{_ratio(llm['ratios']['tokens_per_s_continuous_vs_static'])} the tokens/s of static batching",
          f"[llm.json]({results_link}llm.json)"],
         [f"overload at {_num(flood['offered_rps'] / flood['goodput_rps'], 0)}{TIMES} goodput",
          f"{_int(flood['ok'] / flood['duration_s'])} req/s served, {_int(flood['lost'])} lost, "
