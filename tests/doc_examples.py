@@ -1,15 +1,17 @@
 """The examples the docs show, extracted so that the suite runs them as written.
 
 The convention, for README.md and docs/*.md:
-- a ```console block is a session: each `$ ` line is a command (a line ending in `\\` goes on
+- a ```console block is a shell session, run in one bash process (so a variable set by one
+  command is there for the next): each `$ ` line is a command (a line ending in `\\` goes on
   to the next), the lines up to the next `$ ` are its expected stdout, compared as doctest
   does with ELLIPSIS and NORMALIZE_WHITESPACE (`...` stands for any text, blank lines and
-  runs of spaces do not matter). A command must exit 0.
+  runs of spaces do not matter). Every command must exit 0.
 - a ```pycon block is a doctest session (`>>> ` lines and their expected output).
-- either runs offline (the unit tests) unless the line before its fence is
-  `<!-- run: server -->`: then the integration tests run it against their tritonserver,
-  with `localhost:8000`, `:8001` and `:8002` replaced by that server's HTTP, gRPC and metrics
-  ports.
+- either runs offline (the unit tests) unless the line before its fence says where it runs:
+  `<!-- run: server -->`, against the integration tests' tritonserver, with `localhost:8000`,
+  `:8001` and `:8002` replaced by its HTTP, gRPC and metrics ports; `<!-- run: batch -->`,
+  against a batch API (`python -m tools batch serve`) in front of that server, with
+  `localhost:8080` replaced by the API's port too.
 - a ```bash block shows commands that are not run here (they start servers, run for minutes
   or change state); every `python -m tools ...` in it must parse with the real CLI, and
   every `make TARGET` must name a target of the Makefile.
@@ -29,9 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
-RUN_MARKER = "<!-- run: server -->"
+RUN_MARKER = re.compile(r"<!-- run: (?P<where>server|batch) -->")
 LANGUAGES = {"console", "pycon", "bash", "text", "toml", "json"}
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "batch": 8080}
+SEPARATOR = "@@doc-example-exit"
 CHECKER = doctest.OutputChecker()
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
@@ -44,7 +47,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     language: str
     body: str
-    needs_server: bool
+    runs_on: str  # "offline", "server" or "batch"
 
     @property
     def where(self) -> str:
@@ -66,8 +69,9 @@ def blocks(paths: tuple[Path, ...] = DOCUMENTS) -> list[Block]:
             before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
             indent = match["indent"]
             body = "\n".join(line[len(indent):] for line in match["body"].splitlines())
+            marker = RUN_MARKER.fullmatch(before)
             found.append(Block(path, text.count("\n", 0, match.start()) + 1, match["lang"], body,
-                               before == RUN_MARKER))
+                               marker["where"] if marker else "offline"))
     return found
 
 
@@ -94,9 +98,9 @@ def console_commands(block: Block) -> list[Command]:
     return commands
 
 
-def with_ports(text: str, ports: dict[str, int]) -> str:
-    for name, default in DEFAULT_PORTS.items():
-        text = text.replace(f"localhost:{default}", f"localhost:{ports[name]}")
+def with_ports(text: str, ports: dict[str, int] | None) -> str:
+    for name, port in (ports or {}).items():
+        text = text.replace(f"localhost:{DEFAULT_PORTS[name]}", f"localhost:{port}")
     return text
 
 
@@ -109,25 +113,31 @@ def environment() -> dict[str, str]:
     return env
 
 
-def run_command(command: Command, ports: dict[str, int] | None = None, timeout_s: float = 120) -> str:
-    """Run one console command as written (ports substituted), and fail unless it exits 0 and
-    its stdout matches what the docs show. Returns the stdout."""
-    shell = with_ports(command.command, ports) if ports else command.command
-    result = subprocess.run(["bash", "-c", shell], cwd=REPO, env=environment(), capture_output=True,
+def run_console(block: Block, ports: dict[str, int] | None = None, timeout_s: float = 120) -> list[str]:
+    """Run a console block's commands as written (ports substituted) in one bash process, and
+    fail unless each exits 0 and prints what the docs show. Returns each command's stdout."""
+    commands = console_commands(block)
+    script = "".join(f"{with_ports(c.command, ports)}\nprintf '\\n{SEPARATOR} %d\\n' $?\n" for c in commands)
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environment(), capture_output=True,
                             text=True, timeout=timeout_s)
-    assert result.returncode == 0, (
-        f"{command.block.where}: `{command.command}` exited {result.returncode}\n{result.stderr[-2000:]}")
-    want = with_ports(command.expected, ports) if ports else command.expected
-    if not CHECKER.check_output(want + "\n", result.stdout, OPTIONS):
-        raise AssertionError(f"{command.block.where}: `{command.command}` printed what the docs do not show\n"
-                             + CHECKER.output_difference(doctest.Example(command.command, want + "\n"),
-                                                         result.stdout, OPTIONS))
-    return result.stdout
+    chunks = re.split(rf"\n{SEPARATOR} (\d+)\n", result.stdout)
+    outputs = []
+    for index, command in enumerate(commands):
+        if 2 * index + 1 >= len(chunks):
+            raise AssertionError(f"{block.where}: `{command.command}` did not finish\n{result.stderr[-2000:]}")
+        stdout, status = chunks[2 * index], int(chunks[2 * index + 1])
+        assert status == 0, f"{block.where}: `{command.command}` exited {status}\n{result.stderr[-2000:]}"
+        want = with_ports(command.expected, ports) + "\n"
+        if not CHECKER.check_output(want, stdout, OPTIONS):
+            raise AssertionError(f"{block.where}: `{command.command}` printed what the docs do not show\n"
+                                 + CHECKER.output_difference(doctest.Example(command.command, want), stdout, OPTIONS))
+        outputs.append(stdout)
+    return outputs
 
 
 def run_pycon(block: Block, ports: dict[str, int] | None = None) -> None:
     """Run a pycon block as a doctest (ports substituted), failing on any mismatch."""
-    body = with_ports(block.body, ports) if ports else block.body
+    body = with_ports(block.body, ports)
     test = doctest.DocTestParser().get_doctest(body, {}, block.where, str(block.path), block.line)
     runner = doctest.DocTestRunner(optionflags=OPTIONS)
     output: list[str] = []

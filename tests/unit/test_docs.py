@@ -12,13 +12,13 @@ import shlex
 
 import pytest
 
-from tests.doc_examples import DOCUMENTS, LANGUAGES, REPO, blocks, console_commands, run_command, run_pycon
+from tests.doc_examples import DOCUMENTS, LANGUAGES, REPO, blocks, run_console, run_pycon
 from tools.cli import build_parser
 from tools.cli import main as cli_main
 
 BLOCKS = blocks()
-OFFLINE_COMMANDS = [c for b in BLOCKS if b.language == "console" and not b.needs_server for c in console_commands(b)]
-OFFLINE_PYCON = [b for b in BLOCKS if b.language == "pycon" and not b.needs_server]
+OFFLINE_CONSOLE = [b for b in BLOCKS if b.language == "console" and b.runs_on == "offline"]
+OFFLINE_PYCON = [b for b in BLOCKS if b.language == "pycon" and b.runs_on == "offline"]
 BASH_LINES = [(b, line) for b in BLOCKS if b.language == "bash"
               for line in b.body.replace("\\\n", " ").splitlines()]
 TOOLS_CALL = re.compile(r"(?:\.venv/bin/)?python -m tools (?P<args>[^|;&)\n]*)")
@@ -31,13 +31,13 @@ def test_every_example_uses_a_checked_language():
 
 
 def test_the_docs_run_examples_of_both_kinds():
-    assert OFFLINE_COMMANDS, "no offline console example found"
-    assert any(b.needs_server for b in BLOCKS), "no server example found"
+    assert OFFLINE_CONSOLE, "no offline console example found"
+    assert {b.runs_on for b in BLOCKS} >= {"server", "batch"}, "no example against a server or the batch API"
 
 
-@pytest.mark.parametrize("command", OFFLINE_COMMANDS, ids=lambda c: f"{c.block.where} {c.command[:40]}")
-def test_offline_command_runs_as_shown(command):
-    run_command(command)
+@pytest.mark.parametrize("block", OFFLINE_CONSOLE, ids=lambda b: b.where)
+def test_offline_commands_run_as_shown(block):
+    run_console(block)
 
 
 def test_offline_python_examples_run_as_shown():
