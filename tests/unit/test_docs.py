@@ -66,6 +66,17 @@ def test_shown_make_targets_exist():
     assert not missing, f"make targets the Makefile lacks: {missing}"
 
 
+def test_shown_loadtest_options_exist():
+    """`make loadtest LOADTEST_ARGS="..."` passes options to the locustfile: each must be one
+    that loadtest/run.py adds (Locust's own are not shown in LOADTEST_ARGS)."""
+    declared = set(re.findall(r'add_argument\("(--[a-z-]+)"', (REPO / "loadtest" / "run.py").read_text()))
+    shown = {(b.where, option) for b, line in BASH_LINES for args in re.findall(r'LOADTEST_ARGS="([^"]*)"', line)
+             for option in re.findall(r"--[a-z-]+", args)}
+    assert shown, "no LOADTEST_ARGS example found"
+    missing = sorted(f"{where}: {option}" for where, option in shown if option not in declared)
+    assert not missing, f"load-test options the locustfile does not declare: {missing}"
+
+
 def _anchors(path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
     headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S), re.M)
