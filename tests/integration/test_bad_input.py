@@ -1,6 +1,6 @@
 """Bad input gets a clear error with the right status, and the server keeps serving.
 
-Documented behaviour (README, "Errors"): Triton itself rejects requests that do not match
+Documented behaviour (docs/serving.md, "Errors"): Triton itself rejects requests that do not match
 the model's signature; the router rejects content it cannot embed.
 """
 

@@ -1,7 +1,7 @@
 """Property-based bad input (hypothesis) over HTTP JSON, HTTP binary and gRPC.
 
 Every generated request is invalid by construction; each must get an error with the status
-the README's error table documents and a message saying what is wrong, the server must stay
+the error table of docs/serving.md documents and a message saying what is wrong, the server must stay
 ready, and its memory (server plus backend processes) must not grow across the battery.
 """
 
@@ -48,7 +48,7 @@ def infer_url(triton) -> str:
 def assert_refused(status: int, body: str, allowed: set[int]) -> None:
     # Triton's HTTP front end answers 500 for data it cannot parse as JSON or as the declared
     # datatype ("failed to parse the request JSON buffer", "Unable to parse 'data'"): its own
-    # status for these, documented in the README's error table.
+    # status for these, documented in the error table of docs/serving.md.
     unparsable = status == 500 and "parse" in body
     assert status in allowed or unparsable, (status, body[:300])
     assert body.strip(), "an error must say what is wrong"

@@ -178,7 +178,7 @@ def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path
 
 @pytest.mark.slow
 def test_the_full_step_ramp_reports_every_stage_against_the_slo(triton, tmp_path):
-    """The step shape as written (4 minutes, up to 96 req/s): the form whose figures the README quotes."""
+    """The step shape as written (4 minutes, up to 96 req/s): the form whose figures docs/benchmarks.md renders."""
     result = run_locust(triton, tmp_path, "--mix", "embed", "--shape", "step", timeout_s=420)
     assert result.returncode in (0, 1), explain(result)
     report = verdict(tmp_path)

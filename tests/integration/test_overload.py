@@ -2,7 +2,7 @@
 `python -m tools bench overload` (its own tritonserver, explicit mode, supervisor on).
 
 Load figures on a shared 2-core machine move between runs, so the latency assertions leave
-room (the benchmark's figures are in the README); the counts of lost, failed and unserved
+room (the benchmark's figures are in docs/benchmarks.md); the counts of lost, failed and unserved
 requests are exact.
 """
 

@@ -1,0 +1,138 @@
+"""`python -m tools report`: the docs' benchmark tables rendered from the result files, and the
+check that fails when the two disagree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tools.bench.report import (
+    RESULT_FILES,
+    ReportError,
+    drift,
+    load_results,
+    render_sections,
+    splice,
+    structure_problems,
+)
+from tools.cli import main
+from tools.paths import REPO_ROOT
+
+
+@pytest.fixture
+def kit(tmp_path) -> dict[str, Path]:
+    """A copy of the result files and of the two documents, to break on purpose."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in RESULT_FILES:
+        shutil.copy(REPO_ROOT / "results" / f"{name}.json", results)
+    readme = tmp_path / "README.md"
+    shutil.copy(REPO_ROOT / "README.md", readme)
+    benchmarks = tmp_path / "benchmarks.md"
+    shutil.copy(REPO_ROOT / "docs" / "benchmarks.md", benchmarks)
+    return {"results": results, "readme": readme, "benchmarks": benchmarks}
+
+
+def report(kit, *extra) -> int:
+    return main(["report", "--results", str(kit["results"]), "--readme", str(kit["readme"]),
+                 "--benchmarks", str(kit["benchmarks"]), *extra])
+
+
+def test_committed_docs_agree_with_the_committed_results(kit, capsys):
+    assert report(kit, "--check") == 0
+    assert "agree" in capsys.readouterr().out
+
+
+def test_a_changed_result_fails_the_check_and_report_renders_it(kit, capsys):
+    path = kit["results"] / "goodput.json"
+    result = json.loads(path.read_text())
+    result["setups"]["slo_bucketed"]["goodput_rps"] = 999.0
+    path.write_text(json.dumps(result))
+
+    assert report(kit, "--check") == 1
+    err = capsys.readouterr().err
+    assert "section 'goodput' differs from the result files" in err
+    assert "section 'headline' differs" in err
+    assert "python -m tools report" in err
+
+    assert report(kit) == 0
+    assert "999.0 req/s" in kit["readme"].read_text()
+    assert "| 999.0 |" in kit["benchmarks"].read_text()
+    assert report(kit, "--check") == 0
+
+
+def test_a_figure_edited_by_hand_fails_the_check(kit, capsys):
+    text = kit["benchmarks"].read_text()
+    figure = json.loads((kit["results"] / "llm.json").read_text())["continuous"]["tokens_per_s"]
+    shown = f"| {figure:,.1f} |"
+    assert shown in text, "the figure to edit is no longer in the document"
+    kit["benchmarks"].write_text(text.replace(shown, f"| {figure + 1:,.1f} |", 1))
+    assert report(kit, "--check") == 1
+    assert "section 'llm' differs" in capsys.readouterr().err
+    assert report(kit) == 0
+    assert kit["benchmarks"].read_text() == text
+
+
+def test_prose_outside_the_markers_is_kept(kit):
+    kit["benchmarks"].write_text(kit["benchmarks"].read_text() + "\nA closing remark.\n")
+    assert report(kit) == 0
+    assert kit["benchmarks"].read_text().endswith("\nA closing remark.\n")
+
+
+def test_a_missing_section_is_an_error_and_nothing_is_written(kit, capsys):
+    text = kit["readme"].read_text()
+    start, end = text.index("<!-- report:headline -->"), text.index("<!-- /report:headline -->")
+    kit["readme"].write_text(text[:start] + text[end + len("<!-- /report:headline -->"):])
+    before = kit["readme"].read_text()
+    assert report(kit) == 1
+    assert "no '<!-- report:headline -->' section" in capsys.readouterr().err
+    assert kit["readme"].read_text() == before
+
+
+def test_unknown_and_unclosed_markers_are_named():
+    sections = {"goodput": "table"}
+    text = "<!-- report:goodputt -->\n<!-- /report:goodputt -->\n<!-- report:goodput -->\n"
+    problems = structure_problems(text, sections, ("goodput",), "doc.md")
+    assert "doc.md: unknown report section 'goodputt' (known: goodput)" in problems
+    assert "doc.md: section 'goodput' has no closing '<!-- /report:goodput -->' marker" in problems
+    assert splice(text, sections) == text
+
+
+def test_splice_replaces_only_between_markers_and_is_idempotent():
+    text = "before\n<!-- report:goodput -->\nold\n<!-- /report:goodput -->\nafter\n"
+    once = splice(text, {"goodput": "new"})
+    assert once == "before\n<!-- report:goodput -->\nnew\n<!-- /report:goodput -->\nafter\n"
+    assert splice(once, {"goodput": "new"}) == once
+    assert drift(once, {"goodput": "new"}, ("goodput",), "doc.md") == []
+
+
+def test_a_missing_result_file_is_named(kit, capsys):
+    (kit["results"] / "overload.json").unlink()
+    assert report(kit, "--check") == 2
+    assert "overload.json: no such result file" in capsys.readouterr().err
+
+
+def test_a_result_file_without_a_field_is_named(kit):
+    path = kit["results"] / "batch.json"
+    result = json.loads(path.read_text())
+    del result["direct"]
+    path.write_text(json.dumps(result))
+    with pytest.raises(ReportError, match=r"results/batch.json: a field the report needs is missing"):
+        render_sections(load_results(kit["results"]), "results/")
+
+
+def test_invalid_json_is_named(kit):
+    (kit["results"] / "llm.json").write_text("{")
+    with pytest.raises(ReportError, match=r"llm.json: not valid JSON"):
+        load_results(kit["results"])
+
+
+def test_every_section_names_its_command_and_hardware_and_links_its_plot():
+    sections = render_sections(load_results(REPO_ROOT / "results"), "../results/")
+    for name in ("goodput", "llm", "overload", "batch", "loadtest_step"):
+        assert "- command: `" in sections[name] and "- hardware: " in sections[name], name
+    assert "![goodput](../results/goodput.png)" in sections["goodput"]
+    assert "![llm](../results/llm.png)" in sections["llm"]

@@ -1,0 +1,424 @@
+"""The benchmark tables of the docs, rendered from the result files.
+
+Every figure in `docs/benchmarks.md` and in the README's headline table comes from
+`results/*.json`; a document holds each rendered section between two marker comments,
+`<!-- report:NAME -->` and `<!-- /report:NAME -->`, and everything outside the markers is
+prose. `python -m tools report` rewrites the sections, `--check` says which documents
+disagree with the result files (a unit test runs it, so the docs cannot drift).
+
+Pure: `render_sections` (parsed result files -> Markdown per section), `splice` (a document
+with its sections replaced) and `drift`. I/O: `load_results` reads the result files,
+`update_documents` reads and writes the documents.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TIMES = "\N{MULTIPLICATION SIGN}"
+
+RESULT_FILES = ("goodput", "llm", "overload", "batch", "loadtest_step")
+
+# loadtest_step.json is the Locust verdict, which records neither its command nor the machine.
+LOADTEST_STEP_COMMAND = 'make loadtest LOADTEST_ARGS="--shape step"'
+
+MARKER = re.compile(r"<!-- report:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
+                    re.DOTALL)
+
+GOODPUT_SETUPS = {
+    "no_batching": "one model, every input padded to 256 tokens, no dynamic batching",
+    "default_batching": "one model, padded to 256, `dynamic_batching { }`, max batch 32",
+    "slo_bucketed": "five length buckets, configs derived from `serving.toml` + `profiles/cpu.json`",
+}
+LLM_SETUPS = {
+    "static": "a batch runs until its last member finishes; finished rows keep computing",
+    "static_retiring": "the same, but a finished member leaves the batch's compute at once",
+    "continuous": "the engine as `serve` runs it: requests join and leave at every step",
+}
+
+
+class ReportError(ValueError):
+    """A result file or a document the report cannot use, with the file named."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """A document with rendered sections, and the link prefix from it to `results/`."""
+
+    path: Path
+    sections: tuple[str, ...]
+    results_link: str  # "results/" from the README, "../results/" from docs/
+
+
+def _num(value: float, digits: int = 1) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _int(value: float) -> str:
+    return f"{round(value):,}"
+
+
+def _ratio(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}{TIMES}"
+
+
+def _seconds(value: float) -> str:
+    if value >= 10:
+        return f"{value:.0f} s"
+    return f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
+
+
+def _pct(fraction: float, digits: int = 1) -> str:
+    return f"{fraction * 100:.{digits}f}%"
+
+
+def _hardware(result: Mapping[str, Any]) -> str:
+    hardware = result.get("hardware")
+    if not hardware:
+        return "not recorded"
+    gpu = hardware.get("gpu") or "no GPU"
+    return f"{hardware['description']}, {hardware['cpu_count']} vCPU, {gpu}"
+
+
+def _provenance(result: Mapping[str, Any], command: str | None = None) -> str:
+    lines = [f"- command: `{command or result['command']}`"]
+    if "measured_at" in result:
+        lines.append(f"- measured: {result['measured_at']}")
+    lines.append(f"- hardware: {_hardware(result)}")
+    return "\n".join(lines)
+
+
+def _table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_goodput(result: Mapping[str, Any], results_link: str) -> str:
+    setups = result["setups"]
+    default = setups["default_batching"]["goodput_rps"]
+    rows = []
+    for name, what in GOODPUT_SETUPS.items():
+        setup = setups[name]
+        rounds = ", ".join(_num(r) for r in setup["goodput_rps_by_round"])
+        rows.append([f"`{name}`: {what}", _num(setup["goodput_rps"]), rounds,
+                     _ratio(setup["goodput_rps"] / default, 1)])
+    ceiling_rounds = ", ".join(_num(r) for r in result["ceiling_rps_by_round"])
+    rows.append(["ceiling: the same mix in-process through ONNX Runtime, ideal buckets (rows/s)",
+                 _num(result["ceiling_rps"]), ceiling_rounds, ""])
+    ratios = result["ratios"]
+    by_round = ", ".join(_pct(r) for r in ratios["slo_bucketed_vs_ceiling_by_round"])
+    return "\n".join([
+        _provenance(result),
+        f"- SLO: p95 {_int(result['slo_ms'])} ms; workload `{result['workload']}`; "
+        f"{result['rounds']} rounds, medians; load generator over {result['load_generator']['protocol']}"
+        + (" on the measured machine" if result["load_generator"].get("on_the_measured_machine") else ""),
+        "",
+        _table(["setup", "goodput (req/s)", "by round", "vs. `default_batching`"],
+               ["---", "---:", "---:", "---:"], rows),
+        "",
+        f"`slo_bucketed` reached **{_pct(ratios['slo_bucketed_vs_ceiling'])} of the ceiling** "
+        f"(median of the rounds' paired ratios: {by_round}) and "
+        f"**{_ratio(ratios['slo_bucketed_vs_default_batching'], 1)}** `default_batching`'s goodput "
+        f"({_ratio(ratios['slo_bucketed_vs_no_batching'], 1)} `no_batching`'s).",
+        "",
+        f"![goodput]({results_link}goodput.png)",
+    ])
+
+
+def render_llm(result: Mapping[str, Any], results_link: str) -> str:
+    rows = []
+    for name, what in LLM_SETUPS.items():
+        setup = result[name]
+        rows.append([f"`{name}`: {what}", _num(setup["tokens_per_s"]), _seconds(setup["ttft_p50_s"]),
+                     _seconds(setup["ttft_p95_s"]), _seconds(setup["tpot_p95_s"]),
+                     _seconds(setup["latency_p95_s"]), _seconds(setup["drain_s"]),
+                     f"{setup['failed']} / {setup['unfinished']}"])
+    ratios = result["ratios"]
+    engine = result["engine"]
+    return "\n".join([
+        _provenance(result),
+        f"- model: {result['model']}; workload `{result['workload']}`, {result['requests']} requests at "
+        f"{_num(result['rate_rps'])} req/s for {_int(result['duration_s'])} s; steady state from "
+        f"{_int(result['warmup_s'])} s; engine: {engine['max_num_seqs']} sequences, "
+        f"{engine['max_num_batched_tokens']} tokens per step, {_int(engine['kv_cache_mb'])} MB KV cache",
+        "",
+        _table(["setup", "output tokens/s (steady)", "TTFT p50", "TTFT p95", "TPOT p95", "end-to-end p95",
+                "last answer after the last arrival", "failed / unfinished"],
+               ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows),
+        "",
+        f"Continuous batching: **{_ratio(ratios['tokens_per_s_continuous_vs_static'])}** the tokens/s of "
+        f"`static` at {_ratio(ratios['ttft_p95_continuous_vs_static'], 3)} its TTFT p95; "
+        f"{_ratio(ratios['tokens_per_s_continuous_vs_static_retiring'])} the tokens/s of `static_retiring` at "
+        f"{_ratio(ratios['ttft_p95_continuous_vs_static_retiring'], 3)} its TTFT p95.",
+        "",
+        f"![llm]({results_link}llm.png)",
+    ])
+
+
+def render_batch(result: Mapping[str, Any], results_link: str) -> str:
+    del results_link  # the batch benchmark writes no plot
+    direct = result["direct"]
+    rows = [["`direct`: asyncio gRPC client, requests of "
+             f"{result['rows_per_request']} rows, {direct['concurrency']} in flight",
+             _num(direct["items_per_s"]), ", ".join(_num(r) for r in direct["runs"]), "1.00"]]
+    for name, engine in (("batch_api", "SQLite"), ("batch_api_postgres", "PostgreSQL")):
+        if name not in result:
+            continue
+        setup = result[name]
+        rows.append([f"`{name}`: `python -m tools batch serve` on {engine}, {setup['workers']} workers, "
+                     f"{setup['max_in_flight_per_worker']} requests in flight each",
+                     _num(setup["items_per_s"]), ", ".join(_num(r) for r in setup["runs"]),
+                     f"{setup['ratio']:.2f}"])
+    return "\n".join([
+        _provenance(result),
+        f"- {result['items']} items per run; {result['note']}",
+        "",
+        _table(["setup", "items/s (median)", "runs", "÷ direct"], ["---", "---:", "---", "---:"], rows),
+        "",
+        f"Target: the batch API at ≥ {result['target_ratio']:.2f} of direct calls; "
+        f"{'met' if result['ratio'] >= result['target_ratio'] else 'missed'} ({result['ratio']:.2f}).",
+    ])
+
+
+def _admitted(part: Mapping[str, Any]) -> str:
+    return (f"{_int(part['admitted_p50_ms'])} / {_int(part['admitted_p95_ms'])} / "
+            f"{_int(part['admitted_p99_ms'])} ms")
+
+
+def render_overload(result: Mapping[str, Any], results_link: str) -> str:
+    del results_link  # the overload benchmark writes no plot
+    flood = result["overload"]
+    overload_row = [f"{_int(flood['offered'])} ({_int(flood['offered_rps'])} req/s, "
+                    f"{_num(flood['offered_rps'] / flood['goodput_rps'], 0)}{TIMES} goodput "
+                    f"{_int(flood['goodput_rps'])})",
+                    f"{_int(flood['ok'])} ({_int(flood['ok'] / flood['duration_s'])} req/s)",
+                    _int(flood["rejected"]), _int(flood["failed_other"] + flood["crashed"]), _int(flood["lost"]),
+                    _admitted(flood), _pct(flood["admitted_within_slo"])]
+    isolation = result["isolation"]
+    b, a = isolation["b"], isolation["a"]
+    isolation_rows = [
+        [f"B (`{b['tenant']}`, {b['tier']}) alone, {_int(b['rate_rps'])} req/s", f"{b['p95_ms_alone']:.1f} ms",
+         _int(b["alone"]["offered"] - b["alone"]["ok"]), "", ""],
+        [f"B with A (`{a['tenant']}`, {a['tier']}, quota {_int(a['quota_rps'])} req/s) flooding "
+         f"{_int(a['rate_rps'])} req/s", f"{b['p95_ms_with_flood']:.1f} ms",
+         _int(b["with_flood"]["offered"] - b["with_flood"]["ok"]), _int(a["ok"]),
+         f"{_int(a['rejected'])} ({_int(a['rejected_over_quota'])} / "
+         f"{_int(a['rejected'] - a['rejected_over_quota'])})"],
+    ]
+    crash = result["crash"]
+    crash_rows = []
+    for name, label in (("without_retries", "no retries"), ("with_retries", "retrying client")):
+        run = crash[name]
+        crash_rows.append([label, _int(run["ok"]), _int(run["failed"]), _int(run["failed_by_crash"]),
+                           _int(run["retried"]), f"{run['seconds_to_detect']:.2f} s",
+                           f"{run['seconds_to_recover']:.2f} s"])
+    return "\n".join([
+        _provenance(result),
+        f"- SLO: p95 {_int(result['slo_ms'])} ms; {result['note']}",
+        "",
+        f"**Overload**: open-loop arrivals for {_int(flood['duration_s'])} s.",
+        "",
+        _table(["offered", "ok", "rejected (503)", "failed otherwise", "lost", "admitted p50 / p95 / p99",
+                "admitted within SLO"], ["---:"] * 7, [overload_row]),
+        "",
+        "**Isolation**: a premium tenant B beside a batch-tier tenant A's flood.",
+        "",
+        _table(["", "B p95", "B not served", "A ok", "A rejected (over quota / by admission)"],
+               ["---", "---:", "---:", "---:", "---:"], isolation_rows),
+        "",
+        f"**Crash**: {_int(crash['rate_rps'])} req/s while one `{crash['victim_model']}` instance is killed.",
+        "",
+        _table(["clients", "ok", "failed", "of which hit the crash", "retried", "detected after",
+                "whole again after"], ["---", "---:", "---:", "---:", "---:", "---:", "---:"], crash_rows),
+        "",
+        f"Server healthy at the end: {'yes' if result['server_healthy_at_end'] else 'no'}.",
+    ])
+
+
+def render_loadtest_step(result: Mapping[str, Any], results_link: str) -> str:
+    info = result["info"]
+    check_rows = []
+    for check in result["checks"]:
+        check_rows.append([check["model"], check["tenant"] or "all", _int(check["requests"]),
+                           f"{_int(check['errors'])} ({_pct(check['error_rate'])})",
+                           _pct(check["max_error_rate"]), f"{_int(check['p95_ms'])} ({check['metric']})",
+                           _int(check["target_ms"]), "pass" if check["passed"] else "FAIL"])
+    models = sorted({model for stage in result["stages"] for model in stage["p95_ms"]})
+    stage_rows = []
+    for stage in result["stages"]:
+        stage_rows.append([str(stage["index"]), str(stage["users"]), _num(stage["throughput_rps"]),
+                           _int(stage["errors"])] + [_int(stage["p95_ms"][m]) for m in models]
+                          + ["yes" if stage["within_slo"] else "no"])
+    passing = [stage for stage in result["stages"] if stage["within_slo"]]
+    if passing and passing[-1] is result["stages"][-1]:
+        knee = (f"Knee not reached: the last stage ({passing[-1]['users']} users, "
+                f"{_num(passing[-1]['throughput_rps'])} req/s) still met every SLO.")
+    elif passing:
+        best = max(passing, key=lambda stage: stage["throughput_rps"])
+        knee = f"Knee: stage {best['index']} ({best['users']} users, {_num(best['throughput_rps'])} req/s)."
+    else:
+        knee = "No stage met every SLO."
+    kinds = ", ".join(f"{kind} {_int(count)}" for kind, count in sorted(result["error_kinds"].items()))
+    return "\n".join([
+        _provenance(result, LOADTEST_STEP_COMMAND),
+        f"- mix: {info['mix']}; shape: {info['shape']}; load generators: {info['load generators']}",
+        f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}**; failed requests by kind: {kinds or 'none'}",
+        "",
+        _table(["model", "tenant", "requests", "errors", "allowed", "p95 (ms)", "target (ms)", "verdict"],
+               ["---", "---", "---:", "---:", "---:", "---:", "---:", "---"], check_rows),
+        "",
+        _table(["stage", "users", "ok req/s", "errors"] + [f"{m} p95 (ms)" for m in models] + ["within SLO"],
+               ["---:"] * (4 + len(models)) + ["---"], stage_rows),
+        "",
+        knee,
+        "",
+        f"Locust's own summary of the run: [{results_link}loadtest_step.md]({results_link}loadtest_step.md).",
+    ])
+
+
+def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str) -> str:
+    goodput, llm, overload, batch, step = (results[name] for name in RESULT_FILES)
+    slo_bucketed = goodput["setups"]["slo_bucketed"]["goodput_rps"]
+    flood = overload["overload"]
+    isolation = overload["isolation"]["b"]
+    crash = overload["crash"]["with_retries"]
+    last_stage = step["stages"][-1]
+    rows = [
+        ["embedding goodput (p95 ≤ SLO)",
+         f"{_num(slo_bucketed)} req/s, {_pct(goodput['ratios']['slo_bucketed_vs_ceiling'])} of the ceiling",
+         f"{_ratio(goodput['ratios']['slo_bucketed_vs_default_batching'], 1)} the goodput of Triton's default batching",
+         f"[goodput.json]({results_link}goodput.json)"],
+        ["LLM streaming throughput",
+         f"{_num(llm['continuous']['tokens_per_s'])} tokens/s, TTFT p95 {llm['continuous']['ttft_p95_s']:.2f} s",
+         f"{_ratio(llm['ratios']['tokens_per_s_continuous_vs_static'])} the tokens/s of static batching",
+         f"[llm.json]({results_link}llm.json)"],
+        [f"overload at {_num(flood['offered_rps'] / flood['goodput_rps'], 0)}{TIMES} goodput",
+         f"{_int(flood['ok'] / flood['duration_s'])} req/s served, {_int(flood['lost'])} lost, "
+         f"{_int(flood['failed_other'])} failed", f"admitted p95 {_int(flood['admitted_p95_ms'])} ms",
+         f"[overload.json]({results_link}overload.json)"],
+        ["tenant isolation", f"premium p95 {isolation['p95_ms_with_flood']:.1f} ms beside a flood",
+         f"{isolation['p95_ms_alone']:.1f} ms alone", f"[overload.json]({results_link}overload.json)"],
+        ["crash of an instance", f"{_int(crash['failed'])} failed with retries",
+         f"whole again after {crash['seconds_to_recover']:.1f} s", f"[overload.json]({results_link}overload.json)"],
+        ["batch API", f"{_num(batch['batch_api']['items_per_s'])} items/s",
+         f"{batch['batch_api']['ratio']:.2f} of direct calls", f"[batch.json]({results_link}batch.json)"],
+        ["Locust step ramp", f"{_num(last_stage['throughput_rps'])} req/s at {last_stage['users']} users, "
+         f"{'PASS' if step['passed'] else 'FAIL'}", "p95 within the SLO at every stage"
+         if all(stage["within_slo"] for stage in step["stages"]) else "SLO missed at some stage",
+         f"[loadtest_step.json]({results_link}loadtest_step.json)"],
+    ]
+    machines = sorted({_hardware(results[name]) for name in RESULT_FILES if results[name].get("hardware")})
+    return "\n".join([
+        _table(["benchmark", "result", "against", "from"], ["---", "---", "---", "---"], rows),
+        "",
+        f"Measured on {'; '.join(machines)}. Commands, details, plots and method: "
+        "[docs/benchmarks.md](docs/benchmarks.md).",
+    ])
+
+
+SECTION_RENDERERS: dict[str, Callable[[Mapping[str, Any], str], str]] = {
+    "goodput": render_goodput,
+    "llm": render_llm,
+    "overload": render_overload,
+    "batch": render_batch,
+    "loadtest_step": render_loadtest_step,
+}
+
+
+def render_sections(results: Mapping[str, Mapping[str, Any]], results_link: str) -> dict[str, str]:
+    """Every section, its Markdown keyed by its marker name, with plots linked by `results_link`."""
+    sections = {}
+    for name, render in SECTION_RENDERERS.items():
+        try:
+            sections[name] = render(results[name], results_link)
+        except (KeyError, TypeError, ZeroDivisionError) as error:
+            raise ReportError(f"results/{name}.json: a field the report needs is missing or malformed "
+                              f"({type(error).__name__}: {error})") from None
+    try:
+        sections["headline"] = render_headline(results, results_link)
+    except (KeyError, TypeError, ZeroDivisionError) as error:
+        raise ReportError(f"results/*.json: a field of the headline table is missing or malformed "
+                          f"({type(error).__name__}: {error})") from None
+    return sections
+
+
+def structure_problems(text: str, known: Mapping[str, str], required: tuple[str, ...],
+                       where: str) -> list[str]:
+    """Markers in `text` that `splice` cannot use: a required section missing, an unknown name,
+    an opening marker without its closing one."""
+    closed = {match["name"] for match in MARKER.finditer(text)}
+    opened = set(re.findall(r"<!-- report:([a-z_]+) -->", text))
+    problems = [f"{where}: no '<!-- report:{name} -->' section" for name in required if name not in opened]
+    problems += [f"{where}: unknown report section '{name}' (known: {', '.join(sorted(known))})"
+                 for name in sorted(opened - set(known))]
+    problems += [f"{where}: section '{name}' has no closing '<!-- /report:{name} -->' marker"
+                 for name in sorted(opened - closed)]
+    return problems
+
+
+def splice(text: str, sections: Mapping[str, str]) -> str:
+    """`text` with the body between each pair of markers replaced by its section (names that
+    `sections` lacks are left as they are: `structure_problems` reports them)."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in sections:
+            return match[0]
+        return f"<!-- report:{name} -->\n{sections[name]}\n<!-- /report:{name} -->"
+
+    return MARKER.sub(replace, text)
+
+
+def drift(text: str, sections: Mapping[str, str], required: tuple[str, ...], where: str) -> list[str]:
+    """What in `text` disagrees with the rendered sections: bad markers and stale sections."""
+    problems = structure_problems(text, sections, required, where)
+    problems += [f"{where}: section '{match['name']}' differs from the result files"
+                 for match in MARKER.finditer(text)
+                 if match["name"] in sections and match["body"] != sections[match["name"]] + "\n"]
+    return problems
+
+
+def load_results(results_dir: Path) -> dict[str, dict[str, Any]]:
+    """Read `results_dir/<name>.json` for every result file the report renders (I/O)."""
+    results = {}
+    for name in RESULT_FILES:
+        path = results_dir / f"{name}.json"
+        try:
+            results[name] = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ReportError(f"{path}: no such result file; its benchmark writes it") from None
+        except json.JSONDecodeError as error:
+            raise ReportError(f"{path}: not valid JSON ({error})") from None
+    return results
+
+
+def update_documents(documents: tuple[Document, ...], results: Mapping[str, Mapping[str, Any]],
+                     check: bool) -> list[str]:
+    """Rewrite each document's sections from the results, or with `check` only list the drift;
+    returns the problems found (I/O: reads the documents, writes the ones that changed unless
+    `check`; a document with bad markers is left as it is)."""
+    problems: list[str] = []
+    for document in documents:
+        sections = render_sections(results, document.results_link)
+        try:
+            text = document.path.read_text()
+        except FileNotFoundError:
+            problems.append(f"{document.path}: no such document")
+            continue
+        if check:
+            problems += drift(text, sections, document.sections, str(document.path))
+            continue
+        broken = structure_problems(text, sections, document.sections, str(document.path))
+        if broken:
+            problems += broken
+            continue
+        spliced = splice(text, sections)
+        if spliced != text:
+            document.path.write_text(spliced)
+    return problems
