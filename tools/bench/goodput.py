@@ -5,8 +5,8 @@ one 256-token bucket, `slo_bucketed`: the generated configs) under build/bench/,
 tritonserver on each in turn and searches for the highest open-loop rate that meets the
 SLO (`search_goodput`), then runs the same texts through ONNX Runtime in-process for the
 ceiling (`measure_ceiling`), in rounds; it returns the report that `python -m tools bench
-goodput` writes to results/goodput.json (its --help says what each figure
-means). The round medians, paired ratios and the per-step CPU breakdown are pure.
+goodput` writes to results/goodput.json (its --help says what each figure means). The
+round medians, paired ratios and the per-step CPU breakdown are pure.
 """
 
 from __future__ import annotations
