@@ -19,19 +19,24 @@ there; the models verify their files against it before loading them
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.repository.build import (
+    BuildError,
     build_encoders,
     build_llm,
     encoder_precisions,
     find_targets,
     install_tokenizers,
-    log,
     source_fingerprint,
     weights_dir,
 )
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,15 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     repository: Path = args.model_repository.resolve()
-    targets = find_targets(repository)
-    weights = weights_dir()
-    log("[1/4] fingerprinting the packaged weights ...")
-    fingerprint = source_fingerprint(weights)
-    installed = install_tokenizers(targets, weights, fingerprint, args.force)
-    log(f"[2/4] tokenizer: {len(installed)} installed, {len(targets.router_dirs) - len(installed)} up to date")
-    status = build_encoders(targets, fingerprint, weights, args.force, repository, encoder_precisions(args.spec))
-    if status == 0:
-        status = build_llm(targets, args.force, repository)
-    if status == 0:
-        log("model files ready")
-    return status
+    try:
+        targets = find_targets(repository)
+        weights = weights_dir()
+        log("[1/4] fingerprinting the packaged weights ...")
+        fingerprint = source_fingerprint(weights)
+        installed = install_tokenizers(targets, weights, fingerprint, args.force)
+        log(f"[2/4] tokenizer: {len(installed)} installed, {len(targets.router_dirs) - len(installed)} up to date")
+        build_encoders(targets, fingerprint, weights, args.force, repository, encoder_precisions(args.spec), log)
+        build_llm(targets, args.force, repository, log)
+    except BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    log("model files ready")
+    return 0
