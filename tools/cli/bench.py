@@ -224,7 +224,7 @@ def run_overload(args: argparse.Namespace) -> int:
     except (SpecError, KeysError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    goodput_rps = args.goodput_rps or measured_goodput(REPO_ROOT / "results" / "goodput.json")
+    goodput_rps = args.goodput_rps or measured_goodput()
     if "overload" in parts and not goodput_rps:
         print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps",
               file=sys.stderr)
@@ -321,7 +321,7 @@ def run_signals(args: argparse.Namespace) -> int:
         print(f"error: unknown scenarios {unknown}; choose from {', '.join(bench_signals.SCENARIOS)}",
               file=sys.stderr)
         return 2
-    goodput_rps = args.goodput_rps or measured_goodput(REPO_ROOT / "results" / "goodput.json")
+    goodput_rps = args.goodput_rps or measured_goodput()
     if "overload" in scenarios and not goodput_rps:
         print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps", file=sys.stderr)
         return 2
