@@ -5,12 +5,13 @@ import pytest
 from tools.bench.goodput import (
     cpu_breakdown,
     embed_plan,
+    goodput_options,
     median_index,
     median_ratio,
     padded_only_plan,
     round_ratios,
-    without_tenant_quotas,
 )
+from tools.bench.harness import without_tenant_quotas
 from tools.bench.loadgen import summarize_step
 from tools.spec.profile import load_profile
 from tools.spec.serving import load_spec
@@ -86,3 +87,14 @@ def test_ratios_pair_each_round_with_the_reference_of_the_same_round():
     assert median_ratio([3.0, 9.0], [1.0, 1.0]) == pytest.approx(6.0)  # even count: the mean of the middle two
     with pytest.raises(ValueError, match="2 rounds of ours against 1"):
         round_ratios([1.0, 2.0], [1.0])
+
+
+def test_the_short_form_is_one_round_of_short_steps_unless_rounds_are_asked_for():
+    quick = goodput_options(quick=True, step_s=10.0, start_rps=8.0, max_steps=11, repeats=None, protocol="http")
+    assert (quick.step_s, quick.max_steps, quick.num_texts, quick.ceiling_rows, quick.repeats) == (3.0, 4, 300, 200, 1)
+    assert quick.start_rps == 8.0 and quick.protocol == "http"
+    rounds = goodput_options(quick=True, step_s=10.0, start_rps=4.0, max_steps=11, repeats=2, protocol="grpc")
+    assert rounds.repeats == 2
+    full = goodput_options(quick=False, step_s=10.0, start_rps=4.0, max_steps=11, repeats=None, protocol="grpc")
+    assert (full.step_s, full.max_steps, full.num_texts, full.ceiling_rows, full.repeats) == (10.0, 11, 2000, 1000, 3)
+    assert full.protocol == "grpc"

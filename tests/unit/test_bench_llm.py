@@ -9,7 +9,6 @@ import pytest
 
 from tools.bench.llm import (
     DEFAULT_CHAT_WORKLOAD,
-    load_chat_workload,
     plan_requests,
     ratios,
     setup_model,
@@ -20,6 +19,7 @@ from tools.clients.llm import STREAM_CLOSED, Generation
 from tools.repository.configs import plan_llm_model
 from tools.spec.profile import load_profile
 from tools.spec.serving import load_spec
+from tools.spec.workload import load_chat_workload
 
 
 def test_plan_is_open_loop_poisson_reproducible_and_spreads_lengths():

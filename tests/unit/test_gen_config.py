@@ -12,7 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from python_backends.common.quotas import TenantPolicy
 from python_backends.embed.router import parse_router_config
 from python_backends.embed.routing import RoutingTable
-from tools.repository.configs import add_encoder_warmup, check, expected_files, plan_all
+from tools.repository.configs import add_encoder_warmup, check, expected_files, plan_all, write_files
 from tools.spec.profile import ProfileError, load_profile, profile_from_dict, profile_to_dict
 from tools.spec.serving import SpecError, load_spec, parse_spec
 
@@ -452,3 +452,15 @@ def test_llm_spec_errors_name_the_field(changes, message):
 def test_llm_name_may_not_clash_with_another_model():
     with pytest.raises(SpecError, match="model name 'embed' is used twice"):
         parse_spec({**BASE, "llm_models": {"embed": LLM}}, REPO / "serving.toml")
+
+
+def test_write_files_writes_only_what_differs(tmp_path):
+    same, changed, new = tmp_path / "a" / "config.pbtxt", tmp_path / "b" / "config.pbtxt", tmp_path / "c" / "1" / "m.py"
+    same.parent.mkdir()
+    same.write_text("kept")
+    changed.parent.mkdir()
+    changed.write_text("old")
+    before = same.stat().st_mtime_ns
+    assert write_files({same: "kept", changed: "new", new: "shim"}) == [changed, new]
+    assert (changed.read_text(), new.read_text(), same.stat().st_mtime_ns) == ("new", "shim", before)
+    assert write_files({same: "kept", changed: "new", new: "shim"}) == []

@@ -26,6 +26,7 @@ from tools.bench.loadgen import (
     step_to_dict,
     summarize_step,
 )
+from tools.cli import sweep as sweep_cli
 
 # --------------------------------------------------------------------------- arrivals
 
@@ -349,7 +350,7 @@ def test_plot_sweep_writes_a_png(tmp_path):
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
+    sweep_cli.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -379,7 +380,7 @@ def test_sweep_parses_lists_and_splits_triton_request_fields():
     (["--rates", "5", "--search", "5"], "not both"),
 ])
 def test_sweep_rejects_options_of_the_other_mode(argv, message, capsys):
-    assert sweep.run(parse(*argv)) == 2
+    assert sweep_cli.run(parse(*argv)) == 2
     assert message in capsys.readouterr().err
 
 

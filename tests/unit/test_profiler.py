@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
-from tools.bench.profiler import probe_knobs, profile_name_for_gpu, profiled_version, profiling_router_config
+from tools.bench.harness import profile_name_for_gpu
+from tools.bench.profiler import probe_knobs, profiled_version, profiling_router_config
 from tools.spec.serving import load_spec
 
 

@@ -1,37 +1,19 @@
-"""Benchmarks against a real tritonserver, each with its baselines in the same run.
+"""The goodput benchmark: three setups of the embedding service against the machine's ceiling.
 
-`goodput`: the highest offered request rate (open loop, Poisson arrivals) at which at
-least 95% of requests finish within the SLO and none fail, for three setups of the same
-embedding model on one length mix:
-  no_batching       one model, every input padded to 256 tokens, no dynamic batching
-  default_batching  one model, inputs padded to 256, Triton's dynamic batching with default knobs
-  slo_bucketed      this project's length buckets with SLO-derived configs
-plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
-bucketed at the best measured batch sizes (what this hardware can do at all).
-The machine's speed drifts while the searches run (shared hosts), so the full run repeats
-the setups and the ceiling in rounds (`--repeats`, default 3), each round's ceiling measured
-right after its searches, and reports medians: each setup's median goodput, the median
-ceiling, and the median of the rounds' paired ratios (a round's goodput over the same
-round's ceiling), with every round's figures beside them.
-Every setup runs without the router's per-tenant quotas (one anonymous tenant sends all
-the load; quotas are `bench overload`'s subject); admission and queue bounds stay.
-The load generator runs on the same machine, so its own CPU per request is taken from the
-server it measures (the ceiling pays none): by default it sends over Triton's HTTP endpoint
-with a lean keep-alive client (`tools.clients.http_infer`, about half of tritonclient's gRPC
-cost per request in this open loop); `--protocol grpc` measures through tritonclient's
-gRPC client instead.
+`run_benchmark` builds a model repository per setup (`no_batching`, `default_batching`:
+one 256-token bucket, `slo_bucketed`: the generated configs) under build/bench/, starts a
+tritonserver on each in turn and searches for the highest open-loop rate that meets the
+SLO (`search_goodput`), then runs the same texts through ONNX Runtime in-process for the
+ceiling (`measure_ceiling`), in rounds; it returns the report that `python -m tools bench
+goodput` writes to results/goodput.json (its --help says what each figure means). The
+round medians, paired ratios and the per-step CPU breakdown are pure.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
-import json
 import os
-import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,22 +22,17 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tools.bench import batch as bench_batch
-from tools.bench import llm as bench_llm
-from tools.bench import overload as bench_overload
-from tools.bench import signals as record_signals
+from tools.bench.harness import BENCH_DIR, build_repository, detect_hardware, hardware_report, without_tenant_quotas
 from tools.bench.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
-from tools.bench.profiler import detect_hardware
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
-from tools.repository.configs import LLM_INFER_SUFFIX, ROUTER_VERSIONS, GeneratedModel, expected_files, plan_all
-from tools.server.triton_server import ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.profile import LatencyProfile, ProfileError, load_profile
-from tools.spec.serving import ServingSpec, SpecError, load_spec
-from tools.spec.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
+from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
+from tools.repository.configs import LLM_INFER_SUFFIX, ROUTER_VERSIONS, GeneratedModel, plan_all
+from tools.server.triton_server import ServerConfig, TritonServer, free_port
+from tools.spec.profile import LatencyProfile
+from tools.spec.serving import ServingSpec
+from tools.spec.workload import TextFactory, Workload
 
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
-BENCH_DIR = REPO_ROOT / "build" / "bench"
 PROTOCOLS = ("http", "grpc")
 DEFAULT_REPEATS = 3  # rounds of the full goodput run: a median of three outvotes one lucky or unlucky search
 
@@ -100,28 +77,6 @@ def embed_plan(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedMode
     return [m for m in plan_all(spec, profile) if m.name not in llm_names]
 
 
-def without_tenant_quotas(plan: list[GeneratedModel], model_name: str) -> list[GeneratedModel]:
-    """The plan with the per-tenant quotas of `model_name` taken out.
-
-    Every benchmark request comes from one anonymous tenant, whose tier quota (a business
-    limit: 150 req/s and 200 generated tokens/s for the standard tier in this repo's spec)
-    would otherwise cap what a fast machine shows. Quotas are measured by `bench overload`;
-    the benchmarks measure batching. Authentication, admission and the queues stay as
-    generated.
-    """
-    out = []
-    for model in plan:
-        if model.name == model_name and "tenants" in model.config.parameters:
-            config = mc.ModelConfig()
-            config.CopyFrom(model.config)
-            del config.parameters["tenants"]
-            header = (*model.header, "Benchmark copy: the per-tenant quotas are taken out (the benchmark "
-                      "sends every request as one anonymous tenant).")
-            model = dataclasses.replace(model, config=config, header=header)
-        out.append(model)
-    return out
-
-
 def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool) -> list[GeneratedModel]:
     """The baselines: the router with a single 256-token bucket, so every input is padded to 256."""
     plan = {m.name: m for m in embed_plan(spec, profile)}
@@ -147,31 +102,6 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool)
         GeneratedModel(model.name, router, header, "embed_model", ROUTER_VERSIONS),
         GeneratedModel(model.encoder_name(largest), encoder, header, "encoder_model", model.versions),
     ]
-
-
-def write_report(report: dict, out: Path, plot, log) -> None:
-    """Write a benchmark's JSON and, beside it, the PNG that `plot(report, path)` draws."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot_path = out.with_suffix(".png")
-    plot(report, plot_path)
-    log(f"wrote {out} and {plot_path}")
-
-
-def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
-    """A model repository for one setup: generated configs, model files hard-linked from the real one."""
-    target = BENCH_DIR / setup
-    shutil.rmtree(target, ignore_errors=True)
-    for path, text in expected_files(plan, target).items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    for model in plan:
-        for version in model.versions:
-            source = DEFAULT_MODEL_REPOSITORY / model.name / str(version)
-            for item in source.iterdir():
-                if item.is_file() and item.name != "model.py":  # model files; the shim is generated
-                    os.link(item, target / model.name / str(version) / item.name)
-    return target
 
 
 def _run_batches(encoders: list, batches: list[tuple]) -> float:
@@ -320,92 +250,35 @@ def plot_goodput(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    goodput = sub.add_parser("goodput", help="goodput of no batching vs default batching vs SLO-bucketed",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    goodput.add_argument("--out", type=Path, default=Path("results/goodput.json"),
-                         help="result JSON; a PNG plot is written beside it (default: %(default)s)")
-    goodput.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
-    goodput.add_argument("--profile", type=Path, default=None, help="latency profile (default: the spec's)")
-    goodput.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="length mix (default: %(default)s)")
-    goodput.add_argument("--setups", default=",".join(SETUPS),
-                         help=f"comma-separated subset of {', '.join(SETUPS)} (default: all)")
-    goodput.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
-    goodput.add_argument("--start-rps", type=float, default=4.0, help="first rate of each search (default: 4)")
-    goodput.add_argument("--max-steps", type=int, default=11, help="measured rates per setup at most (default: 11)")
-    goodput.add_argument("--repeats", type=int, default=None,
-                         help="rounds of every search and the ceiling, each round's ceiling right after its "
-                              "searches; medians are reported (default: 3, with --quick 1)")
-    goodput.add_argument("--protocol", choices=PROTOCOLS, default="http",
-                         help="how the load generator sends requests: http, a lean keep-alive client on "
-                              "Triton's HTTP endpoint (least CPU taken from the server it measures), or grpc, "
-                              "tritonclient's gRPC client (default: %(default)s)")
-    goodput.add_argument("--quick", action="store_true",
-                         help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run, "
-                              "one round unless --repeats is given")
-    goodput.set_defaults(benchmark_run=run_goodput)
-    llm = sub.add_parser("llm", help="LLM: continuous vs static batching, tokens/s and time to first token",
-                         description=bench_llm.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_llm.add_arguments(llm)
-    llm.set_defaults(benchmark_run=bench_llm.run)
-    overload = sub.add_parser("overload", help="3x goodput overload, tenant isolation and crash recovery",
-                              description=bench_overload.__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_overload.add_arguments(overload)
-    overload.set_defaults(benchmark_run=bench_overload.run)
-    batch = sub.add_parser("batch", help="batch API items/s against direct tritonclient calls",
-                           description=bench_batch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_batch.add_arguments(batch)
-    batch.set_defaults(benchmark_run=bench_batch.run)
-    signals = sub.add_parser("signals", help="record /metrics under steady, overload and fragmented traffic",
-                             description=record_signals.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    record_signals.add_arguments(signals)
-    signals.set_defaults(benchmark_run=record_signals.run)
 
 
-def run(args: argparse.Namespace) -> int:
-    return args.benchmark_run(args)
+def goodput_options(quick: bool, step_s: float, start_rps: float, max_steps: int, repeats: int | None,
+                    protocol: str) -> GoodputOptions:
+    """The options of a run: the short form for the test suite (3 s steps, 4 rates, a small
+    ceiling run, one round unless `repeats` is given), or the full one."""
+    repeats = repeats if repeats is not None else (1 if quick else DEFAULT_REPEATS)
+    if quick:
+        return GoodputOptions(step_s=3.0, start_rps=start_rps, max_steps=4, num_texts=300, ceiling_rows=200,
+                              repeats=repeats, protocol=protocol)
+    return GoodputOptions(step_s=step_s, start_rps=start_rps, max_steps=max_steps, num_texts=2000,
+                          ceiling_rows=1000, repeats=repeats, protocol=protocol)
 
 
-def run_goodput(args: argparse.Namespace) -> int:
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    unknown = sorted(set(setups) - set(SETUPS))
-    if unknown or not setups:
-        print(f"error: unknown setups {unknown}; choose from {', '.join(SETUPS)}", file=sys.stderr)
-        return 2
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else DEFAULT_REPEATS)
-    if repeats < 1:
-        print(f"error: --repeats must be >= 1, got {repeats}", file=sys.stderr)
-        return 2
-    options = (GoodputOptions(step_s=3.0, start_rps=args.start_rps, max_steps=4, num_texts=300, ceiling_rows=200,
-                              repeats=repeats, protocol=args.protocol)
-               if args.quick else
-               GoodputOptions(step_s=args.step_seconds, start_rps=args.start_rps, max_steps=args.max_steps,
-                              num_texts=2000, ceiling_rows=1000, repeats=repeats, protocol=args.protocol))
-    try:
-        spec = load_spec(args.spec)
-        profile = load_profile(args.profile or spec.profile)
-        workload = load_workload(args.workload)
-    except (SpecError, ProfileError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def run_benchmark(spec: ServingSpec, profile: LatencyProfile, workload: Workload, setups: Sequence[str],
+                  options: GoodputOptions, command: str, log: Callable[[str], None]) -> dict:
+    """Every setup's goodput search and the ceiling, `options.repeats` rounds; the report.
+    Raises `ServerError` when a server does not start or fails."""
     model = spec.models[0]
-
-    def log(message: str) -> None:
-        print(message, flush=True)
-
     hardware = detect_hardware(None)
     log(f"goodput benchmark on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms; workload {workload.name}")
     factory = TextFactory()
     texts = factory.texts_for(workload, options.num_texts)
     report: dict = {
-        "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu,
-                     **hardware.details},
+        "hardware": hardware_report(hardware, details=True),
         "slo_ms": model.slo_p95_ms,
         "workload": workload.name,
         "criterion": "highest offered open-loop rate with >= 95% of requests within the SLO and no errors",
-        "command": "python -m tools bench goodput " + " ".join(sys.argv[3:]),
+        "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rounds": options.repeats,
         "load_generator": {"protocol": options.protocol, "on_the_measured_machine": True},
@@ -418,19 +291,15 @@ def run_goodput(args: argparse.Namespace) -> int:
         repositories[setup] = build_repository(setup, without_tenant_quotas(plan, model.name))
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}
     ceilings: list[dict] = []
-    try:
-        for round_index in range(options.repeats):
-            if options.repeats > 1:
-                log(f"round {round_index + 1} of {options.repeats}")
-            for setup in setups:
-                runs[setup].append(run_setup(setup, repositories[setup], texts, model.slo_p95_ms, options, log))
-            log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
-            ceilings.append(measure_ceiling(texts[: options.ceiling_rows], profile, model.bucket_lens,
-                                            model.encoder_prefix))
-            log(f"  ceiling: {ceilings[-1]['rows_per_s'] / workload.rows_per_request:.1f} rps")
-    except ServerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    for round_index in range(options.repeats):
+        if options.repeats > 1:
+            log(f"round {round_index + 1} of {options.repeats}")
+        for setup in setups:
+            runs[setup].append(run_setup(setup, repositories[setup], texts, model.slo_p95_ms, options, log))
+        log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
+        ceilings.append(measure_ceiling(texts[: options.ceiling_rows], profile, model.bucket_lens,
+                                        model.encoder_prefix))
+        log(f"  ceiling: {ceilings[-1]['rows_per_s'] / workload.rows_per_request:.1f} rps")
     ceiling_by_round = [c["rows_per_s"] / workload.rows_per_request for c in ceilings]
     for setup, setup_runs in runs.items():
         by_round = [run["goodput_rps"] for run in setup_runs]
@@ -456,5 +325,4 @@ def run_goodput(args: argparse.Namespace) -> int:
             if baseline in goodputs and all(goodputs[baseline]):
                 report["ratios"][f"slo_bucketed_vs_{baseline}"] = round(median_ratio(ours, goodputs[baseline]), 2)
         log(f"ratios (medians of the rounds' paired ratios): {report['ratios']}")
-    write_report(report, args.out, plot_goodput, log)
-    return 0
+    return report

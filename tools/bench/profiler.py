@@ -1,96 +1,31 @@
-"""Measure the latency curves that the batching knobs are derived from.
+"""The measurements behind a latency profile, on a tritonserver in explicit model-control mode.
 
-For each bucket model of the serving spec: the compute time of one execution, c(b), at
-batch sizes 1, 2, 4, ... (read from Triton's per-batch-size statistics, so queueing and
-the client are excluded), until a batch costs more than half the SLO. Then the router
-overhead o: single-row requests through the router, minus the bucket's c(1). Written to
-profiles/<hardware>.json with a description of the machine.
-
-By default a private tritonserver (explicit model control) is started on free ports; with
---url, a running server started with `--model-control-mode=explicit` is used and its
-models are reloaded with probing configs (no dynamic batching) and restored afterwards.
+For each bucket model of the serving spec, `measure_bucket` loads a probing config (one
+version, no dynamic batching) and reads c(b), the compute time of one execution at batch
+sizes 1, 2, 4, ..., from Triton's per-batch-size statistics, until a batch costs more than
+half the SLO; `measure_overhead` times single-row requests through the router, minus the
+bucket's c(1). Everything here talks to the server through the client it is given;
+`python -m tools profile` starts the server, saves the profile and prints it.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import secrets
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from contextlib import ExitStack
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 from google.protobuf import json_format
 
 from python_backends.embed.admission import ADMIT_ALL
 from tools.bench.loadgen import batch_compute_ns
-from tools.paths import DEFAULT_SPEC, PROFILE_DIR
 from tools.planning.derivation import Admission, BatchingKnobs, RouterPlan
 from tools.repository.configs import encoder_config, router_config
-from tools.server.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
-from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.profile import Hardware, LatencyCurve, LatencyProfile, ModelProfile, Overhead, save_profile
-from tools.spec.serving import EmbedModelSpec, ServingSpec, SpecError, load_spec
+from tools.spec.profile import LatencyCurve, ModelProfile, Overhead
+from tools.spec.serving import EmbedModelSpec, ServingSpec, SpecError
 
 MAX_PROBE_BATCH = 128
 WARMUP_EXECUTIONS = 2
-
-
-GPU_VENDOR_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
-GPU_FAMILY_WORDS = frozenset({"rtx", "gtx"})  # a family word names nothing alone: "RTX 4090" is one model
-
-
-def profile_name_for_gpu(gpu: str) -> str:
-    """The profile name for a GPU as nvidia-smi names it: its model, lower case.
-
-    "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100", "Tesla T4" -> "t4",
-    "NVIDIA GeForce RTX 4090" -> "rtx4090"; memory size and form factor are left out, so
-    one profile serves every variant of a model. "gpu" when no model word is left.
-    """
-    words = [word.lower() for word in gpu.split() if word.lower() not in GPU_VENDOR_WORDS]
-    parts = [word.split("-")[0] for word in words]
-    model = parts[:2] if parts and parts[0] in GPU_FAMILY_WORDS else parts[:1]
-    name = "".join(ch for ch in "".join(model) if ch.isascii() and ch.isalnum())
-    return name or "gpu"
-
-
-def detect_hardware(name: str | None) -> Hardware:
-    """Describe this machine: CPU model and count, the GPU if nvidia-smi sees one, versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = None
-    if shutil.which("nvidia-smi"):
-        result = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                text=True, timeout=30)
-        gpu = result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
-    import onnxruntime
-
-    kind = "gpu" if gpu else "cpu"
-    if name is None:
-        name = "cpu" if gpu is None else profile_name_for_gpu(gpu)
-    memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    return Hardware(
-        name=name,
-        kind=kind,
-        description=f"{gpu} + {cpu}" if gpu else f"{os.cpu_count()} x {cpu}",
-        cpu_count=os.cpu_count() or 0,
-        gpu=gpu,
-        details={"memory_gb": memory_gb, "platform": platform.platform(), "python": platform.python_version(),
-                 "onnxruntime": onnxruntime.__version__, "providers": onnxruntime.get_available_providers()},
-    )
 
 
 def probe_knobs(name: str, max_batch: int) -> BatchingKnobs:
@@ -228,89 +163,3 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
                 + (f", {overhead.cpu_ms:.2f} CPU ms per request" if overhead.cpu_ms is not None else
                    " (CPU per request not measured: needs a private server and one thread per CPU instance)"))
     return models, overheads
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
-    parser.add_argument("--url", default=None,
-                        help="HTTP address of a running tritonserver in explicit model-control mode; "
-                             "default: start a private one")
-    add_key_file_argument(parser)
-    parser.add_argument("--name", default=None,
-                        help="profile name (default: 'cpu' without a GPU, else the GPU's model: h100 for "
-                             "'NVIDIA H100 80GB HBM3', a100 for 'NVIDIA A100-SXM4-80GB')")
-    parser.add_argument("--out", type=Path, default=None, help="profile file (default: profiles/<name>.json)")
-    parser.add_argument("--time-per-point", type=float, default=1.0, metavar="SECONDS",
-                        help="measuring time per batch size (3 to 30 executions; default: %(default)s)")
-    parser.add_argument("--overhead-requests", type=int, default=60,
-                        help="single-row router requests timed for the overhead (default: %(default)s)")
-
-
-def run(args: argparse.Namespace) -> int:
-    import tritonclient.http as httpclient
-
-    try:
-        spec = load_spec(args.spec)
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    hardware = detect_hardware(args.name)
-    if hardware.kind in spec.hardware:  # c(b) depends on the threads each instance runs: record them
-        threads = spec.hardware[hardware.kind].intra_op_threads
-        hardware = replace(hardware, details={**hardware.details, "intra_op_threads": threads})
-    out = args.out or PROFILE_DIR / f"{hardware.name}.json"
-    print(f"profiling on {hardware.description} -> {out}", flush=True)
-    with ExitStack() as stack:
-        url = args.url
-        cpu_seconds = None
-        if url is None:
-            admin_key = secrets.token_urlsafe(32)  # a private server's control endpoints are this run's alone
-            config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                                  host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT, admin_key=admin_key)
-            server = TritonServer(config, log_path=Path("build/profile-logs/tritonserver.log").resolve())
-            try:
-                stack.enter_context(server)
-            except ServerError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
-            url = server.http_url
-            cpu_seconds = server.cpu_seconds
-        else:
-            try:
-                admin_key = key_for_tool(args)
-            except AdminKeyError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
-        headers = admin_headers(admin_key)
-        client = httpclient.InferenceServerClient(url, network_timeout=300)
-        # Closed before the server stops: an open connection holds a stopping server for its
-        # whole exit timeout, after which it quits without unloading its models.
-        stack.callback(client.close)
-        try:
-            if not client.is_server_live():
-                raise ConnectionError
-        except Exception:
-            print(f"error: no tritonserver answering at {url}", file=sys.stderr)
-            return 2
-        originally_loaded = {m["name"] for m in client.get_model_repository_index(headers=headers)
-                             if m.get("state") == "READY"}
-        try:
-            models, overheads = profile_models(client, spec, hardware.kind, args.time_per_point,
-                                               args.overhead_requests, log=lambda m: print(m, flush=True),
-                                               cpu_seconds=cpu_seconds, control_headers=headers)
-        except Exception as err:
-            print(f"error: profiling failed: {err}", file=sys.stderr)
-            return 1
-        finally:
-            if args.url is not None:  # leave a shared server as it was: repository configs, same models
-                for name in sorted(originally_loaded):
-                    client.load_model(name, headers=headers)
-    profile = LatencyProfile(path=out, sha256="", hardware=hardware,
-                             measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                             models=models, overhead=overheads)
-    save_profile(profile, out)
-    for name, m in models.items():
-        points = ", ".join(f"{b}:{ms:.1f}" for b, ms in sorted(m.curve.compute_ms.items()))
-        print(f"  {name:<14} c(b) ms  {points}")
-    print(f"wrote {out}; now run `python -m tools gen-config`")
-    return 0

@@ -17,23 +17,20 @@ snapshots as gzip-compressed JSON lines (the format of `python -m tools top --re
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.bench.harness import BENCH_DIR
 from tools.bench.loadgen import poisson_arrival_times
-from tools.bench.overload import measured_goodput
-from tools.clients.tenant_token import KeysError, tenant_parameters
 from tools.observe.metrics import open_recording, snapshot_line, take_snapshot
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
-from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.serving import load_spec
+from tools.paths import DEFAULT_MODEL_REPOSITORY
+from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
+from tools.spec.serving import ServingSpec
 from tools.spec.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
 
 SCENARIOS = ("steady", "overload", "fragmented")
@@ -143,52 +140,25 @@ def scenario_phases(name: str, factory: TextFactory, expected_rps: float, goodpu
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "data" / "metrics",
-                        help="folder for <scenario>.jsonl (default: %(default)s)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
-                        help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all)")
-    parser.add_argument("--goodput-rps", type=float, default=None,
-                        help="the measured goodput the overload doubles (default: results/goodput.json)")
-
-
-def run(args: argparse.Namespace) -> int:
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = sorted(set(scenarios) - set(SCENARIOS))
-    if unknown or not scenarios:
-        print(f"error: unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
-        return 2
-    goodput_rps = args.goodput_rps or measured_goodput(REPO_ROOT / "results" / "goodput.json")
-    if "overload" in scenarios and not goodput_rps:
-        print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps", file=sys.stderr)
-        return 2
-    spec = load_spec(DEFAULT_SPEC)
-    try:
-        credentials = tenant_parameters(spec, recorder_tenants())
-    except KeysError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def record(spec: ServingSpec, scenarios: Sequence[str], out_dir: Path, goodput_rps: float | None,
+           credentials: Mapping[str, dict], log) -> None:
+    """Record each scenario to `out_dir`/<scenario>.jsonl.gz on one tritonserver; `credentials`:
+    each of `recorder_tenants()`'s request parameters. Raises `ServerError`."""
     model = spec.models[0]
     factory = TextFactory()
     mix = factory.texts_for(load_workload(DEFAULT_WORKLOAD), 1000, seed=5)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(model_repository=DEFAULT_MODEL_REPOSITORY, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
                           load_models=(model.name, *(model.encoder_name(b) for b in model.bucket_lens)))
-    try:
-        with TritonServer(config, log_path=REPO_ROOT / "build" / "bench" / "signals.log") as server:
-            asyncio.run(drive(server.grpc_url, [Phase(3.0, 10.0, tuple(mix))], model.name, credentials))  # warm-up
-            for name in scenarios:
-                phases = scenario_phases(name, factory, model.expected_rps, goodput_rps or 0.0, model.bucket_lens,
-                                         mix)
-                path = args.out / f"{name}.jsonl.gz"
-                total = sum(p.duration_s for p in phases)
-                print(f"{name}: {len(phases)} phases, {total:.0f} s -> {path}", flush=True)
-                with Recorder(server.metrics_url, path) as recorder:
-                    counts = asyncio.run(drive(server.grpc_url, phases, model.name, credentials, seed=len(name)))
-                print(f"  {recorder.num_snapshots} snapshots; requests {counts}", flush=True)
-                time.sleep(5.0)  # quiet between scenarios, so one's queues do not leak into the next
-    except ServerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    with TritonServer(config, log_path=BENCH_DIR / "signals.log") as server:
+        asyncio.run(drive(server.grpc_url, [Phase(3.0, 10.0, tuple(mix))], model.name, credentials))  # warm-up
+        for name in scenarios:
+            phases = scenario_phases(name, factory, model.expected_rps, goodput_rps or 0.0, model.bucket_lens, mix)
+            path = out_dir / f"{name}.jsonl.gz"
+            total = sum(p.duration_s for p in phases)
+            log(f"{name}: {len(phases)} phases, {total:.0f} s -> {path}")
+            with Recorder(server.metrics_url, path) as recorder:
+                counts = asyncio.run(drive(server.grpc_url, phases, model.name, credentials, seed=len(name)))
+            log(f"  {recorder.num_snapshots} snapshots; requests {counts}")
+            time.sleep(5.0)  # quiet between scenarios, so one's queues do not leak into the next

@@ -1,2 +1,355 @@
-# Transitional: the command still lives in tools.bench.goodput; its arguments and run() move here.
-from tools.bench.goodput import __doc__, add_arguments, run  # noqa: F401
+"""Benchmarks against a real tritonserver, each with its baselines in the same run.
+
+`goodput`: the highest offered request rate (open loop, Poisson arrivals) at which at
+least 95% of requests finish within the SLO and none fail, for three setups of the same
+embedding model on one length mix:
+  no_batching       one model, every input padded to 256 tokens, no dynamic batching
+  default_batching  one model, inputs padded to 256, Triton's dynamic batching with default knobs
+  slo_bucketed      this project's length buckets with SLO-derived configs
+plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
+bucketed at the best measured batch sizes (what this hardware can do at all).
+The machine's speed drifts while the searches run (shared hosts), so the full run repeats
+the setups and the ceiling in rounds (`--repeats`, default 3), each round's ceiling measured
+right after its searches, and reports medians: each setup's median goodput, the median
+ceiling, and the median of the rounds' paired ratios (a round's goodput over the same
+round's ceiling), with every round's figures beside them.
+Every setup runs without the router's per-tenant quotas (one anonymous tenant sends all
+the load; quotas are `bench overload`'s subject); admission and queue bounds stay.
+The load generator runs on the same machine, so its own CPU per request is taken from the
+server it measures (the ceiling pays none): by default it sends over Triton's HTTP endpoint
+with a lean keep-alive client (`tools.clients.http_infer`, about half of tritonclient's gRPC
+cost per request in this open loop); `--protocol grpc` measures through tritonclient's
+gRPC client instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tools.batch.pg_server import LocalPostgres
+from tools.bench import batch as bench_batch
+from tools.bench import goodput as bench_goodput
+from tools.bench import llm as bench_llm
+from tools.bench import overload as bench_overload
+from tools.bench import signals as bench_signals
+from tools.bench.harness import measured_goodput, write_json, write_report
+from tools.clients.tenant_token import KeysError, tenant_parameters
+from tools.paths import DEFAULT_SPEC, REPO_ROOT
+from tools.server.triton_server import ServerError
+from tools.spec.profile import ProfileError, load_profile
+from tools.spec.serving import SpecError, load_spec
+from tools.spec.workload import DEFAULT_WORKLOAD, load_chat_workload, load_workload
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def command_line(benchmark: str) -> str:
+    """How this run was started, for the report: `python -m tools bench <benchmark> <options>`."""
+    return f"python -m tools bench {benchmark} " + " ".join(sys.argv[3:])
+
+
+def comma_list(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (help_text, description, add, run_benchmark) in BENCHMARKS.items():
+        benchmark = sub.add_parser(name, help=help_text, description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+        add(benchmark)
+        benchmark.set_defaults(benchmark_run=run_benchmark)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args.benchmark_run(args)
+
+
+# ------------------------------------------------------------------ goodput
+
+
+def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
+    setups = bench_goodput.SETUPS
+    parser.add_argument("--out", type=Path, default=Path("results/goodput.json"),
+                        help="result JSON; a PNG plot is written beside it (default: %(default)s)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    parser.add_argument("--profile", type=Path, default=None, help="latency profile (default: the spec's)")
+    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="length mix (default: %(default)s)")
+    parser.add_argument("--setups", default=",".join(setups),
+                        help=f"comma-separated subset of {', '.join(setups)} (default: all)")
+    parser.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
+    parser.add_argument("--start-rps", type=float, default=4.0, help="first rate of each search (default: 4)")
+    parser.add_argument("--max-steps", type=int, default=11, help="measured rates per setup at most (default: 11)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="rounds of every search and the ceiling, each round's ceiling right after its "
+                             "searches; medians are reported (default: 3, with --quick 1)")
+    parser.add_argument("--protocol", choices=bench_goodput.PROTOCOLS, default="http",
+                        help="how the load generator sends requests: http, a lean keep-alive client on "
+                             "Triton's HTTP endpoint (least CPU taken from the server it measures), or grpc, "
+                             "tritonclient's gRPC client (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="short form for the test suite: 3 s steps, 4 rates per setup, small ceiling run, "
+                             "one round unless --repeats is given")
+
+
+def run_goodput(args: argparse.Namespace) -> int:
+    setups = comma_list(args.setups)
+    unknown = sorted(set(setups) - set(bench_goodput.SETUPS))
+    if unknown or not setups:
+        print(f"error: unknown setups {unknown}; choose from {', '.join(bench_goodput.SETUPS)}", file=sys.stderr)
+        return 2
+    options = bench_goodput.goodput_options(args.quick, args.step_seconds, args.start_rps, args.max_steps,
+                                            args.repeats, args.protocol)
+    if options.repeats < 1:
+        print(f"error: --repeats must be >= 1, got {options.repeats}", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.spec)
+        profile = load_profile(args.profile or spec.profile)
+        workload = load_workload(args.workload)
+    except (SpecError, ProfileError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        report = bench_goodput.run_benchmark(spec, profile, workload, setups, options, command_line("goodput"), log)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    write_report(report, args.out, bench_goodput.plot_goodput, log)
+    return 0
+
+
+# ------------------------------------------------------------------ llm
+
+
+def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
+    setups = bench_llm.SETUPS
+    parser.add_argument("--out", type=Path, default=Path("results/llm.json"),
+                        help="result JSON; a PNG plot is written beside it (default: %(default)s)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
+    parser.add_argument("--workload", type=Path, default=bench_llm.DEFAULT_CHAT_WORKLOAD,
+                        help="chat workload (default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=2.0,
+                        help="arrivals per second (default: %(default)s: clients ask for about 110 tokens/s, "
+                             "which the continuous engine carries on 2 vCPU with p95 time to first token under "
+                             "1 s also when the machine runs slow; its capacity there was 165 to 290 tokens/s "
+                             "from one day to the next)")
+    parser.add_argument("--duration", type=float, default=180.0,
+                        help="seconds of arrivals per setup (default: %(default)s)")
+    parser.add_argument("--warmup", type=float, default=60.0,
+                        help="seconds at the start left out of the steady-state figures: about the longest "
+                             "answer's time, for the in-flight work to stop growing (default: %(default)s)")
+    parser.add_argument("--drain-timeout", type=float, default=900.0,
+                        help="seconds to wait for the last requests after arrivals stop; requests still running "
+                             "then are cancelled and counted unfinished (default: %(default)s; static batching "
+                             "took 310 s at 2.0 req/s and over 600 s at 3.75)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and request mix (default: %(default)s)")
+    parser.add_argument("--setups", default=",".join(setups),
+                        help=f"comma-separated subset of {','.join(setups)} (default: all)")
+
+
+def run_llm(args: argparse.Namespace) -> int:
+    setups = comma_list(args.setups)
+    if not setups or set(setups) - set(bench_llm.SETUPS):
+        print(f"error: --setups takes a subset of {', '.join(bench_llm.SETUPS)}, got {args.setups!r}",
+              file=sys.stderr)
+        return 2
+    if not (args.rate > 0 and args.duration > 0):
+        print("error: --rate and --duration must be > 0", file=sys.stderr)
+        return 2
+    if not 0 <= args.warmup < args.duration:
+        print(f"error: --warmup must be >= 0 and shorter than --duration ({args.duration:g} s)", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.spec)
+        profile = load_profile(spec.profile)
+        workload = load_chat_workload(args.workload)
+        llm = next((m for m in spec.llm_models if m.name == args.model), None)
+        if llm is None:
+            raise SpecError(f"{spec.path}: no [llm_models.{args.model}]")
+    except (SpecError, ProfileError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        report = bench_llm.run_benchmark(spec, profile, llm, workload, setups, args.rate, args.duration, args.warmup,
+                                         args.drain_timeout, args.seed, command_line("llm"), log)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    write_report(report, args.out, bench_llm.plot, log)
+    return 0
+
+
+# ------------------------------------------------------------------ overload
+
+OVERLOAD_PARTS = ("overload", "isolation", "crash")
+
+
+def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("results/overload.json"),
+                        help="result JSON (default: %(default)s)")
+    parser.add_argument("--goodput-rps", type=float, default=None,
+                        help="goodput to overload at 3x (default: slo_bucketed in results/goodput.json)")
+    parser.add_argument("--parts", default=",".join(OVERLOAD_PARTS),
+                        help="comma-separated subset of overload, isolation, crash (default: all)")
+    parser.add_argument("--steady-rps", type=float, default=10.0, help="tenant B's rate (default: %(default)s)")
+    parser.add_argument("--flood-rps", type=float, default=60.0,
+                        help="tenant A's rate of 256-token texts (default: %(default)s)")
+    parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
+    parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="short form for the test suite: 15 s of overload, 10 s isolation phases, 9 s crash phases")
+
+
+def run_overload(args: argparse.Namespace) -> int:
+    parts = comma_list(args.parts)
+    unknown = sorted(set(parts) - set(OVERLOAD_PARTS))
+    if unknown or not parts:
+        print(f"error: unknown parts {unknown}; choose from overload, isolation, crash", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(DEFAULT_SPEC)
+        workload = load_workload(DEFAULT_WORKLOAD)
+        # Every tenant's token, signed with the spec's keys before the server starts reading them.
+        credentials = tenant_parameters(spec, bench_overload.benchmark_tenants())
+    except (SpecError, KeysError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    goodput_rps = args.goodput_rps or measured_goodput()
+    if "overload" in parts and not goodput_rps:
+        print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps",
+              file=sys.stderr)
+        return 2
+    durations = bench_overload.QUICK if args.quick else bench_overload.FULL
+    try:
+        report = bench_overload.run_benchmark(spec, workload, credentials, parts, goodput_rps, args.steady_rps,
+                                              args.flood_rps, args.crash_rps, args.victim, durations,
+                                              command_line("overload"), log)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    write_json(report, args.out)
+    log(f"wrote {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------ batch
+
+
+def engine_list(value: str) -> tuple[str, ...]:
+    engines = tuple(comma_list(value))
+    unknown = [engine for engine in engines if engine not in bench_batch.ENGINES]
+    if not engines or unknown:
+        raise argparse.ArgumentTypeError(
+            f"engines are a comma-separated subset of {', '.join(bench_batch.ENGINES)}, got {value!r}")
+    return engines
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("results/batch.json"),
+                        help="result JSON (default: %(default)s)")
+    parser.add_argument("--items", type=int, default=2000, help="texts per run (default 2000)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each setup, alternating (default 2)")
+    parser.add_argument("--rows", type=int, default=4, help="rows per Triton request in both setups (default 4)")
+    parser.add_argument("--workers", type=int, default=2, help="batch API workers (default 2)")
+    parser.add_argument("--max-in-flight", type=int, default=8, help="requests in flight per worker (default 8)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="direct client's requests in flight (default: workers x max-in-flight)")
+    parser.add_argument("--engines", type=engine_list, default=bench_batch.ENGINES, metavar="ENGINE,...",
+                        help="queue engines to run the batch API on: sqlite, postgres (a local PostgreSQL this "
+                             "bench starts) (default: both)")
+    parser.add_argument("--quick", action="store_true", help="short form for the test suite: 300 items, 1 round")
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    items, rounds = (300, 1) if args.quick else (args.items, args.rounds)
+    if items < 1 or rounds < 1 or args.rows < 1 or args.workers < 1 or args.max_in_flight < 1:
+        print("error: --items, --rounds, --rows, --workers and --max-in-flight must be >= 1", file=sys.stderr)
+        return 2
+    concurrency = args.concurrency or args.workers * args.max_in_flight
+    try:
+        spec = load_spec(DEFAULT_SPEC)
+        workload = load_workload(DEFAULT_WORKLOAD)
+    except (SpecError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        with contextlib.ExitStack() as stack:
+            postgres_url = None
+            if "postgres" in args.engines:
+                pg_dir = Path(tempfile.mkdtemp(prefix="bench-batch-pg-"))
+                stack.callback(shutil.rmtree, pg_dir, True)
+                # PostgreSQL's defaults (fsync on): the figure is what a durable queue costs.
+                postgres_url = stack.enter_context(LocalPostgres(pg_dir, port=0)).url
+            report, medians = bench_batch.run_benchmark(spec, workload, args.engines, items, rounds, args.rows,
+                                                        args.workers, args.max_in_flight, concurrency,
+                                                        command_line("batch"), log, postgres_url=postgres_url)
+    except RuntimeError as err:  # ServerError, or a PostgreSQL that would not start
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    write_json(report, args.out)
+    log(f"{bench_batch.summary(medians)}; wrote {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------ signals
+
+
+def add_signals_arguments(parser: argparse.ArgumentParser) -> None:
+    scenarios = bench_signals.SCENARIOS
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "data" / "metrics",
+                        help="folder for <scenario>.jsonl (default: %(default)s)")
+    parser.add_argument("--scenarios", default=",".join(scenarios),
+                        help=f"comma-separated subset of {', '.join(scenarios)} (default: all)")
+    parser.add_argument("--goodput-rps", type=float, default=None,
+                        help="the measured goodput the overload doubles (default: results/goodput.json)")
+
+
+def run_signals(args: argparse.Namespace) -> int:
+    scenarios = comma_list(args.scenarios)
+    unknown = sorted(set(scenarios) - set(bench_signals.SCENARIOS))
+    if unknown or not scenarios:
+        print(f"error: unknown scenarios {unknown}; choose from {', '.join(bench_signals.SCENARIOS)}",
+              file=sys.stderr)
+        return 2
+    goodput_rps = args.goodput_rps or measured_goodput()
+    if "overload" in scenarios and not goodput_rps:
+        print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps", file=sys.stderr)
+        return 2
+    spec = load_spec(DEFAULT_SPEC)
+    try:
+        credentials = tenant_parameters(spec, bench_signals.recorder_tenants())
+    except KeysError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        bench_signals.record(spec, scenarios, args.out, goodput_rps, credentials, log)
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# benchmark -> (summary, --help text, its options, its run)
+BENCHMARKS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None],
+                            Callable[[argparse.Namespace], int]]] = {
+    "goodput": ("goodput of no batching vs default batching vs SLO-bucketed", __doc__,
+                add_goodput_arguments, run_goodput),
+    "llm": ("LLM: continuous vs static batching, tokens/s and time to first token", bench_llm.__doc__,
+            add_llm_arguments, run_llm),
+    "overload": ("3x goodput overload, tenant isolation and crash recovery", bench_overload.__doc__,
+                 add_overload_arguments, run_overload),
+    "batch": ("batch API items/s against direct tritonclient calls", bench_batch.__doc__,
+              add_batch_arguments, run_batch),
+    "signals": ("record /metrics under steady, overload and fragmented traffic", bench_signals.__doc__,
+                add_signals_arguments, run_signals),
+}

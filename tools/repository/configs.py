@@ -1,16 +1,16 @@
-"""Generate every config.pbtxt from the serving spec and a measured latency profile.
+"""Every config.pbtxt of the model repository, built as a `model_config_pb2.ModelConfig` message.
 
-Configs are built as `model_config_pb2.ModelConfig` messages and written with protobuf's
-text format; each file starts with what it was generated from and why each batching knob
-has its value. `--check` exits 1 when a config on disk differs from what the spec and
-profile give (the test suite runs it); `--explain` prints every knob with its numbers.
+`plan_all` turns the serving spec and a measured latency profile into one `GeneratedModel`
+per model (its config, a header saying what it was generated from and why each batching
+knob has its value, and the `model.py` shim of each version); `expected_files` renders
+them with protobuf's text format, `check` compares them with the repository and `explain`
+prints every knob with its numbers. Only `write_files` and `check` touch the disk;
+`python -m tools gen-config` drives them.
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from python_backends.common.tenant_auth import AuthMode
 from python_backends.embed.router import EMBEDDING_DIM
 from python_backends.embed.routing import format_weights
-from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
+from tools.paths import REPO_ROOT
 from tools.planning.derivation import (
     Admission,
     BatchingKnobs,
@@ -35,8 +35,8 @@ from tools.planning.derivation import (
     plan_shared_batches,
     preferred_batch,
 )
-from tools.spec.profile import LatencyProfile, ProfileError, load_profile
-from tools.spec.serving import EmbedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError, load_spec
+from tools.spec.profile import LatencyProfile
+from tools.spec.serving import EmbedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
 from tools.spec.workload import load_workload
 
 ROUTING_FILE = "routing.json"  # the live version split, in the router's model folder (rollout writes it)
@@ -457,51 +457,18 @@ def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfi
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="latency profile (default: the spec's `profile`, profiles/cpu.json)")
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
-                        help="repository to write into (default: %(default)s)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true",
-                      help="write nothing; exit 1 if any config on disk differs from the generated one")
-    mode.add_argument("--explain", action="store_true", help="write nothing; print every knob and its reasoning")
+def sources(spec: ServingSpec, profile: LatencyProfile) -> str:
+    """What the configs are generated from: "<spec> + <profile>", relative to the repository root."""
+    return f"{_relative(spec.path)} + {_relative(profile.path)}"
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        spec = load_spec(args.spec)
-        profile = load_profile(args.profile or spec.profile)
-        plan = plan_all(spec, profile)
-    except (SpecError, ProfileError, InfeasibleSLO) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    repository = args.model_repository.resolve()
-    files = expected_files(plan, repository)
-    if args.explain:
-        print(explain(plan, spec, profile))
-        return 0
-    if args.check:
-        problems = check(files, repository)
-        if problems:
-            print("configs drift from the serving spec and profile; run `python -m tools gen-config`:",
-                  file=sys.stderr)
-            for problem in problems:
-                print(f"  {problem}", file=sys.stderr)
-            return 1
-        print(f"{len(files)} files match {_relative(spec.path)} + {_relative(profile.path)}")
-        return 0
-    written = 0
+def write_files(files: dict[Path, str]) -> list[Path]:
+    """Write every file whose text differs from what is on disk; the paths written."""
+    written = []
     for path, text in files.items():
         if path.is_file() and path.read_text() == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        written += 1
-        print(f"wrote {path.relative_to(repository)}")
-    for model in plan:
-        for warning in model.knobs.warnings if model.knobs else ():
-            print(f"WARNING: {warning}", file=sys.stderr)
-    print(f"{written} file(s) written, {len(files) - written} unchanged")
-    return 0
+        written.append(path)
+    return written
