@@ -195,19 +195,31 @@ _RESULTS_PAGE = (select(_i.c.idx, _i.c.status, _i.c.result, _i.c.error, _i.c.att
                  .order_by(_i.c.idx).limit(bindparam("limit_")))
 _BATCH_SEQ = select(batches.c.seq).where(batches.c.id == bindparam("batch_id_"))
 
-_CLAIMABLE = (select(_i.c.batch_seq, _i.c.idx, _i.c.attempts, _i.c.payload, _b.c.id, _b.c.model, _b.c.version)
-              .select_from(_i.join(_b, _b.c.seq == _i.c.batch_seq))
+# A claim is one UPDATE of the oldest claimable items: the subquery picks them (skipping, on
+# PostgreSQL, those another claimer holds locked), the UPDATE leases them and returns them.
+_claimable = (select(_i.c.batch_seq, _i.c.idx).select_from(_i.join(_b, _b.c.seq == _i.c.batch_seq))
               .where(_i.c.state == _QUEUED, _i.c.not_before <= bindparam("now_s"), _b.c.cancelled_at.is_(None))
               .order_by(_i.c.batch_seq, _i.c.idx).limit(bindparam("max_items"))
               .with_for_update(of=_i, skip_locked=True))
-_CLAIMABLE_OF_MODEL = _CLAIMABLE.where(_i.c.model == bindparam("model_"))
+
+
+def _lease(claimable):
+    return (update(items).where(tuple_(items.c.batch_seq, items.c.idx).in_(claimable))
+            .values(state=_LEASED, lease_owner=bindparam("worker_id"), lease_expires_at=bindparam("expires_at_s"),
+                    attempts=items.c.attempts + 1)
+            .returning(items.c.batch_seq, items.c.idx, items.c.attempts, items.c.payload))
+
+
+_CLAIM = _lease(_claimable)
+_CLAIM_OF_MODEL = _lease(_claimable.where(_i.c.model == bindparam("model_")))
+# What a claimed item carries of its batch: never changed once written, so a store keeps what it read.
+_BATCH_INFO = (select(batches.c.seq, batches.c.id, batches.c.model, batches.c.version)
+               .where(batches.c.seq.in_(bindparam("seqs", expanding=True))))
+_MAX_BATCHES_KEPT = 10_000
+
 # Statements that name items by key run once per batch, its indexes one list: a row value
 # `(batch_seq, idx) IN (VALUES ...)` would take every batch at once, but SQLite plans it as a scan
 # of the whole table (measured: 14 times the CPU of a claim-and-complete loop).
-_LEASE = (update(items).where(items.c.batch_seq == bindparam("seq_"), items.c.idx.in_(_INDEXES))
-          .values(state=_LEASED, lease_owner=bindparam("worker_id"), lease_expires_at=bindparam("expires_at_s"),
-                  attempts=items.c.attempts + 1))
-
 _held = items.alias("held")
 _EXTEND = (update(items).where(tuple_(items.c.batch_seq, items.c.idx).in_(
     select(_held.c.batch_seq, _held.c.idx)
@@ -290,6 +302,7 @@ class SqlStore(BatchQueue):
         super().__init__(max_attempts)
         self.display = display  # the queue as errors name it: a file, or a URL without its password
         self._engine = engine
+        self._batches: dict[int, tuple[str, str, int | None]] = {}  # seq -> (id, model, version), see _BATCH_INFO
         try:
             self._conn = engine.connect()
         except DBAPIError as err:
@@ -410,23 +423,26 @@ class SqlStore(BatchQueue):
     def _claim(self, worker_id: str, max_items: int, lease_s: float, now_s: float,
                model: str | None) -> list[ClaimedItem]:
         expires_at = now_s + lease_s
+        params = {"now_s": now_s, "max_items": max_items, "worker_id": worker_id, "expires_at_s": expires_at}
         with self._write() as conn:
             self._release_expired_in(conn, now_s)
             if model is None:
-                rows = conn.execute(_CLAIMABLE, {"now_s": now_s, "max_items": max_items}).all()
+                rows = conn.execute(_CLAIM, params).all()
             else:
-                rows = conn.execute(_CLAIMABLE_OF_MODEL, {"now_s": now_s, "max_items": max_items,
-                                                          "model_": model}).all()
-            by_batch: dict[int, list[int]] = {}
-            for seq, index, *_ in rows:
-                by_batch.setdefault(seq, []).append(index)
-            for seq, indexes in by_batch.items():
-                conn.execute(_LEASE, {"seq_": seq, "indexes": indexes, "worker_id": worker_id,
-                                      "expires_at_s": expires_at})
-        return [ClaimedItem(key=ItemKey(batch_id, index), model=batch_model, version=version,
-                            payload=json.loads(payload), attempt=attempts + 1, claimed_at_s=now_s,
-                            lease_expires_at_s=expires_at)
-                for _, index, attempts, payload, batch_id, batch_model, version in rows]
+                rows = conn.execute(_CLAIM_OF_MODEL, {**params, "model_": model}).all()
+            unseen = sorted({seq for seq, *_ in rows} - self._batches.keys())
+            if unseen:
+                if len(self._batches) > _MAX_BATCHES_KEPT:
+                    self._batches.clear()
+                self._batches.update((seq, info) for seq, *info in conn.execute(_BATCH_INFO, {"seqs": unseen}))
+        rows.sort(key=lambda row: (row[0], row[1]))  # RETURNING has no order of its own
+        claimed = []
+        for seq, index, attempt, payload in rows:
+            batch_id, batch_model, version = self._batches[seq]
+            claimed.append(ClaimedItem(key=ItemKey(batch_id, index), model=batch_model, version=version,
+                                       payload=json.loads(payload), attempt=attempt, claimed_at_s=now_s,
+                                       lease_expires_at_s=expires_at))
+        return claimed
 
     def _extend_leases(self, keys: Sequence[ItemKey], worker_id: str, expires_at_s: float) -> int:
         with self._write() as conn:

@@ -92,7 +92,9 @@ class BatchStore(SqlStore):
         return f"cannot open the batch queue file {self.display}: {err}"
 
     def _begin_write(self, conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # On the driver's connection, below SQLAlchemy, which has nothing to track here: its own
+        # begin is a no-op on this driver, and its commit and rollback end what this starts.
+        conn.connection.dbapi_connection.execute("BEGIN IMMEDIATE")
 
     def _create_schema(self, conn: Connection) -> None:
         version = conn.exec_driver_sql("PRAGMA user_version").scalar_one()
