@@ -15,7 +15,7 @@ transaction holds the database's single write lock from its first statement (`BE
 see `store.py`), so nothing can overtake it. On PostgreSQL:
 
 - *Claims skip, never wait.* A claim selects the oldest claimable items `FOR UPDATE OF i SKIP
-  LOCKED` and leases them in the same transaction: an item that another claimer holds locked is
+  LOCKED` and leases them in the same statement: an item that another claimer holds locked is
   passed over rather than waited for, so any number of claimers take disjoint items and none
   queues behind another. Releasing expired leases, which every claim does first, skips locked
   rows too (and a batch being cancelled), leaving them to the next call.
@@ -25,8 +25,9 @@ see `store.py`), so nothing can overtake it. On PostgreSQL:
 - *Cancel against requeue.* Every transaction that may requeue an item reads its batch row `FOR
   SHARE`, and a cancel takes the batch row `FOR NO KEY UPDATE`: whichever comes second waits for
   the first and then sees it, so no item is ever queued in a cancelled batch.
-- *Lock order.* Batch rows before item rows, each in (seq, index) order, in every transaction that
-  waits for locks, so no two transactions can wait on each other in a cycle.
+- *Lock order.* Batch rows before item rows, and items batch by batch in batch id order, each
+  batch's in index order, in every transaction that waits for locks, so no two transactions can
+  wait on each other in a cycle. (Claims and expiry wait for no lock: they skip locked rows.)
 - *Idempotency under concurrency.* The key is a unique column and a submission inserts its batch
   `ON CONFLICT (idempotency_key) DO NOTHING`: a second submission of the key waits for the first
   one's transaction and then finds its batch, so two API processes submitting one key at once
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import ClassVar
@@ -324,9 +326,9 @@ class SqlStore(BatchQueue):
     def _begin_write(self, conn: Connection) -> None:
         """Run first in every write transaction (PostgreSQL: nothing; its row locks do the work)."""
 
+    @abstractmethod
     def _create_schema(self, conn: Connection) -> None:
         """Create the tables when missing, in the write transaction `conn`; refuse another schema version."""
-        raise NotImplementedError
 
     def _text(self, text: str) -> str:
         """`text` as the engine can store it."""
