@@ -50,6 +50,7 @@ from tools.batch.sql_store import (
     items,
     metadata,
     one_line,
+    shared_engine,
 )
 
 SCHEMA = "batch_queue"
@@ -85,8 +86,10 @@ class PostgresStore(SqlStore):
         # Settings the URL names win; these are defaults for the ones it leaves out.
         options = {key: value for key, value in (("connect_timeout", max(1, round(connect_timeout_s))),
                                                  ("application_name", "tools.batch")) if key not in given}
-        engine = create_engine(f"{DIALECT}://", creator=lambda: psycopg.connect(url, **options), poolclass=NullPool,
-                               execution_options={"schema_translate_map": {None: SCHEMA}})
+        # use_native_hstore=False: the queue has no hstore, and looking the type up costs a query.
+        engine = shared_engine((DIALECT, url, *sorted(options.items())), lambda: create_engine(
+            f"{DIALECT}://", creator=lambda: psycopg.connect(url, **options), poolclass=NullPool,
+            use_native_hstore=False, execution_options={"schema_translate_map": {None: SCHEMA}}))
         super().__init__(engine, self.display_url, max_attempts=max_attempts)
 
     def _create_schema(self, conn: Connection) -> None:

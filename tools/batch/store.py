@@ -35,7 +35,14 @@ from sqlalchemy import Connection, create_engine
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.pool import NullPool
 
-from tools.batch.sql_store import QUEUE_TABLES, SCHEMA_VERSION, SqlStore, insert_batch_statement, metadata
+from tools.batch.sql_store import (
+    QUEUE_TABLES,
+    SCHEMA_VERSION,
+    SqlStore,
+    insert_batch_statement,
+    metadata,
+    shared_engine,
+)
 from tools.batch.store_base import (
     MAX_RESULTS_PAGE,
     BatchNotFound,
@@ -84,9 +91,10 @@ class BatchStore(SqlStore):
                 raise
             return db
 
-        # One connection for the store's life (NullPool: no pool to size, closed with the store).
-        super().__init__(create_engine("sqlite://", creator=connect, poolclass=NullPool), path,
-                         max_attempts=max_attempts)
+        # NullPool: the store's one connection is opened with it and closed with it; no pool to size.
+        engine = shared_engine(("sqlite", path, busy_timeout_s, synchronous),
+                               lambda: create_engine("sqlite://", creator=connect, poolclass=NullPool))
+        super().__init__(engine, path, max_attempts=max_attempts)
 
     def _cannot_connect(self, err: BaseException) -> str:  # a missing or unwritable directory
         return f"cannot open the batch queue file {self.display}: {err}"
