@@ -209,7 +209,7 @@ def test_a_connection_the_server_dropped_is_opened_again_at_the_next_call(store,
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
-    with pytest.raises(psycopg.OperationalError):
+    with pytest.raises(StoreUnavailable, match=r"^lost the connection to the batch queue at postgresql://"):
         store.get_batch(batch_id)  # the call that finds the connection gone fails: it may have been a write
     assert store.get_batch(batch_id).counts.num_queued == 1  # the next one reconnects
 
@@ -251,6 +251,18 @@ def test_open_store_picks_the_engine_by_the_db_value(tmp_path, postgres_url):
         open_store("mysql://u:pw@h/d")
     with pytest.raises(ValueError, match="not a PostgreSQL URL"):
         PostgresStore(str(tmp_path / "queue.db"))
+
+
+def test_the_urls_libpq_reads_open_the_same_queue(postgres_url):
+    """The URL goes to libpq as given: the postgres:// scheme, and a host and port in the query."""
+    server, database = postgres_url.removeprefix("postgresql://").split("/")
+    user, host_port = server.split("@")
+    host, port = host_port.rsplit(":", 1)
+    with open_store(postgres_url) as store:
+        batch_id, _ = store.submit(embed_batch(1), T0)
+    for url in (f"postgres://{server}/{database}", f"postgresql:///{database}?host={host}&port={port}&user={user}"):
+        with open_store(url) as store:
+            assert store.get_batch(batch_id).counts.num_queued == 1
 
 
 @pytest.mark.parametrize(("url", "shown"), [

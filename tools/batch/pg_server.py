@@ -65,7 +65,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def _die_with_parent(signum: int) -> None:
+def die_with_parent(signum: int) -> None:
     """In the child before exec: `signum` when the parent dies, even by SIGKILL (Linux)."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -147,7 +147,7 @@ class LocalPostgres:
         # SIGINT is PostgreSQL's fast shutdown: open transactions roll back, clients are told, then it exits.
         self.process = subprocess.Popen([bin_dir() / "postgres", *options], stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, cwd=self.directory,
-                                        preexec_fn=lambda: _die_with_parent(signal.SIGINT), **self._as_server_user())
+                                        preexec_fn=lambda: die_with_parent(signal.SIGINT), **self._as_server_user())
         log.close()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -176,6 +176,16 @@ class LocalPostgres:
         except subprocess.TimeoutExpired:
             self.process.send_signal(signal.SIGQUIT)  # immediate shutdown: recovery runs at the next start
             self.process.wait(timeout=10)
+
+    def wait(self) -> int | None:
+        """Until the server exits by itself (its exit code) or this process is interrupted (None:
+        KeyboardInterrupt, which the caller may raise on SIGTERM too); the server is stopped either way."""
+        try:
+            return self.process.wait()
+        except KeyboardInterrupt:
+            return None
+        finally:
+            self.stop()
 
     def __enter__(self) -> LocalPostgres:
         return self.start()

@@ -4,8 +4,8 @@ Two engines keep the same queue with the same semantics: `BatchStore` (`store.py
 file shared by the processes of one machine, and `PostgresStore` (`pg_store.py`), a PostgreSQL
 database shared by workers on many machines. `BatchQueue` is their common interface: it checks
 every argument and encodes what it stores once, here, so the engines cannot disagree on what
-they accept; each engine implements the transactions. `tools.batch.engines.open_store` picks
-the engine from the `--db` value.
+they accept; `SqlStore` (`sql_store.py`) implements its transactions once, in SQLAlchemy Core,
+for both. `tools.batch.engines.open_store` picks the engine from the `--db` value.
 
 Semantics
 ---------

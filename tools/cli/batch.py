@@ -12,26 +12,24 @@ processes, and starts again any worker that dies; SIGINT or SIGTERM stops the wo
 sends what it holds, then exits) and then the API. Items a killed worker held come back when
 their lease expires. The tritonserver to call is `--grpc-url` (`python -m tools serve` on
 this machine by default).
+
+Options, printing and wiring only: the processes are `tools.batch.service`, the local
+PostgreSQL `tools.batch.pg_server`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from tools.clients.tls import add_ca_argument
 
 DEFAULT_DB = "build/batch/queue.db"
 DEFAULT_PG_DIR = Path("build/batch/pg")
-log = logging.getLogger("tools.batch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,140 +77,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tools.batch.service import ServiceError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.batch_command == "postgres":
         return run_postgres(args)
     # Opened once here, before any server or worker starts: an unreachable database or an unwritable
     # file is one line naming it, not a traceback from inside uvicorn or a worker restarted in a loop.
     # It also creates the schema before the workers open the queue.
-    _open_store(args).close()
-    if args.batch_command == "worker":
-        return run_worker(args)
-    if args.batch_command == "api":
-        return run_api(args)
-    return run_serve(args)
+    _check_store(args)
+    try:
+        if args.batch_command == "worker":
+            return run_worker(args)
+        if args.batch_command == "api":
+            return run_api(args)
+        return run_serve(args)
+    except ServiceError as err:
+        raise SystemExit(str(err)) from None
 
 
-def _open_store(args: argparse.Namespace):
+def _check_store(args: argparse.Namespace) -> None:
     from tools.batch.engines import open_store
     from tools.batch.store_base import StoreUnavailable
 
     try:
-        return open_store(args.db, max_attempts=getattr(args, "max_attempts", 5))
+        open_store(args.db, max_attempts=getattr(args, "max_attempts", 5)).close()
     except (StoreUnavailable, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
 
 
+def _worker_options(args: argparse.Namespace):
+    from tools.batch.service import WorkerOptions
+
+    return WorkerOptions(grpc_url=args.grpc_url, grpc_tls_ca=args.grpc_tls_ca, max_batch_items=args.max_batch_items,
+                         max_wait_ms=args.max_wait_ms, max_in_flight=args.max_in_flight, lease_s=args.lease_s,
+                         max_attempts=args.max_attempts)
+
+
 def run_api(args: argparse.Namespace) -> int:
-    import uvicorn
+    from tools.batch import service
 
-    from tools.batch.api import create_app
-
-    _check_port_free(args.host, args.port)
-    uvicorn.run(create_app(args.db), host=args.host, port=args.port, log_level="warning")
+    service.check_port_free(args.host, args.port)
+    service.serve_api(args.db, args.host, args.port)
     return 0
-
-
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            raise SystemExit(f"cannot listen on {host}:{port}: {err.strerror}; choose another --port") from None
-
-
-def worker_command(args: argparse.Namespace, worker_id: str) -> list[str]:
-    return [sys.executable, "-m", "tools", "batch", "worker", "--db", str(args.db), "--id", worker_id,
-            "--grpc-url", args.grpc_url, "--max-batch-items", str(args.max_batch_items),
-            "--max-wait-ms", str(args.max_wait_ms), "--max-in-flight", str(args.max_in_flight),
-            "--lease-s", str(args.lease_s), "--max-attempts", str(args.max_attempts),
-            *(["--grpc-tls-ca", str(args.grpc_tls_ca)] if args.grpc_tls_ca else [])]
-
-
-def _die_with_parent() -> None:
-    """Runs in a worker child before exec: SIGTERM when `serve` dies, even by SIGKILL, so no
-    worker is left claiming items for a service that is gone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def start_worker(args: argparse.Namespace, worker_id: str) -> subprocess.Popen:
-    return subprocess.Popen(worker_command(args, worker_id), preexec_fn=_die_with_parent)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """The API here, the workers as children restarted when they die."""
-    import threading
-
-    import uvicorn
-
-    from tools.batch.api import create_app
+    from tools.batch import service
     from tools.batch.engines import describe
 
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
-    _check_port_free(args.host, args.port)
-    stopping = threading.Event()
+    service.check_port_free(args.host, args.port)
     names = [f"{socket.gethostname()}-{os.getpid()}-w{index}" for index in range(args.workers)]
-    children = {name: start_worker(args, name) for name in names}
-
-    def watch() -> None:
-        while not stopping.wait(1.0):
-            for name, child in list(children.items()):
-                if child.poll() is not None and not stopping.is_set():
-                    log.warning("worker %s exited with %s; starting it again", name, child.returncode)
-                    children[name] = start_worker(args, name)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     print(f"batch API on http://{args.host}:{args.port} (OpenAPI at /docs), {args.workers} workers, "
           f"queue {describe(args.db)}, tritonserver {args.grpc_url}", flush=True)
-    try:
-        uvicorn.run(create_app(args.db), host=args.host, port=args.port, log_level="warning")
-    finally:
-        stopping.set()
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        for child in children.values():
-            try:
-                child.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                child.kill()
+    service.serve_with_workers(args.db, args.host, args.port, names, _worker_options(args))
     return 0
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from tools.batch.engines import describe
-    from tools.batch.policy import BatchLimits, RetryPolicy
-    from tools.batch.worker import BatchWorker, WorkerConfig, make_callers
+    from tools.batch import service
 
-    worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
-    config = WorkerConfig(worker_id=worker_id, max_batch_items=args.max_batch_items,
-                          max_wait_s=args.max_wait_ms / 1000.0, max_in_flight=args.max_in_flight,
-                          lease_s=args.lease_s, retry=RetryPolicy(max_attempts=args.max_attempts))
-
-    async def main() -> None:
-        callers, client = make_callers(args.grpc_url, BatchLimits().models, max_rows=args.max_batch_items,
-                                       tls_ca=args.grpc_tls_ca)
-        with _open_store(args) as store:
-            worker = BatchWorker(store, config, callers)
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(signum, worker.stop)
-            log.info("worker %s: queue %s, tritonserver %s", worker_id, describe(args.db), args.grpc_url)
-            try:
-                stats = await worker.run()
-            finally:
-                await client.close()
-            log.info("worker %s stopped: %s", worker_id, stats)
-
-    asyncio.run(main())
+    service.run_worker(args.db, args.id or f"{socket.gethostname()}-{os.getpid()}", _worker_options(args))
     return 0
 
 
@@ -225,9 +153,9 @@ def run_postgres(args: argparse.Namespace) -> int:
         server.start()
     except RuntimeError as err:
         raise SystemExit(f"error: cannot start PostgreSQL: {err}") from None
-    # SIGTERM as Ctrl-C: the finally below stops the server either way. SIGINT explicitly too:
-    # a shell script's background job (`... &`) starts with SIGINT ignored, and Python keeps
-    # an inherited "ignore", which would leave this server deaf to the signal that stops it.
+    # SIGTERM as Ctrl-C: `wait` stops the server either way. SIGINT explicitly too: a shell
+    # script's background job (`... &`) starts with SIGINT ignored, and Python keeps an
+    # inherited "ignore", which would leave this server deaf to the signal that stops it.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     print(server.url)
@@ -236,10 +164,7 @@ def run_postgres(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"Workers on other machines: PGPASSWORD=$(cat {server.password_path}) python -m tools batch worker "
               f"--db {server.remote_url()}", flush=True)
-    try:
-        returncode = server.process.wait()
-    except KeyboardInterrupt:
+    returncode = server.wait()
+    if returncode is None:
         return 0
-    finally:
-        server.stop()
     raise SystemExit(f"error: postgres exited with {returncode}; see {server.log_path}")
