@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.adapters.llm_model import INPUT_NAMES, INVALID_REQUEST
 from python_backends.common.tenant_auth import AUTH_FAILED
+from python_backends.llm.service import INPUT_NAMES, INVALID_REQUEST
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUT_NAMES = ["text_output", "finish_reason", "prompt_tokens", "completion_tokens"]
