@@ -22,23 +22,9 @@ import numpy as np
 from python_backends.common.artifacts import verify_artifacts
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
-from python_backends.common.tenant_auth import (
-    AUTH_OFF,
-    AuthConfig,
-    AuthError,
-    AuthMode,
-    KeySource,
-    parse_auth_parameter,
-    resolve_tenant,
-)
-from python_backends.llm.engine import (
-    EngineLoop,
-    EngineStats,
-    LLMEngine,
-    StepOutput,
-    inputs_from_arrays,
-    parse_engine_config,
-)
+from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig, AuthError, AuthMode, KeySource, resolve_tenant
+from python_backends.llm.config import LLMParameters
+from python_backends.llm.engine import EngineLoop, EngineStats, LLMEngine, StepOutput, inputs_from_arrays
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 TTFT_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0]
@@ -148,16 +134,6 @@ class LLMMetrics:
             self.tpot.observe(output.tpot_s)
 
 
-def parse_tenants_parameter(model_name: str, raw: str) -> TenantPolicy:
-    """The `tenants` config parameter (empty: no quotas); errors name the model."""
-    if not raw:
-        return UNLIMITED
-    try:
-        return TenantPolicy.from_json(raw)
-    except ValueError as err:
-        raise ValueError(f"model {model_name!r}: parameter tenants: {err}") from None
-
-
 class LLMService:
     """The `llm` model's instance: one engine, driven by one loop thread."""
 
@@ -183,16 +159,15 @@ class LLMService:
         if not pb.using_decoupled_model_transaction_policy(model_config):
             raise pb.TritonModelException(f"model {name!r} must be decoupled (it streams tokens)")
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        config = parse_engine_config(name, params)
+        try:
+            parameters = LLMParameters.from_parameters(name, params)
+            config = parameters.engine_config()
+        except ValueError as err:
+            raise pb.TritonModelException(str(err)) from None
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, name, required=["model.safetensors", "config.json", "tokenizer.json"])
         engine = LLMEngine.from_dir(version_dir, config)
-        try:
-            tenants = parse_tenants_parameter(name, params.get("tenants", ""))
-            auth = parse_auth_parameter(name, params.get("tenant_auth", ""))
-        except ValueError as err:
-            raise pb.TritonModelException(str(err)) from None
-        service = cls(pb, name, engine, tenants, auth)
+        service = cls(pb, name, engine, parameters.tenants, parameters.tenant_auth)
         pb.Logger.log_info(
             f"{name}: {config.policy.value} batching, {engine.scheduler.config.num_blocks} KV blocks of "
             f"{config.block_size} tokens, up to {config.max_num_seqs} sequences")

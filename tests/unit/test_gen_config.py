@@ -452,3 +452,20 @@ def test_llm_spec_errors_name_the_field(changes, message):
 def test_llm_name_may_not_clash_with_another_model():
     with pytest.raises(SpecError, match="model name 'embed' is used twice"):
         parse_spec({**BASE, "llm_models": {"embed": LLM}}, REPO / "serving.toml")
+
+
+def test_every_generated_parameter_reads_back_through_the_schema_it_was_written_with():
+    from python_backends.embed.encoder import EncoderParameters
+    from python_backends.embed.router import RouterParameters
+    from python_backends.llm.config import LLMInferParameters, LLMParameters
+
+    schemas = {"embed_model": RouterParameters, "encoder_model": EncoderParameters, "llm_model": LLMParameters,
+               "llm_infer_model": LLMInferParameters}
+    spec = load_spec()
+    plan = plan_all(spec, load_profile(REPO / spec.profile))
+    assert {model.adapter for model in plan} == set(schemas)  # every model kind has its schema
+    for model in plan:
+        written = {key: value.string_value for key, value in model.config.parameters.items()}
+        schema = schemas[model.adapter]
+        assert set(written) <= set(schema.model_fields), model.name  # nothing written that nobody reads
+        assert schema.from_parameters(model.name, written).to_parameters() == written, model.name

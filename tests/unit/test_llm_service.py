@@ -11,9 +11,10 @@ import pytest
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import TenantPolicy, TierPolicy
 from python_backends.common.tenant_auth import AuthConfig, AuthMode
+from python_backends.llm.config import LLMParameters
 from python_backends.llm.engine import EngineStats, StepOutput
 from python_backends.llm.scheduler import FinishReason, SamplingParams
-from python_backends.llm.service import LLMService, parse_tenants_parameter
+from python_backends.llm.service import LLMService
 from tests.fakes.pb_utils import FakeTriton, Request, TritonError
 
 TIERS = TenantPolicy(tiers={"standard": TierPolicy("standard", 1, 0.0, 0.0, llm_tokens_per_s=0.001,
@@ -171,7 +172,12 @@ def test_a_stopped_engine_refuses_new_requests(start):
         TritonError.INTERNAL, "the LLM engine stopped: device lost")
 
 
-def test_the_tenants_parameter_errors_name_the_model():
-    assert parse_tenants_parameter("llm", "").tiers.keys() == {"standard"}
-    with pytest.raises(ValueError, match="model 'llm_v2': parameter tenants: tenant policy is not valid"):
-        parse_tenants_parameter("llm_v2", "{not json")
+def test_the_tenants_and_auth_parameters_are_read_with_the_engine_ones_and_errors_name_the_model():
+    parameters = LLMParameters.from_parameters("llm", {"kv_cache_mb": "8", "tenants": TIERS.to_json()})
+    assert parameters.tenants == TIERS
+    assert parameters.tenant_auth.mode is AuthMode.OFF
+    with pytest.raises(ValueError, match="model 'llm_v2': bad config parameters: parameter tenants: tenant policy "
+                                         "is not valid"):
+        LLMParameters.from_parameters("llm_v2", {"kv_cache_mb": "8", "tenants": "{not json"})
+    with pytest.raises(ValueError, match="model 'llm_v2': parameter tenant_auth: "):
+        LLMParameters.from_parameters("llm_v2", {"kv_cache_mb": "8", "tenant_auth": '{"mode": "sometimes"}'})
