@@ -276,3 +276,29 @@ def test_an_anonymous_request_may_not_claim_a_tenant_without_a_token(serve, tmp_
     assert not answer(service, request([words(10)])).has_error()  # served as the anonymous tenant
     service.finalize()
     assert fake.metric("embed_auth_failures_total", reason="unverified_claim").value == 1
+
+
+def test_with_the_real_encoders_each_row_gets_the_embedding_it_gets_alone(serve):
+    """The fake BLS runs the real bucket encoders: a mixed request's rows come back as each row
+    alone would, so the split, padding and reassembly change nothing but the batching."""
+    from python_backends.common.paths import KIT_ROOT
+    from python_backends.embed.encoder import EncoderConfig, OnnxEncoder
+    from tests.fakes.pb_utils import Tensor
+
+    paths = {n: KIT_ROOT / "model_repository" / f"encoder_{n}" / "1" / "model.onnx" for n in CONFIG.bucket_lens}
+    if not all(path.is_file() for path in paths.values()):
+        pytest.skip("the encoder models are not built (python -m tools build-models)")
+    encoders = {f"encoder_{n}": OnnxEncoder(path, EncoderConfig(f"encoder_{n}", n, 8, intra_op_threads=1))
+                for n, path in paths.items()}
+
+    def run(call):
+        rows = encoders[call.model_name].embed(call.inputs["INPUT_IDS"], call.inputs["ATTENTION_MASK"])
+        return InferenceResponse(output_tensors=[Tensor("EMBEDDING", rows)])
+
+    service = serve(FakeTriton(bls=run))
+    texts = ["a long sentence about serving " * 4, "tea", "the quick brown fox jumps over the lazy dog", "hi there"]
+    together = answer(service, request(texts)).output("EMBEDDING")
+    alone = np.concatenate([answer(service, request([text])).output("EMBEDDING") for text in texts])
+    assert together.shape == (4, 384)
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
