@@ -195,11 +195,13 @@ class SharedBuckets:
         self.table = SharedTable(path, num_slots, BUCKET_FIELDS)
         self.path = self.table.path
         self.num_slots = num_slots
+        # Column views, made once: a view per request would cost more than the update itself.
+        self._keys, self._tokens, self._updated = (self.table.rows[name] for name, _ in BUCKET_FIELDS)
 
     def _slot_of(self, key_hash: int) -> int:
         """The key's slot, or the first empty one on its probe path, or (table full) the slot
         its hash lands on, whose bucket it then shares."""
-        keys = self.table.rows["key"]
+        keys = self._keys
         start = key_hash % self.num_slots
         for probe in range(self.num_slots):
             slot = (start + probe) % self.num_slots
@@ -211,13 +213,14 @@ class SharedBuckets:
         key_hash = _key_hash(key)
         with self.table.locked():
             slot = self._slot_of(key_hash)
-            row = self.table.rows[slot]
-            stored = int(row["key"])
+            stored = int(self._keys[slot])
             # An empty slot starts a full bucket; a shared one (full table) keeps its owner's
             # hash and level, so neither tenant is handed a fresh bucket.
-            state = None if stored == 0 else BucketState(float(row["tokens"]), float(row["updated_s"]))
+            state = None if stored == 0 else BucketState(float(self._tokens[slot]), float(self._updated[slot]))
             new_state, wait_s = step(state)
-            self.table.rows[slot] = (stored or key_hash, new_state.tokens, new_state.updated_s)
+            self._keys[slot] = stored or key_hash
+            self._tokens[slot] = new_state.tokens
+            self._updated[slot] = new_state.updated_s
             return wait_s
 
     def take(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> float:
@@ -227,6 +230,7 @@ class SharedBuckets:
         self._update(key, lambda state: (charge(state, cost, rate_per_s, burst, now_s), 0.0))
 
     def close(self) -> None:
+        del self._keys, self._tokens, self._updated  # views of the map: dropped before it closes
         self.table.close()
 
 

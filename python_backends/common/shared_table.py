@@ -21,11 +21,13 @@ import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
+
+_Held = AbstractContextManager  # what `locked` returns: the table itself, or its thread lock
 
 
 class SharedTable:
@@ -52,23 +54,30 @@ class SharedTable:
             raise
         self._fd = fd
         self._lock = threading.Lock()
+        self._held = self  # `with table.locked():` enters the table itself: no generator per call
         self.rows = np.ndarray((num_rows,), dtype=row_dtype, buffer=self._map)  # views the file
         self.extra = (np.ndarray((), dtype=extra_dtype, buffer=self._map, offset=rows_size)
                       if extra_dtype is not None else None)
 
-    @contextmanager
-    def locked(self, across_processes: bool = True) -> Iterator[SharedTable]:
+    def locked(self, across_processes: bool = True) -> _Held:
         """Hold the table for a read-modify-write: against this process's other threads, and
         (`across_processes`) against every other process that has it open."""
-        with self._lock:
-            if not across_processes:
-                yield self
-                return
+        return self._held if across_processes else self._lock
+
+    def __enter__(self) -> SharedTable:
+        self._lock.acquire()
+        try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                yield self
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         del self.rows, self.extra  # the arrays view the map: drop them before the map closes

@@ -217,7 +217,8 @@ class SharedWork:
             raise ValueError(f"at most {COLUMNS - 1} buckets share admission, got {len(set(buckets))}")
         self._columns = {bucket: 1 + index for index, bucket in enumerate(sorted(set(buckets)))}
         self._table = SharedTable(path, MAX_SLOTS, WORK_FIELDS, BOUND_FIELDS)
-        self._rows = self._table.rows["work_ms"]  # [MAX_SLOTS, COLUMNS], views the file
+        # [MAX_SLOTS, COLUMNS] of plain floats viewing the file (sums over it run as over any array).
+        self._rows = self._table.rows.view("<f8").reshape(MAX_SLOTS, COLUMNS)
         self._slot = slot
         self._mine = np.zeros(COLUMNS)
         self._store()
