@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.adapters.llm_model import INPUT_NAMES, INVALID_REQUEST
 from python_backends.common.tenant_auth import AUTH_FAILED
+from python_backends.llm.config import LLMInferParameters
+from python_backends.llm.service import INPUT_NAMES, INVALID_REQUEST
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUT_NAMES = ["text_output", "finish_reason", "prompt_tokens", "completion_tokens"]
@@ -26,9 +27,9 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        self.target = params.get("target_model", "llm")
-        self.pool = ThreadPoolExecutor(max_workers=int(params.get("max_in_flight", "64")),
-                                       thread_name_prefix="llm-infer")
+        parameters = LLMInferParameters.from_parameters(args["model_name"], params)
+        self.target = parameters.target_model
+        self.pool = ThreadPoolExecutor(max_workers=parameters.max_in_flight, thread_name_prefix="llm-infer")
 
     def execute(self, requests):
         for request in requests:

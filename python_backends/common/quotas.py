@@ -7,23 +7,21 @@ time until a token is back), so a flooding tenant costs the server almost nothin
 cannot take the instances, queues or cores the other tenants need.
 
 The router runs as many processes as it has instances, and a quota must hold across all of
-them: `SharedBuckets` keeps the buckets in one memory-mapped file under an exclusive file
-lock (a few microseconds per request). The LLM engine is one process and uses `LocalBuckets`.
+them: `SharedBuckets` keeps the buckets in a `SharedTable`, one memory-mapped file under an
+exclusive file lock (a few microseconds per request). The LLM engine is one process and uses `LocalBuckets`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import mmap
-import os
 import re
-import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from python_backends.common.shared_table import SharedTable
 
 MAX_TENANT_LEN = 64
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -176,17 +174,17 @@ class LocalBuckets:
             self._states[key] = charge(self._states.get(key), cost, rate_per_s, burst, now_s)
 
 
-# Slot layout of the shared file: key hash (u64, 0 = empty), tokens (f64), updated (f64).
-_SLOT = struct.Struct("<Qdd")
-
-
 def _key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") or 1
 
 
+# A row of the shared table: key hash (0 = empty), tokens, updated (monotonic seconds).
+BUCKET_FIELDS = (("key", "<u8"), ("tokens", "<f8"), ("updated_s", "<f8"))
+
+
 class SharedBuckets:
     """Token buckets shared by every process that opens the same file (an open-addressing
-    hash table of `num_slots` tenants, memory-mapped, updated under `flock`).
+    hash table of `num_slots` tenants in a `SharedTable`, updated under its lock).
 
     When every slot is taken, a new tenant gets the slot its hash lands on, sharing it with
     that tenant: the table is sized far beyond the tenants one server sees, and a shared
@@ -194,46 +192,36 @@ class SharedBuckets:
     """
 
     def __init__(self, path: Path, num_slots: int = 4096):
-        self.path = Path(path)
+        self.table = SharedTable(path, num_slots, BUCKET_FIELDS)
+        self.path = self.table.path
         self.num_slots = num_slots
-        size = num_slots * _SLOT.size
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            self._map = mmap.mmap(fd, size)
-        except OSError:
-            os.close(fd)
-            raise
-        self._fd = fd
+        # Column views, made once: a view per request would cost more than the update itself.
+        self._keys, self._tokens, self._updated = (self.table.rows[name] for name, _ in BUCKET_FIELDS)
 
     def _slot_of(self, key_hash: int) -> int:
         """The key's slot, or the first empty one on its probe path, or (table full) the slot
         its hash lands on, whose bucket it then shares."""
+        keys = self._keys
         start = key_hash % self.num_slots
         for probe in range(self.num_slots):
             slot = (start + probe) % self.num_slots
-            stored, _, _ = _SLOT.unpack_from(self._map, slot * _SLOT.size)
-            if stored in (0, key_hash):
+            if int(keys[slot]) in (0, key_hash):
                 return slot
         return start
 
     def _update(self, key: str, step) -> float:
         key_hash = _key_hash(key)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
+        with self.table.locked():
             slot = self._slot_of(key_hash)
-            stored, tokens, updated_s = _SLOT.unpack_from(self._map, slot * _SLOT.size)
+            stored = int(self._keys[slot])
             # An empty slot starts a full bucket; a shared one (full table) keeps its owner's
             # hash and level, so neither tenant is handed a fresh bucket.
-            state = None if stored == 0 else BucketState(tokens, updated_s)
+            state = None if stored == 0 else BucketState(float(self._tokens[slot]), float(self._updated[slot]))
             new_state, wait_s = step(state)
-            _SLOT.pack_into(self._map, slot * _SLOT.size, stored or key_hash, new_state.tokens, new_state.updated_s)
+            self._keys[slot] = stored or key_hash
+            self._tokens[slot] = new_state.tokens
+            self._updated[slot] = new_state.updated_s
             return wait_s
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def take(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> float:
         return self._update(key, lambda state: take(state, cost, rate_per_s, burst, now_s))
@@ -242,8 +230,8 @@ class SharedBuckets:
         self._update(key, lambda state: (charge(state, cost, rate_per_s, burst, now_s), 0.0))
 
     def close(self) -> None:
-        self._map.close()
-        os.close(self._fd)
+        del self._keys, self._tokens, self._updated  # views of the map: dropped before it closes
+        self.table.close()
 
 
 def admit(policy: TenantPolicy, buckets: LocalBuckets | SharedBuckets, tenant: str, now_s: float) -> QuotaDecision:

@@ -22,22 +22,18 @@ instance (each its own process) shares.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import mmap
-import os
 import re
-import struct
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from python_backends.common.shared_table import SharedTable
+
 MAX_SLOTS = 1024  # router instances one server can run (64 per instance group, 16 groups)
 COLUMNS = 16  # work columns per instance: work of no bucket, then up to 15 buckets
-_VALUE = struct.Struct("<d")
 
 
 @dataclass(frozen=True)
@@ -200,14 +196,18 @@ def instance_slot(instance_name: str) -> int:
     return slot
 
 
+WORK_FIELDS = (("work_ms", "<f8", (COLUMNS,)),)  # a row per instance: work of no bucket, then by bucket
+# Table-wide: the adaptive bound (0 until a request adjusted it), and whether an answer was late
+# since the server last drained (1.0) or not (0.0: probing).
+BOUND_FIELDS = (("bound_ms", "<f8"), ("late_seen", "<f8"))
+
+
 class SharedWork:
-    """In-flight work of every router instance, by bucket: a row of floats per instance in a shared file.
+    """In-flight work of every router instance, by bucket: a row of floats per instance in a `SharedTable`.
 
     Each instance writes only its own row (a column per bucket, and column 0 for work of no
-    bucket). `admit` reads the totals, decides and adds the request's work under an
-    exclusive file lock, so two instances deciding at the same moment cannot both take the
-    last room. An instance's worker threads share its row and its file lock (a `flock` does
-    not exclude threads of one process), so a thread lock comes first.
+    bucket). `admit` reads the totals, decides and adds the request's work under the table's
+    lock, so two instances deciding at the same moment cannot both take the last room.
     """
 
     def __init__(self, path: Path, slot: int, buckets: Sequence[int] = ()):
@@ -216,19 +216,10 @@ class SharedWork:
         if len(set(buckets)) >= COLUMNS:
             raise ValueError(f"at most {COLUMNS - 1} buckets share admission, got {len(set(buckets))}")
         self._columns = {bucket: 1 + index for index, bucket in enumerate(sorted(set(buckets)))}
-        # A row per instance, then the adaptive bound and whether an answer was ever late.
-        size = (MAX_SLOTS * COLUMNS + 2) * _VALUE.size
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(self._fd).st_size < size:
-                os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size)
-        except OSError:
-            os.close(self._fd)
-            raise
-        self._rows = np.ndarray((MAX_SLOTS, COLUMNS), dtype="<f8", buffer=self._map)
+        self._table = SharedTable(path, MAX_SLOTS, WORK_FIELDS, BOUND_FIELDS)
+        # [MAX_SLOTS, COLUMNS] of plain floats viewing the file (sums over it run as over any array).
+        self._rows = self._table.rows.view("<f8").reshape(MAX_SLOTS, COLUMNS)
         self._slot = slot
-        self._lock = threading.Lock()
         self._mine = np.zeros(COLUMNS)
         self._store()
 
@@ -248,45 +239,33 @@ class SharedWork:
         ahead.update((bucket, float(totals[column])) for bucket, column in self._columns.items())
         return ahead
 
-    def _shared(self, index: int) -> float:
-        return _VALUE.unpack_from(self._map, (MAX_SLOTS * COLUMNS + index) * _VALUE.size)[0]
-
-    def _set_shared(self, index: int, value: float) -> None:
-        _VALUE.pack_into(self._map, (MAX_SLOTS * COLUMNS + index) * _VALUE.size, value)
-
     def bound_ms(self, policy: AdmissionPolicy) -> float:
         """The adaptive bound now (the policy's starting bound until a request has adjusted it)."""
         if not policy.adaptive:
             return policy.max_work_ms
-        bound = self._shared(0)
+        bound = float(self._table.extra["bound_ms"])
         return bound if bound > 0 else policy.max_work_ms
 
     def record_latency(self, policy: AdmissionPolicy, latency_ms: float) -> None:
         """Feed an admitted request's latency back into the shared bound."""
         if not policy.adaptive:
             return
-        with self._lock:
-            self._record_latency(policy, latency_ms)
-
-    def _record_latency(self, policy: AdmissionPolicy, latency_ms: float) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            probing = self._shared(1) == 0.0
-            self._set_shared(0, adjust_bound(policy, self.bound_ms(policy), latency_ms, probing))
+        with self._table.locked():
+            shared = self._table.extra
+            probing = float(shared["late_seen"]) == 0.0
+            shared["bound_ms"] = adjust_bound(policy, self.bound_ms(policy), latency_ms, probing)
             if self.total_ms() <= 0.0:
                 # Drained: the late answers were about a queue that is gone, so the next
                 # traffic probes again (TCP restarts its slow start after idle, too).
                 # Under sustained overload the server never drains and this never fires.
-                self._set_shared(1, 0.0)
+                shared["late_seen"] = 0.0
             elif latency_ms > policy.target_ms:
-                self._set_shared(1, 1.0)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+                shared["late_seen"] = 1.0
 
     def add(self, work: float | Mapping[int, float]) -> None:
         """Count work in flight (negative: give it back), in ms per lane: a number (no
         bucket) or a mapping bucket -> ms."""
-        with self._lock:
+        with self._table.locked(across_processes=False):  # only this instance writes its row
             self._add(work)
 
     def _add(self, work: float | Mapping[int, float]) -> None:
@@ -301,21 +280,16 @@ class SharedWork:
         """Decide on a request of `own` work (ms per lane; by bucket for the lanes' sharing to
         count) and, when admitted, count its work, as one step."""
         own_work_ms = sum(own.values()) if isinstance(own, Mapping) else own
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                work_ahead_ms = shared_work_ahead_ms(policy, self.ahead_by_bucket(), own_work_ms)
-                decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy))
-                if decision.admitted:
-                    self._add(own)
-                return decision
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._table.locked():
+            work_ahead_ms = shared_work_ahead_ms(policy, self.ahead_by_bucket(), own_work_ms)
+            decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy))
+            if decision.admitted:
+                self._add(own)
+            return decision
 
     def close(self) -> None:
-        with self._lock:
+        with self._table.locked(across_processes=False):
             self._mine[:] = 0.0
             self._store()
-        del self._rows  # the array views the map: drop it before the map closes
-        self._map.close()
-        os.close(self._fd)
+        del self._rows  # the array views the map: drop it before the table closes
+        self._table.close()

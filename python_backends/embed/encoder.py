@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from python_backends.common.params import CountInt, Flag, ModelParameters, NameList
+
 ONNX_INPUTS = ("input_ids", "attention_mask")
 ONNX_OUTPUT = "embedding"
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -34,6 +36,14 @@ class EncoderConfig:
     allow_spinning: bool = True  # idle ONNX Runtime threads spin-wait (fast, but burns shared cores)
 
 
+class EncoderParameters(ModelParameters):
+    """A bucket encoder's config.pbtxt parameters (gen-config writes them through this class)."""
+
+    intra_op_threads: CountInt = 0  # ONNX Runtime intra-op threads; 0 lets ONNX Runtime choose
+    allow_spinning: Flag = True  # idle ONNX Runtime threads spin-wait
+    execution_providers: NameList = ()  # wanted execution providers in order; empty: DEFAULT_PROVIDERS
+
+
 def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
     """Validate the parsed config.pbtxt (Triton's JSON form); errors name the model."""
     name = model_config.get("name", "?")
@@ -51,24 +61,14 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
     if max_batch_size < 1:
         raise ValueError(f"model '{name}': max_batch_size must be >= 1 so Triton can batch it")
     params = {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
-    try:
-        threads = int(params.get("intra_op_threads", "0") or 0)
-    except ValueError:
-        raise ValueError(f"model '{name}': parameter intra_op_threads must be an integer") from None
-    if threads < 0:
-        raise ValueError(f"model '{name}': parameter intra_op_threads must be >= 0, got {threads}")
-    spinning = params.get("allow_spinning", "1")
-    if spinning not in ("0", "1"):
-        raise ValueError(f"model '{name}': parameter allow_spinning must be 0 or 1, got {spinning!r}")
-    providers_raw = params.get("execution_providers", "")
-    providers = tuple(p.strip() for p in providers_raw.split(",") if p.strip()) or DEFAULT_PROVIDERS
+    parameters = EncoderParameters.from_parameters(name, params)
     return EncoderConfig(
         model_name=name,
         seq_len=dims[0],
         max_batch_size=max_batch_size,
-        intra_op_threads=threads,
-        providers=providers,
-        allow_spinning=spinning == "1",
+        intra_op_threads=parameters.intra_op_threads,
+        providers=parameters.execution_providers or DEFAULT_PROVIDERS,
+        allow_spinning=parameters.allow_spinning,
     )
 
 

@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
 
 import numpy as np
+from pydantic import PlainSerializer, PlainValidator, model_validator
 
 from python_backends.common.errors import InvalidInput
+from python_backends.common.params import AuthParameter, ModelParameters, PositiveInt, TenantsParameter
 from python_backends.common.quotas import UNLIMITED, TenantPolicy, parse_tenant
-from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig, parse_auth_parameter
+from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.embed.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
-from python_backends.embed.routing import RoutingTable, parse_weights, pinned_version
+from python_backends.embed.routing import RoutingTable, format_weights, parse_weights, pinned_version
 
 EMBEDDING_DIM = 384
 
@@ -55,7 +58,7 @@ BUCKET_COUNTERS = ("embed_bucket_rows_total", "embed_bucket_real_tokens_total", 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Settings of the `embed` router, read from its config.pbtxt `parameters`."""
+    """Settings of the `embed` router, read from its config.pbtxt `parameters` (`RouterParameters`)."""
 
     bucket_lens: tuple[int, ...]  # sequence lengths of the bucket models, ascending
     bucket_max_batch: Mapping[int, int]  # bucket length -> its model's max_batch_size (chunk limit)
@@ -77,88 +80,109 @@ class RouterConfig:
         return f"{self.encoder_prefix}{bucket_len}"
 
 
-def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> RouterConfig:
-    """Build the router config from config.pbtxt string parameters; errors name the model."""
+BUCKET_LENS_REQUIRED = "parameter bucket_lens is required (e.g. '16,32,64')"
+DEFAULT_ROUTING_FILE = "routing.json"
 
-    def integer(key: str, default: int, minimum: int) -> int:
-        raw = parameters.get(key)
-        if raw is None:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"model '{model_name}': parameter {key}={raw!r} is not an integer") from None
-        if value < minimum:
-            raise ValueError(f"model '{model_name}': parameter {key}={value} must be >= {minimum}")
-        return value
 
-    raw_buckets = parameters.get("bucket_lens")
-    if not raw_buckets:
-        raise ValueError(f"model '{model_name}': parameter bucket_lens is required (e.g. '16,32,64')")
+def _parse_bucket_lens(value: object) -> tuple[int, ...]:
+    if not isinstance(value, str):
+        return validate_buckets(list(value))
+    if not value:
+        raise ValueError(BUCKET_LENS_REQUIRED)
     try:
-        bucket_lens = validate_buckets([int(part) for part in raw_buckets.split(",")])
+        return validate_buckets([int(part) for part in value.split(",")])
     except ValueError as err:
-        raise ValueError(f"model '{model_name}': parameter bucket_lens={raw_buckets!r}: {err}") from None
-    return RouterConfig(
-        bucket_lens=bucket_lens,
-        bucket_max_batch=parse_bucket_max_batch(model_name, parameters.get("bucket_max_batch", ""), bucket_lens),
-        encoder_prefix=parameters.get("encoder_prefix", "encoder_"),
-        max_text_bytes=integer("max_text_bytes", 65536, 1),
-        default_routing=parse_default_routing(model_name, parameters.get("version_weights", "1:1")),
-        routing_file=parameters.get("routing_file", "routing.json") or "routing.json",
-        tenants=parse_tenant_policy(model_name, parameters.get("tenants", "")),
-        admission=parse_admission(model_name, parameters.get("admission", ""), bucket_lens),
-        auth=parse_auth_parameter(model_name, parameters.get("tenant_auth", "")),
-        max_concurrent_requests=integer("max_concurrent_requests", 32, 1),
-    )
+        raise ValueError(f"parameter bucket_lens={value!r}: {err}") from None
 
 
-def parse_admission(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> AdmissionPolicy:
-    if not raw:
+def _parse_bucket_max_batch(value: object) -> dict[int, int]:
+    """`16:32,32:24,...` (bucket length: max batch), or the mapping itself; every limit >= 1."""
+    if isinstance(value, Mapping):
+        entries = [(int(bucket), int(limit)) for bucket, limit in value.items()]
+    else:
+        entries = []
+        for part in filter(None, (p.strip() for p in str(value).split(","))):
+            try:
+                bucket, limit = (int(x) for x in part.split(":"))
+            except ValueError:
+                raise ValueError(f"bucket_max_batch entry {part!r} is not 'length:max_batch'") from None
+            entries.append((bucket, limit))
+    for bucket, limit in entries:
+        if limit < 1:
+            raise ValueError(f"bucket_max_batch for bucket {bucket} must be >= 1")
+    return dict(entries)
+
+
+def _parse_version_weights(value: object) -> RoutingTable:
+    if isinstance(value, RoutingTable):
+        return value
+    raw = value if isinstance(value, str) else format_weights(value)
+    try:
+        return RoutingTable(parse_weights(raw) if isinstance(value, str) else dict(value))
+    except ValueError as err:
+        raise ValueError(f"parameter version_weights={raw!r}: {err}") from None
+
+
+def _parse_admission(value: object) -> AdmissionPolicy:
+    if isinstance(value, AdmissionPolicy):
+        return value
+    if not value:
         return ADMIT_ALL
     try:
-        policy = AdmissionPolicy.from_json(raw)
+        return AdmissionPolicy.from_json(str(value))
     except ValueError as err:
-        raise ValueError(f"model '{model_name}': parameter admission: {err}") from None
-    missing = sorted(set(bucket_lens) - set(policy.row_cost_ms))
-    if policy.max_work_ms > 0 and missing:
-        raise ValueError(f"model '{model_name}': parameter admission has no row cost for buckets {missing}")
-    return policy
+        raise ValueError(f"parameter admission: {err}") from None
 
 
-def parse_tenant_policy(model_name: str, raw: str) -> TenantPolicy:
-    if not raw:
-        return UNLIMITED
-    try:
-        return TenantPolicy.from_json(raw)
-    except ValueError as err:
-        raise ValueError(f"model '{model_name}': parameter tenants: {err}") from None
+BucketLens = Annotated[tuple[int, ...], PlainValidator(_parse_bucket_lens),
+                       PlainSerializer(lambda lens: ",".join(str(b) for b in lens), return_type=str)]
+BucketMaxBatch = Annotated[dict[int, int], PlainValidator(_parse_bucket_max_batch),
+                           PlainSerializer(lambda limits: ",".join(f"{b}:{n}" for b, n in sorted(limits.items())),
+                                           return_type=str)]
+VersionWeights = Annotated[RoutingTable, PlainValidator(_parse_version_weights),
+                           PlainSerializer(lambda table: format_weights(table.weights), return_type=str)]
+AdmissionParameter = Annotated[AdmissionPolicy, PlainValidator(_parse_admission),
+                               PlainSerializer(lambda policy: policy.to_json(), return_type=str)]
+RoutingFile = Annotated[str, PlainValidator(lambda value: str(value) or DEFAULT_ROUTING_FILE)]
 
 
-def parse_default_routing(model_name: str, raw: str) -> RoutingTable:
-    try:
-        return RoutingTable(parse_weights(raw))
-    except ValueError as err:
-        raise ValueError(f"model '{model_name}': parameter version_weights={raw!r}: {err}") from None
+class RouterParameters(ModelParameters):
+    """The `embed` router's config.pbtxt parameters (gen-config writes them through this class)."""
+
+    required_help: ClassVar[Mapping[str, str]] = {"bucket_lens": BUCKET_LENS_REQUIRED}
+
+    bucket_lens: BucketLens  # sequence lengths of the bucket models
+    bucket_max_batch: BucketMaxBatch = {}  # bucket length -> its model's max_batch_size; one per bucket
+    encoder_prefix: str = "encoder_"  # bucket model name = prefix + length
+    max_text_bytes: PositiveInt = 65536  # a longer row (UTF-8 bytes) is rejected before tokenizing
+    version_weights: VersionWeights = RoutingTable({1: 1.0})  # the split when there is no routing file
+    routing_file: RoutingFile = DEFAULT_ROUTING_FILE  # the live split, relative to the model's folder
+    tenants: TenantsParameter = UNLIMITED  # tiers and quotas of tenants
+    admission: AdmissionParameter = ADMIT_ALL  # how much work may be in flight
+    tenant_auth: AuthParameter = AUTH_OFF  # how a request proves its tenant
+    max_concurrent_requests: PositiveInt = 32  # requests one instance serves at once
+
+    @model_validator(mode="after")
+    def _every_bucket_covered(self) -> RouterParameters:
+        missing = [b for b in self.bucket_lens if b not in self.bucket_max_batch]
+        if missing:
+            raise ValueError(f"parameter bucket_max_batch has no limit for buckets {missing}")
+        no_cost = sorted(set(self.bucket_lens) - set(self.admission.row_cost_ms))
+        if self.admission.max_work_ms > 0 and no_cost:
+            raise ValueError(f"parameter admission has no row cost for buckets {no_cost}")
+        return self
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(bucket_lens=self.bucket_lens, bucket_max_batch=self.bucket_max_batch,
+                            encoder_prefix=self.encoder_prefix, max_text_bytes=self.max_text_bytes,
+                            default_routing=self.version_weights, routing_file=self.routing_file,
+                            tenants=self.tenants, admission=self.admission, auth=self.tenant_auth,
+                            max_concurrent_requests=self.max_concurrent_requests)
 
 
-def parse_bucket_max_batch(model_name: str, raw: str, bucket_lens: tuple[int, ...]) -> dict[int, int]:
-    """Parse `16:32,32:24,...` (bucket length: max batch); every bucket needs a limit >= 1."""
-    limits: dict[int, int] = {}
-    for part in filter(None, (p.strip() for p in raw.split(","))):
-        try:
-            bucket, limit = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise ValueError(
-                f"model '{model_name}': bucket_max_batch entry {part!r} is not 'length:max_batch'"
-            ) from None
-        if limit < 1:
-            raise ValueError(f"model '{model_name}': bucket_max_batch for bucket {bucket} must be >= 1")
-        limits[bucket] = limit
-    missing = [b for b in bucket_lens if b not in limits]
-    if missing:
-        raise ValueError(f"model '{model_name}': parameter bucket_max_batch has no limit for buckets {missing}")
-    return limits
+def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> RouterConfig:
+    """Build the router config from config.pbtxt string parameters; errors name the model."""
+    return RouterParameters.from_parameters(model_name, parameters).router_config()
 
 
 @dataclass(frozen=True)

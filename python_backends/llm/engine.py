@@ -30,67 +30,18 @@ import numpy as np
 import torch
 
 from python_backends.common.errors import InvalidInput
-from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
+from python_backends.llm.config import EngineConfig
+from python_backends.llm.kv_blocks import KVCacheSpec
 from python_backends.llm.model import LlamaDims, PagedLlama, StepSequence
 from python_backends.llm.scheduler import (
-    BatchingPolicy,
     FinishReason,
     SamplingParams,
     Scheduler,
-    SchedulerConfig,
     SequenceState,
 )
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 64
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """One engine's limits, from the `llm` model's config parameters (written by gen-config)."""
-
-    kv_cache_bytes: int  # memory the KV cache may use; the block pool is sized from it
-    block_size: int = 16  # token slots per KV block
-    max_num_seqs: int = 8  # sequences decoding together at most
-    max_num_batched_tokens: int = 128  # tokens per step: prefill chunks plus decodes
-    max_model_len: int = 2048  # context: prompt plus output tokens
-    default_max_tokens: int = 128  # output tokens when a request does not say
-    policy: BatchingPolicy = BatchingPolicy.CONTINUOUS  # continuous, or the static baseline
-    num_threads: int = 0  # torch intra-op threads; 0: every core
-    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
-
-    def __post_init__(self) -> None:
-        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "default_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-
-    def scheduler_config(self, kv: KVCacheSpec) -> SchedulerConfig:
-        return SchedulerConfig(num_blocks=num_blocks_for_budget(kv, self.kv_cache_bytes), block_size=self.block_size,
-                               max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, policy=self.policy,
-                               prefix_caching=self.prefix_caching)
-
-
-def parse_engine_config(model_name: str, params: Mapping[str, str]) -> EngineConfig:
-    """EngineConfig from the model config's string parameters; ValueError naming the model."""
-    ints = {"block_size": "block_size", "max_num_seqs": "max_num_seqs",
-            "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
-            "default_max_tokens": "default_max_tokens", "num_threads": "num_threads"}
-    try:
-        if "kv_cache_mb" not in params:
-            raise ValueError("missing parameter kv_cache_mb (the KV-cache memory budget)")
-        values = {field_name: int(params[key]) for key, field_name in ints.items() if key in params}
-        caching = params.get("prefix_caching", "1")
-        if caching not in ("0", "1"):
-            raise ValueError(f"parameter prefix_caching must be 0 or 1, got {caching!r}")
-        return EngineConfig(kv_cache_bytes=int(float(params["kv_cache_mb"]) * (1 << 20)),
-                            policy=BatchingPolicy.parse(params.get("batching", "continuous")),
-                            prefix_caching=caching == "1", **values)
-    except ValueError as err:
-        raise ValueError(f"model {model_name!r}: bad config parameters: {err}") from None
 
 
 # --- requests -------------------------------------------------------------------------------

@@ -259,3 +259,17 @@ def test_row_cosines_of_a_zero_row_is_zero_not_nan():
 def test_row_cosines_refuse_batches_of_different_shapes():
     with pytest.raises(ValueError, match=r"embedding shapes differ: \(2, 384\) vs \(3, 384\)"):
         row_cosines(np.ones((2, 384)), np.ones((3, 384)))
+
+
+def test_router_parameters_write_the_text_they_read_back():
+    from python_backends.embed.router import RouterParameters
+
+    parameters = RouterParameters(bucket_lens=(16, 32), bucket_max_batch={32: 4, 16: 8}, version_weights={1: 90, 2: 10},
+                                  max_concurrent_requests=42)
+    text = parameters.to_parameters()
+    assert text == {"bucket_lens": "16,32", "bucket_max_batch": "16:8,32:4", "version_weights": "1:90,2:10",
+                    "max_concurrent_requests": "42"}
+    config = parse_router_config("embed", text)
+    assert config.default_routing == RoutingTable({1: 90.0, 2: 10.0}) and config.max_concurrent_requests == 42
+    with pytest.raises(ValueError, match="max_concurrent_requests=0 must be >= 1"):
+        RouterParameters(bucket_lens=(16,), bucket_max_batch={16: 1}, max_concurrent_requests=0)

@@ -37,8 +37,8 @@ def test_parse_encoder_config():
         ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["16"]}]},
          "differ"),
         ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
-        ({"parameters": {"intra_op_threads": {"string_value": "two"}}}, "intra_op_threads must be an integer"),
-        ({"parameters": {"intra_op_threads": {"string_value": "-1"}}}, "intra_op_threads must be >= 0"),
+        ({"parameters": {"intra_op_threads": {"string_value": "two"}}}, "intra_op_threads='two' is not an integer"),
+        ({"parameters": {"intra_op_threads": {"string_value": "-1"}}}, "intra_op_threads=-1 must be >= 0"),
         ({"parameters": {"allow_spinning": {"string_value": "yes"}}}, "allow_spinning must be 0 or 1"),
     ],
 )

@@ -464,3 +464,20 @@ def test_write_files_writes_only_what_differs(tmp_path):
     assert write_files({same: "kept", changed: "new", new: "shim"}) == [changed, new]
     assert (changed.read_text(), new.read_text(), same.stat().st_mtime_ns) == ("new", "shim", before)
     assert write_files({same: "kept", changed: "new", new: "shim"}) == []
+
+
+def test_every_generated_parameter_reads_back_through_the_schema_it_was_written_with():
+    from python_backends.embed.encoder import EncoderParameters
+    from python_backends.embed.router import RouterParameters
+    from python_backends.llm.config import LLMInferParameters, LLMParameters
+
+    schemas = {"embed_model": RouterParameters, "encoder_model": EncoderParameters, "llm_model": LLMParameters,
+               "llm_infer_model": LLMInferParameters}
+    spec = load_spec()
+    plan = plan_all(spec, load_profile(REPO / spec.profile))
+    assert {model.adapter for model in plan} == set(schemas)  # every model kind has its schema
+    for model in plan:
+        written = {key: value.string_value for key, value in model.config.parameters.items()}
+        schema = schemas[model.adapter]
+        assert set(written) <= set(schema.model_fields), model.name  # nothing written that nobody reads
+        assert schema.from_parameters(model.name, written).to_parameters() == written, model.name

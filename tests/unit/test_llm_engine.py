@@ -9,15 +9,8 @@ import pytest
 import torch
 
 from python_backends.common.errors import InvalidInput
-from python_backends.llm.engine import (
-    EngineConfig,
-    build_inputs,
-    find_stop,
-    inputs_from_arrays,
-    parse_engine_config,
-    sample,
-    unsafe_suffix,
-)
+from python_backends.llm.config import EngineConfig, parse_engine_config
+from python_backends.llm.engine import build_inputs, find_stop, inputs_from_arrays, sample, unsafe_suffix
 from python_backends.llm.scheduler import BatchingPolicy, SamplingParams
 
 CHAT = json.dumps([{"role": "user", "content": "hi"}])
@@ -115,8 +108,10 @@ def test_engine_config_from_model_parameters():
 
 @pytest.mark.parametrize(("params", "message"), [
     ({}, "missing parameter kv_cache_mb"),
-    ({"kv_cache_mb": "lots"}, "could not convert"),
-    ({"kv_cache_mb": "64", "max_num_seqs": "0"}, "max_num_seqs must be >= 1"),
+    ({"kv_cache_mb": "lots"}, "parameter kv_cache_mb='lots' is not a number"),
+    ({"kv_cache_mb": "64", "max_num_seqs": "0"}, "parameter max_num_seqs=0 must be >= 1"),
+    ({"kv_cache_mb": "64", "block_size": "x"}, "parameter block_size='x' is not an integer"),
+    ({"kv_cache_mb": "1e-9"}, "kv_cache_bytes must be >= 1, got 0"),
     ({"kv_cache_mb": "64", "batching": "eager"}, "unknown batching policy 'eager'"),
     ({"kv_cache_mb": "64", "prefix_caching": "yes"}, "prefix_caching must be 0 or 1, got 'yes'"),
 ])

@@ -17,9 +17,11 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from python_backends.common.tenant_auth import AuthMode
-from python_backends.embed.router import EMBEDDING_DIM
-from python_backends.embed.routing import format_weights
+from python_backends.common.quotas import TenantPolicy
+from python_backends.common.tenant_auth import AuthConfig, AuthMode
+from python_backends.embed.encoder import EncoderParameters
+from python_backends.embed.router import EMBEDDING_DIM, RouterParameters
+from python_backends.llm.config import LLMInferParameters, LLMParameters
 from tools.paths import REPO_ROOT
 from tools.planning.derivation import (
     Admission,
@@ -131,8 +133,9 @@ def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: Hard
     group.count = knobs.instance_count
     group.kind = mc.ModelInstanceGroup.Kind.Value(hardware.instance_kind)
     add_encoder_warmup(config, seq_len)
-    config.parameters["intra_op_threads"].string_value = str(hardware.intra_op_threads)
-    config.parameters["allow_spinning"].string_value = "1" if hardware.ort_spinning else "0"
+    parameters = EncoderParameters(intra_op_threads=hardware.intra_op_threads, allow_spinning=hardware.ort_spinning)
+    for key, text in parameters.to_parameters().items():
+        config.parameters[key].string_value = text
     return config
 
 
@@ -172,21 +175,18 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
     group = config.instance_group.add()
     group.count = router.instance_count
     group.kind = mc.ModelInstanceGroup.KIND_CPU  # tokenization is CPU work on every node
-    params = config.parameters
-    params["bucket_lens"].string_value = ",".join(str(b) for b in model.bucket_lens)
-    params["encoder_prefix"].string_value = model.encoder_prefix
-    params["bucket_max_batch"].string_value = ",".join(f"{b}:{n}" for b, n in sorted(bucket_max_batch.items()))
-    params["max_text_bytes"].string_value = str(model.max_text_bytes)
-    params["version_weights"].string_value = format_weights(model.traffic)
-    params["routing_file"].string_value = ROUTING_FILE
-    params["tenants"].string_value = spec.tenant_policy().to_json()
-    params["admission"].string_value = admission.policy.to_json()
-    params["tenant_auth"].string_value = spec.auth_config().to_json()
-    params["max_concurrent_requests"].string_value = str(router.max_concurrent_requests)
+    # Through the schema the router reads them back with, so neither side can drift.
+    parameters = RouterParameters(
+        bucket_lens=model.bucket_lens, encoder_prefix=model.encoder_prefix, bucket_max_batch=bucket_max_batch,
+        max_text_bytes=model.max_text_bytes, version_weights=model.traffic, routing_file=ROUTING_FILE,
+        tenants=spec.tenant_policy(), admission=admission.policy, tenant_auth=spec.auth_config(),
+        max_concurrent_requests=router.max_concurrent_requests)
+    for key, text in parameters.to_parameters().items():
+        config.parameters[key].string_value = text
     return config
 
 
-def llm_config(model: LLMModelSpec, tenant_json: str, auth_json: str) -> mc.ModelConfig:
+def llm_config(model: LLMModelSpec, tenants: TenantPolicy, auth: AuthConfig) -> mc.ModelConfig:
     """The decoupled `llm` model: one engine instance that batches per iteration itself, so
     Triton's own batcher stays off (max_batch_size 0) and every request goes straight in."""
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=0)
@@ -200,14 +200,14 @@ def llm_config(model: LLMModelSpec, tenant_json: str, auth_json: str) -> mc.Mode
     group = config.instance_group.add()
     group.count = 1  # one engine owns the KV cache; it batches internally
     group.kind = mc.ModelInstanceGroup.KIND_CPU
-    params = config.parameters
-    params["batching"].string_value = model.batching
-    params["kv_cache_mb"].string_value = f"{model.kv_cache_mb:g}"
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
-        params[name].string_value = str(getattr(model, name))
-    params["num_threads"].string_value = str(model.threads)
-    params["tenants"].string_value = tenant_json
-    params["tenant_auth"].string_value = auth_json
+    # Through the schema the engine reads them back with, so neither side can drift.
+    parameters = LLMParameters(
+        batching=model.batching, kv_cache_mb=model.kv_cache_mb, block_size=model.block_size,
+        max_num_seqs=model.max_num_seqs, max_num_batched_tokens=model.max_num_batched_tokens,
+        max_model_len=model.max_model_len, default_max_tokens=model.default_max_tokens, num_threads=model.threads,
+        tenants=tenants, tenant_auth=auth)
+    for key, text in parameters.to_parameters().items():
+        config.parameters[key].string_value = text
     return config
 
 
@@ -224,8 +224,9 @@ def llm_infer_config(model: LLMModelSpec) -> mc.ModelConfig:
     group = config.instance_group.add()
     group.count = 1  # execute returns at once; worker threads wait on the engine
     group.kind = mc.ModelInstanceGroup.KIND_CPU
-    config.parameters["target_model"].string_value = model.name
-    config.parameters["max_in_flight"].string_value = str(4 * model.max_num_seqs)
+    parameters = LLMInferParameters(target_model=model.name, max_in_flight=4 * model.max_num_seqs)
+    for key, text in parameters.to_parameters().items():
+        config.parameters[key].string_value = text
     return config
 
 
@@ -256,7 +257,7 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
               auth_header(spec))
     infer_header = (*provenance(spec, profile), "",
                     f"Plain (unary) infer for {model.name!r}: forwards each request to its engine and answers once")
-    config = llm_config(model, spec.tenant_policy().to_json(), spec.auth_config().to_json())
+    config = llm_config(model, spec.tenant_policy(), spec.auth_config())
     return [GeneratedModel(name=model.name, config=config, header=header, adapter="llm_model", versions=model.versions),
             GeneratedModel(name=f"{model.name}{LLM_INFER_SUFFIX}", config=llm_infer_config(model),
                            header=infer_header, adapter="llm_infer_model", versions=(1,))]
