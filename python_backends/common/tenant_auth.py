@@ -120,6 +120,8 @@ class AuthFailure(StrEnum):
     EXPIRED = "expired"  # genuine, but past its expiry (or before its `nbf`)
     UNVERIFIED_CLAIM = "unverified_claim"  # a `tenant` parameter without a token to prove it
     TENANT_MISMATCH = "tenant_mismatch"  # a `tenant` parameter that names another tenant than the token
+    WRONG_ISSUER = "wrong_issuer"  # a provider's token from another issuer (`iss`) than the spec names
+    WRONG_AUDIENCE = "wrong_audience"  # a provider's token not meant for this kit (`aud`)
 
 
 class AuthError(Exception):
@@ -156,6 +158,8 @@ class TokenParts:
     algorithm: str  # `alg`, one of ALGORITHMS
     signature: str  # base64url, as sent
     not_before_s: float | None = None  # `nbf`, Unix seconds, when the token has one
+    issuer: str | None = None  # `iss`, when the token has one
+    audience: tuple[str, ...] = ()  # `aud`: one string or a list of them (RFC 7519), when the token has one
 
 
 def encode_secret(secret: bytes) -> str:
@@ -263,10 +267,18 @@ def parse_token(token: object) -> TokenParts:
         not_before_s = _unix_seconds(claims["nbf"])
         if not_before_s is None:
             raise _malformed("the not-before time (nbf) is not Unix seconds")
+    issuer = claims.get("iss")
+    if issuer is not None and not isinstance(issuer, str):
+        raise _malformed("the issuer (iss) is not a string")
+    audience = claims.get("aud", ())
+    if isinstance(audience, str):
+        audience = (audience,)
+    if not isinstance(audience, list | tuple) or not all(isinstance(a, str) for a in audience):
+        raise _malformed("the audience (aud) is not a string or a list of strings")
     if not BASE64URL_PATTERN.fullmatch(parts[2]):
         raise _malformed("the signature is not base64url")
     return TokenParts(tenant=tenant, expiry_s=expiry_s, key_id=key_id, algorithm=algorithm, signature=parts[2],
-                      not_before_s=not_before_s)
+                      not_before_s=not_before_s, issuer=issuer, audience=tuple(audience))
 
 
 def _forged() -> AuthError:
@@ -283,13 +295,19 @@ def _canonical(signature: str) -> bool:
 
 
 def verify_token(token: object, keys: Mapping[str, VerificationKey], now_s: float,
-                 max_clock_skew_s: float = 0.0) -> str:
-    """The tenant a token proves, or AuthError: malformed, unknown key, bad signature, expired.
+                 max_clock_skew_s: float = 0.0, issuer: str = "", audience: str = "") -> str:
+    """The tenant a token proves, or AuthError: malformed, unknown key, bad signature, wrong issuer
+    or audience, expired.
 
     `keys` maps key ids to the kit's HS256 secrets or a JWKS document's public keys. `now_s` is
     the wall clock (Unix seconds). The signature is checked before the expiry, so only a genuine
     token is ever told it has expired. `max_clock_skew_s` (the leeway) is how long after its
     expiry, and before its `nbf`, a token is still taken, for an issuer whose clock disagrees.
+
+    `issuer` and `audience`, when set, are checked on tokens a JWKS key verifies: an identity
+    provider signs tokens for many services with the same keys, so its token is for this kit
+    only when it names the expected issuer (`iss`) and this kit among its audiences (`aud`).
+    The kit's own HS256 secrets sign tokens for this kit alone, so its tokens need neither.
     """
     parts = parse_token(token)
     key = keys.get(parts.key_id)
@@ -311,6 +329,13 @@ def verify_token(token: object, keys: Mapping[str, VerificationKey], now_s: floa
         raise _forged() from None
     except jwt.PyJWTError:  # e.g. a `crit` header it does not know; the message could quote the token
         raise _malformed("PyJWT refused its header") from None
+    if isinstance(key, PublicKey):
+        if issuer and parts.issuer != issuer:
+            raise AuthError(AuthFailure.WRONG_ISSUER, f"the tenant token for '{parts.tenant}' was issued by "
+                            f"{parts.issuer!r}, not by {issuer!r}")
+        if audience and audience not in parts.audience:
+            raise AuthError(AuthFailure.WRONG_AUDIENCE, f"the tenant token for '{parts.tenant}' is for "
+                            f"{list(parts.audience)!r}, not for {audience!r}")
     if now_s > parts.expiry_s + max_clock_skew_s:
         raise AuthError(AuthFailure.EXPIRED, f"the tenant token for '{parts.tenant}' expired "
                         f"{now_s - parts.expiry_s:.0f} s ago (at Unix time {parts.expiry_s:.0f}); ask for a new one")
@@ -511,6 +536,8 @@ class AuthConfig:
     mode: AuthMode = AuthMode.OFF
     keys_file: str = ""  # the keys file; a relative path is relative to the kit's root (KIT_ROOT)
     max_clock_skew_s: float = 30.0  # a token is taken this long past its expiry
+    issuer: str = ""  # the `iss` a provider's (JWKS-verified) token must name; empty: not checked
+    audience: str = ""  # the `aud` a provider's (JWKS-verified) token must include; empty: not checked
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, AuthMode):
@@ -525,15 +552,18 @@ class AuthConfig:
         return path if path.is_absolute() else root / path
 
     def to_json(self) -> str:
-        return json.dumps({"mode": self.mode.value, "keys_file": self.keys_file,
-                           "max_clock_skew_s": self.max_clock_skew_s}, sort_keys=True)
+        data = {"mode": self.mode.value, "keys_file": self.keys_file, "max_clock_skew_s": self.max_clock_skew_s}
+        # Written only when set: a spec without them generates the same parameter as before.
+        data.update({name: value for name, value in (("issuer", self.issuer), ("audience", self.audience)) if value})
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> AuthConfig:
         try:
             data = json.loads(text)
             return cls(mode=AuthMode(data["mode"]), keys_file=str(data.get("keys_file", "")),
-                       max_clock_skew_s=float(data.get("max_clock_skew_s", 30.0)))
+                       max_clock_skew_s=float(data.get("max_clock_skew_s", 30.0)),
+                       issuer=str(data.get("issuer", "")), audience=str(data.get("audience", "")))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"tenant auth config is not valid: {err}") from None
 
@@ -577,7 +607,7 @@ def resolve_tenant(params: Mapping[str, object], config: AuthConfig, keys: Mappi
                             f"token to prove it: send the tenant's token as '{TOKEN_PARAMETER}', or leave "
                             f"'tenant' out to be served as '{ANONYMOUS_TENANT}'")
         return ANONYMOUS_TENANT
-    tenant = verify_token(token, keys, now_s, config.max_clock_skew_s)
+    tenant = verify_token(token, keys, now_s, config.max_clock_skew_s, config.issuer, config.audience)
     if claim is not None and claim != tenant:
         raise AuthError(AuthFailure.TENANT_MISMATCH,
                         f"parameter 'tenant' names '{claim}', but the tenant token is for '{tenant}'")

@@ -95,7 +95,7 @@ def test_rules_across_tables_name_the_file_only():
 def test_all_unknown_auth_keys_are_named_with_the_known_ones():
     assert error(with_changes(tenants__auth={"mdoe": "required", "key_file": "k.json"})) == (
         f"{SPEC} [tenants.auth]: unknown key(s) ['key_file', 'mdoe']; "
-        "the keys are ['mode', 'keys_file', 'anonymous_tier', 'max_clock_skew_s']")
+        "the keys are ['mode', 'keys_file', 'anonymous_tier', 'max_clock_skew_s', 'issuer', 'audience']")
 
 
 def test_unknown_keys_outside_the_auth_table_are_ignored():

@@ -99,6 +99,13 @@ def test_the_keys_file_is_relative_to_the_spec():
     assert spec.auth_config().keys_file == str(REPO.parent / "outside" / "k.json")
 
 
+def test_a_providers_issuer_and_audience_reach_the_models_auth_parameter():
+    auth = {"keys_file": "idp/jwks.json", "issuer": "https://idp.example", "audience": "triton-kit"}
+    config = parse_spec(with_tenants({**TIERS, "auth": auth}), SPEC).auth_config()
+    assert (config.issuer, config.audience) == ("https://idp.example", "triton-kit")
+    assert parse_spec(with_tenants({**TIERS, "auth": {}}), SPEC).auth_config().issuer == ""
+
+
 @pytest.mark.parametrize(("auth", "members", "message"), [
     ({"mode": "sometimes"}, {}, r"\[tenants.auth\]: mode must be one of \['off', 'anonymous', 'required'\]"),
     ({"mdoe": "required"}, {}, r"\[tenants.auth\]: unknown key\(s\) \['mdoe'\]"),
@@ -108,6 +115,8 @@ def test_the_keys_file_is_relative_to_the_spec():
     ({"max_clock_skew_s": -1}, {}, r"max_clock_skew_s must be a number of seconds within \[0, 300\]"),
     ({"max_clock_skew_s": 301}, {}, "max_clock_skew_s"),
     ({"max_clock_skew_s": True}, {}, "max_clock_skew_s"),
+    ({"issuer": 7}, {}, "issuer"),
+    ({"audience": ["a", "b"]}, {}, "audience"),
     ({}, {"anonymous": "gold"}, "the tenant id 'anonymous' is reserved"),
     ({"mode": "required"}, {"anonymous": "gold"}, "the tenant id 'anonymous' is reserved"),
 ])

@@ -472,6 +472,48 @@ def test_an_hs256_token_signed_with_the_public_key_is_refused_by_a_jwks_verifier
     assert "verifies HS256 only" in str(failure(lambda: verify_token(own_kid, KEYS, NOW)))
 
 
+def test_a_providers_token_must_name_the_expected_issuer_and_this_kit_as_audience(provider):
+    """An identity provider signs tokens for many services with the same keys: with `issuer` and
+    `audience` set, only its tokens for this kit are taken."""
+    keys = parse_keys(json.dumps(provider["jwks"]))
+    ours = {"issuer": "https://idp.example", "audience": "triton-kit"}
+    for aud in ("triton-kit", ["billing", "triton-kit"]):
+        token = signed(provider, "RS256", iss="https://idp.example", aud=aud)
+        assert verify_token(token, keys, NOW, **ours) == "team-a"
+    cases = [
+        ({"iss": "https://other.example", "aud": "triton-kit"}, AuthFailure.WRONG_ISSUER, "'https://other.example'"),
+        ({"aud": "triton-kit"}, AuthFailure.WRONG_ISSUER, "issued by None"),
+        ({"iss": "https://idp.example", "aud": "billing"}, AuthFailure.WRONG_AUDIENCE, "['billing']"),
+        ({"iss": "https://idp.example"}, AuthFailure.WRONG_AUDIENCE, "is for [], not for 'triton-kit'"),
+    ]
+    for claims, reason, detail in cases:
+        error = failure(lambda claims=claims: verify_token(signed(provider, "ES256", **claims), keys, NOW, **ours))
+        assert error.reason is reason and detail in str(error), (claims, str(error))
+    # Through the model's config, as the router resolves a request.
+    config = AuthConfig(AuthMode.REQUIRED, "jwks.json", issuer="https://idp.example", audience="triton-kit")
+    elsewhere = signed(provider, "RS256", iss="https://idp.example", aud="billing")
+    error = failure(lambda: resolve_tenant({"tenant_token": elsewhere}, config, keys, NOW))
+    assert error.reason is AuthFailure.WRONG_AUDIENCE
+    # Unset, neither is checked (a provider whose tokens are for this kit alone).
+    assert verify_token(elsewhere, keys, NOW) == "team-a"
+
+
+def test_the_kits_own_tokens_need_no_issuer_or_audience():
+    """The kit's HS256 secrets sign for this kit only: its tokens pass a config that names a provider's."""
+    token = hs256({"sub": "team-a", "exp": int(NOW) + 60})
+    assert verify_token(token, KEYS, NOW, issuer="https://idp.example", audience="triton-kit") == "team-a"
+
+
+@pytest.mark.parametrize("claims, what", [({"iss": 7}, "issuer (iss)"), ({"aud": ["kit", 3]}, "audience (aud)"),
+                                          ({"aud": {"kit": 1}}, "audience (aud)")])
+def test_a_token_whose_issuer_or_audience_is_not_a_string_is_malformed(provider, claims, what):
+    keys = parse_keys(json.dumps(provider["jwks"]))
+    payload = json.dumps({"sub": "team-a", "exp": int(NOW) + 60, **claims}).encode()
+    token = jwt.PyJWS().encode(payload, provider["RS256"][1], algorithm="RS256", headers={"kid": "idp-rsa"})
+    error = failure(lambda: verify_token(token, keys, NOW))
+    assert error.reason is AuthFailure.MALFORMED and what in str(error)
+
+
 def test_keys_a_jwks_verifier_does_not_use_are_skipped(provider):
     rsa_key, ec_key = provider["RS256"][1], provider["ES256"][1]
     ec384 = ec.generate_private_key(ec.SECP384R1())
@@ -641,6 +683,10 @@ def test_the_skew_allowance_of_the_config_applies():
 def test_the_auth_config_round_trips_through_its_parameter():
     config = AuthConfig(AuthMode.ANONYMOUS, "build/tenant_keys.json", 15.0)
     assert AuthConfig.from_json(config.to_json()) == config
+    # issuer and audience travel when set, and are absent from the parameter when not
+    assert "issuer" not in config.to_json() and "audience" not in config.to_json()
+    provider = AuthConfig(AuthMode.REQUIRED, "jwks.json", issuer="https://idp.example", audience="triton-kit")
+    assert AuthConfig.from_json(provider.to_json()) == provider
     assert parse_auth_parameter("embed", config.to_json()) == config
     assert parse_auth_parameter("embed", "") == AUTH_OFF
 

@@ -81,6 +81,8 @@ class TenantAuthSpec:
     keys_file: Path  # the keys that verify tenant tokens (absolute; the spec gives it relative to itself)
     anonymous_tier: str  # tier of the `anonymous` tenant in anonymous mode
     max_clock_skew_s: float = 30.0  # a token is still taken this long past its expiry
+    issuer: str = ""  # the `iss` an identity provider's token must name; empty: not checked
+    audience: str = ""  # the `aud` an identity provider's token must include; empty: not checked
 
     def config(self) -> AuthConfig:
         """The models' `tenant_auth` parameter. A keys file inside the kit is written relative to
@@ -90,7 +92,8 @@ class TenantAuthSpec:
             keys_file = str(self.keys_file.relative_to(REPO_ROOT))
         except ValueError:
             keys_file = str(self.keys_file)
-        return AuthConfig(mode=self.mode, keys_file=keys_file, max_clock_skew_s=self.max_clock_skew_s)
+        return AuthConfig(mode=self.mode, keys_file=keys_file, max_clock_skew_s=self.max_clock_skew_s,
+                          issuer=self.issuer, audience=self.audience)
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,12 @@ class AuthTable(ClosedTable):
     """Tier of the `anonymous` tenant in anonymous mode; default: the lowest tier."""
     max_clock_skew_s: float = Field(30.0, ge=0, le=MAX_CLOCK_SKEW_S)
     """A token is still taken this long past its expiry (issuer clocks drift), within [0, 300]."""
+    issuer: str = ""
+    """With a JWKS keys file: the issuer (`iss`) an identity provider's token must name. Empty:
+    not checked. The kit's own HS256 tokens are not checked (their keys sign for this kit only)."""
+    audience: str = ""
+    """With a JWKS keys file: the audience (`aud`) an identity provider's token must include, so a
+    token the provider issued for another service is refused. Empty: not checked."""
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -538,7 +547,7 @@ class ServingFile(Table):
             tenant_auth=None if auth.mode is AuthMode.OFF else TenantAuthSpec(
                 mode=auth.mode, keys_file=(root / auth.keys_file).resolve(),
                 anonymous_tier=auth.anonymous_tier or tenants.lowest_tier(),
-                max_clock_skew_s=float(auth.max_clock_skew_s)),
+                max_clock_skew_s=float(auth.max_clock_skew_s), issuer=auth.issuer, audience=auth.audience),
         )
 
 
