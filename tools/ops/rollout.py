@@ -26,14 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
 from filelock import FileLock, Timeout
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
 from python_backends.embed.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
-from tools.observe.metrics import parse_exposition
+from tools.observe.metrics import fetch_text, parse_exposition
 from tools.paths import REPO_ROOT
 from tools.planning.rollout import (
     DEFAULT_STEPS,
@@ -64,8 +63,9 @@ class RolloutError(RuntimeError):
     """The rollout cannot start or continue; the message says why."""
 
 
-# What the server failing to answer looks like: a control call, or the metrics page (requests).
-SERVER_ERRORS = (ControlError, requests.RequestException)
+# What the server failing to answer looks like: a control call, or the metrics page (urllib's
+# errors, an HTTP error status included, are OSErrors).
+SERVER_ERRORS = (ControlError, OSError)
 
 
 @dataclass
@@ -97,9 +97,7 @@ class TritonControl:
                                f"failed: {err}") from None
 
     def metrics(self) -> str:
-        response = requests.get(self.metrics_url, timeout=10)
-        response.raise_for_status()
-        return response.text
+        return fetch_text(self.metrics_url, timeout_s=10.0)
 
 
 def read_config(repository: Path, model: str) -> mc.ModelConfig:
