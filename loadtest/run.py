@@ -43,31 +43,37 @@ STATE = RunState()
 
 
 def add_options(parser) -> None:
-    group = parser  # Locust's parser: options added to a group lose `include_in_web_ui`
-    group.add_argument("--mix", default="embed", include_in_web_ui=False,
-                       help="load mix: a file, or a name in loadtest/mixes/ (embed, mixed, llm); default embed")
-    group.add_argument("--shape", default="", include_in_web_ui=False,
-                       help="load shape: a file, or a name in loadtest/shapes/ (step, spike, diurnal); "
-                            "default none: --users for --run-time")
-    group.add_argument("--shape-seconds", type=float, default=0.0, include_in_web_ui=False,
-                       help="play the whole shape in this many seconds (0: as written)")
-    group.add_argument("--shape-user-scale", type=float, default=1.0, include_in_web_ui=False,
-                       help="multiply the shape's users by this (e.g. 0.5 for a smaller machine)")
-    group.add_argument("--triton-grpc", default="localhost:8001", include_in_web_ui=False,
-                       help="tritonserver gRPC endpoint, host:port (default localhost:8001)")
-    group.add_argument("--triton-grpc-tls-ca", default="", include_in_web_ui=False,
-                       help="gRPC over TLS, trusting this CA certificate (PEM; a self-signed server "
-                            "certificate itself); default: plaintext")
-    group.add_argument("--triton-http", default="localhost:8000", include_in_web_ui=False,
-                       help="tritonserver HTTP endpoint, host:port (default localhost:8000)")
-    group.add_argument("--spec", default=str(DEFAULT_SPEC), include_in_web_ui=False,
-                       help="serving spec holding the SLOs and tenant tiers (default serving.toml)")
-    group.add_argument("--slo-report", default="build/loadtest/summary.md", include_in_web_ui=False,
-                       help="where to write the Markdown verdict (default build/loadtest/summary.md)")
-    group.add_argument("--slo-json", default="build/loadtest/verdict.json", include_in_web_ui=False,
-                       help="where to write the verdict as JSON (default build/loadtest/verdict.json)")
-    group.add_argument("--settle-s", type=float, default=5.0, include_in_web_ui=False,
-                       help="seconds at the start of each shape stage left out of its stage row (default 5)")
+    """The kit's options, each also read from a `LOCUST_<NAME>` variable as Locust's own are
+    (the command line wins over the variable, the variable over locust.conf)."""
+    def option(name: str, **kwargs) -> None:
+        # Locust's parser itself: options added to a group lose `include_in_web_ui`.
+        parser.add_argument(name, include_in_web_ui=False, env_var="LOCUST_" + name[2:].upper().replace("-", "_"),
+                            **kwargs)
+
+    option("--mix", default="embed",
+           help="load mix: a file, or a name in loadtest/mixes/ (embed, mixed, llm); default embed")
+    option("--shape", default="",
+           help="load shape: a file, or a name in loadtest/shapes/ (step, spike, diurnal); "
+                "default none: --users for --run-time")
+    option("--shape-seconds", type=float, default=0.0,
+           help="play the whole shape in this many seconds (0: as written)")
+    option("--shape-user-scale", type=float, default=1.0,
+           help="multiply the shape's users by this (e.g. 0.5 for a smaller machine)")
+    option("--triton-grpc", default="localhost:8001",
+           help="tritonserver gRPC endpoint, host:port (default localhost:8001)")
+    option("--triton-grpc-tls-ca", default="",
+           help="gRPC over TLS, trusting this CA certificate (PEM; a self-signed server "
+                "certificate itself); default: plaintext")
+    option("--triton-http", default="localhost:8000",
+           help="tritonserver HTTP endpoint, host:port (default localhost:8000)")
+    option("--spec", default=str(DEFAULT_SPEC),
+           help="serving spec holding the SLOs and tenant tiers (default serving.toml)")
+    option("--slo-report", default="build/loadtest/summary.md",
+           help="where to write the Markdown verdict (default build/loadtest/summary.md)")
+    option("--slo-json", default="build/loadtest/verdict.json",
+           help="where to write the verdict as JSON (default build/loadtest/verdict.json)")
+    option("--settle-s", type=float, default=5.0,
+           help="seconds at the start of each shape stage left out of its stage row (default 5)")
 
 
 def _load(options):

@@ -12,9 +12,19 @@ The convention, for README.md and docs/*.md:
   `:8001` and `:8002` replaced by its HTTP, gRPC and metrics ports; `<!-- run: batch -->`,
   against a batch API (`python -m tools batch serve`) in front of that server, with
   `localhost:8080` replaced by the API's port too.
-- a ```bash block shows commands that are not run here (they start servers, run for minutes
-  or change state); every `python -m tools ...` in it must parse with the real CLI, and
-  every `make TARGET` must name a target of the Makefile.
+- a ```bash block shows commands that start servers, run for minutes or wait for another
+  process: an integration test runs each as written, its own way (it starts the server,
+  waits for it, makes its requests and stops it), taking the command from the docs with
+  `shown(document, command)`, so that the two cannot drift apart. Such a test may point a
+  command at its own server or make a run shorter only through what the shown command leaves
+  to the environment (make variables such as `SERVE_ARGS`, Locust's `LOCUST_*` variables), by
+  substituting ports as above, by standing in for a placeholder host (`queue-host`), or by
+  running it in a scratch folder where what it writes under `build/` stays out of the
+  checkout. A command is a line (one ending in `\\` goes on to the next, joined by one
+  space) without its trailing `  # comment`; lines that are only comments are prose.
+  tests/unit/test_docs.py fails when a shown command is taken by no test; every
+  `python -m tools ...` must also parse with the real CLI and every `make TARGET` name a
+  target of the Makefile.
 - ```text, ```toml and ```json blocks are output or file contents, never run. No other
   language is allowed, so that no example escapes the checks.
 """
@@ -96,6 +106,35 @@ def console_commands(block: Block) -> list[Command]:
     if command:
         commands.append(Command(block, "\n".join(command), "\n".join(expected)))
     return commands
+
+
+def bash_commands(block: Block) -> list[str]:
+    """A ```bash block's commands: its logical lines (continuations joined by one space)
+    without their trailing comments."""
+    lines = (re.split(r"\s{2,}# |^# ", line, maxsplit=1)[0].rstrip()
+             for line in re.sub(r"\s*\\\n\s*", " ", block.body).splitlines())
+    return [line for line in lines if line]
+
+
+def shown_commands(document: str) -> list[str]:
+    """Every command the ```bash blocks of `document` (a path from the repository root) show."""
+    return [c for b in blocks((REPO / document,)) if b.language == "bash" for c in bash_commands(b)]
+
+
+def shown(document: str, command: str) -> str:
+    """`command`, failing unless `document` shows it word for word in a ```bash block: an
+    integration test that runs a shown command takes it from here (tests/unit/test_docs.py
+    finds these calls, so every shown command must be taken by a test)."""
+    commands = shown_commands(document)
+    if command not in commands:
+        raise AssertionError(f"{document} does not show `{command}`; its commands: {commands}")
+    return command
+
+
+def shell(command: str, ports: dict[str, int] | None = None, **env: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that run a shown command as a reader's shell would (ports
+    substituted; `env` adds variables the command leaves to the environment)."""
+    return ["bash", "-c", with_ports(command, ports)], {**environment(), **env}
 
 
 def with_ports(text: str, ports: dict[str, int] | None) -> str:

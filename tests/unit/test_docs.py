@@ -5,6 +5,7 @@ with the result files."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
@@ -12,7 +13,7 @@ import shlex
 
 import pytest
 
-from tests.doc_examples import DOCUMENTS, LANGUAGES, REPO, blocks, run_console, run_pycon
+from tests.doc_examples import DOCUMENTS, LANGUAGES, REPO, bash_commands, blocks, run_console, run_pycon, shown
 from tools.cli import build_parser
 from tools.cli import main as cli_main
 
@@ -59,6 +60,35 @@ def test_shown_tools_command_parses(block, line):
                 assert exit_.code == 0, f"{block.where}: `python -m tools {match['args'].strip()}`: {stderr.getvalue()}"
 
 
+def _taken_commands() -> dict[tuple[str, str], str]:
+    """Every `shown(document, command)` call in the tests, with where it is."""
+    taken = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "shown"
+                    and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)):
+                taken[(node.args[0].value, node.args[1].value)] = f"{path.relative_to(REPO)}:{node.lineno}"
+    return taken
+
+
+def test_every_shown_command_is_run_by_a_test():
+    taken = _taken_commands()
+    shown_here = {(str(b.path.relative_to(REPO)), command): b.where for b in BLOCKS if b.language == "bash"
+                  for command in bash_commands(b)}
+    untaken = [f"{where}: {command}" for (_, command), where in shown_here.items() if (_, command) not in taken]
+    assert not untaken, f"commands the docs show that no test runs (take them with shown(...)): {untaken}"
+    stale = [f"{where}: shown({document!r}, {command!r})" for (document, command), where in taken.items()
+             if (document, command) not in shown_here]
+    assert not stale, f"tests take commands the docs no longer show: {stale}"
+
+
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` is the README's test command, as written."""
+    command = shown("README.md", "make test")
+    lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines[-1] == f"exec {command}", lines
+
+
 def test_shown_make_targets_exist():
     targets = set(re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
     missing = [f"{b.where}: make {m['target']}" for b, line in BASH_LINES for m in MAKE_CALL.finditer(line)
@@ -68,8 +98,8 @@ def test_shown_make_targets_exist():
 
 def test_shown_loadtest_options_exist():
     """`make loadtest LOADTEST_ARGS="..."` passes options to the locustfile: each must be one
-    that loadtest/run.py adds (Locust's own are not shown in LOADTEST_ARGS)."""
-    declared = set(re.findall(r'add_argument\("(--[a-z-]+)"', (REPO / "loadtest" / "run.py").read_text()))
+    that loadtest/run.py adds with `option(...)` (Locust's own are not shown in LOADTEST_ARGS)."""
+    declared = set(re.findall(r'option\("(--[a-z-]+)"', (REPO / "loadtest" / "run.py").read_text()))
     shown = {(b.where, option) for b, line in BASH_LINES for args in re.findall(r'LOADTEST_ARGS="([^"]*)"', line)
              for option in re.findall(r"--[a-z-]+", args)}
     assert shown, "no LOADTEST_ARGS example found"
