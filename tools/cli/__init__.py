@@ -1,10 +1,15 @@
 """One entry point, one subcommand per job. Each subcommand module exposes
-`add_arguments(parser)` and `run(args) -> int`."""
+`add_arguments(parser)` and `run(args) -> int`; its docstring is its --help text. A command
+that prints what a policy module decides names that module as `EXPLAINED_BY`: its --help
+then tells the policy in the policy module's own words (all but the docstring's last
+paragraph, which speaks of code), followed by the command's examples, so the text is kept
+once."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from types import ModuleType
 
 from tools.cli import (
     admin_key,
@@ -44,6 +49,16 @@ COMMANDS = {
 }
 
 
+def description(command: ModuleType) -> str:
+    """A command's --help text: its docstring, or its policy's words and then its examples."""
+    policy = getattr(command, "EXPLAINED_BY", None)
+    if policy is None:
+        return command.__doc__ or ""
+    words = policy.__doc__.strip().rsplit("\n\n", 1)[0]
+    examples = command.__doc__.strip().split("\n", 1)[1]
+    return f"{words}\n{examples}\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tools",
@@ -52,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
         summary = (module.__doc__ or "").strip().splitlines()[0]
-        sub = subparsers.add_parser(name, help=summary, description=module.__doc__,
+        sub = subparsers.add_parser(name, help=summary, description=description(module),
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(handler=module.run)

@@ -1,35 +1,11 @@
 """Desired replicas from leading signals, with hysteresis and a cool-down fit for GPU pods.
 
-p95 moves last: by the time it crosses the SLO, the queues have been growing for a while.
-So the decision reads ratios, each 1.0 at its target, and acts on the largest:
-  queue        = bucket queue time / (linger budget + one batch of compute)   (> 1: waiting for an instance)
-  pending      = requests pending at the bucket models / (replicas x pending target)
-  utilization  = share of the device the batches keep busy / 0.8 (gen-config plans for 80% at peak)
-  demand       = (served + turned away as "server busy") / served   (only while admission refuses some)
-  latency      = end-to-end p95 / (0.8 x SLO)
-desired = ceil(replicas x pressure) when pressure > 1.1 (at most doubling per step), the
-HorizontalPodAutoscaler's rule. A scale-down needs the load-proportional ratios (pending,
-utilization, demand) under 0.5 for a whole window (5 min), with queue and latency under 1,
-and removes at most half: latency does not fall with load (at low traffic a request still
-waits for its batch timer), so it may veto a scale-down but never drives one.
-After a scale-up nothing more is added for the start-up time (60 s): a GPU pod takes tens
-of seconds to start and load its models, and until it serves, the signals still show the
-old fleet's pressure; adding again would overshoot.
-
-The fragmentation trap: when traffic is split over more queues than the configs were made
-for (two versions of a bucket during a rollout, many thin buckets), batches stay thin,
-requests wait out the linger timer and p99 rises while the device is mostly idle. More
-replicas split the traffic further and make it worse. So when most requests wait out a
-timer in split queues and latency is the only ratio over the band (queue, pending,
-utilization and demand all say capacity is enough), the decision holds and says why;
-`python -m tools explain` names the knob.
-
   python -m tools autoscale embed                      # live: a decision every 10 s
   python -m tools autoscale embed --replay tests/data/metrics/overload.jsonl.gz
 """
 
 # The `autoscale` command: reads the server (or a recording) and the served configs, and prints
-# the decisions of tools.planning.autoscale. The docstring above is its --help text.
+# the decisions of tools.planning.autoscale, whose docstring --help shows before the examples.
 
 from __future__ import annotations
 
@@ -38,8 +14,8 @@ import json
 import sys
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
+from tools.cli._options import add_server_or_recording
 from tools.observe.explain import (
     ServiceWindow,
     knobs_from_repository,
@@ -49,23 +25,19 @@ from tools.observe.explain import (
 )
 from tools.observe.metrics import Window, read_recording, take_snapshot
 from tools.observe.scaling import default_pending_per_replica, replay, signals_from
-from tools.paths import REPO_ROOT
+from tools.planning import autoscale as policy
 from tools.planning.autoscale import AutoscalePolicy, AutoscaleState, Decision, decide
+
+EXPLAINED_BY = policy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the served model to scale (the router: embed)")
-    parser.add_argument("--metrics-url", default="http://localhost:8002/metrics", help="the server's metrics endpoint")
-    parser.add_argument("--http-url", default="localhost:8000", help="the server's HTTP endpoint (host:port)")
+    add_server_or_recording(parser, "decide over a recording (from `python -m tools top --record`) instead of a server")
     parser.add_argument("--replicas", type=int, default=1,
                         help="replicas whose traffic the metrics show (default 1: this server)")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds per window and decision (default 10)")
     parser.add_argument("--count", type=int, default=0, help="decisions to make, then exit (default 0: until Ctrl-C)")
-    parser.add_argument("--replay", type=Path, default=None,
-                        help="decide over a recording (from `python -m tools top --record`) instead of a server")
-    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository",
-                        help="model repository whose configs give the knobs in --replay mode")
-    parser.add_argument("--spec", type=Path, default=None, help="serving spec (default serving.toml): the SLO")
     parser.add_argument("--min-replicas", type=int, default=1, help="never fewer (default 1)")
     parser.add_argument("--max-replicas", type=int, default=32, help="never more (default 32)")
     parser.add_argument("--startup-s", type=float, default=60.0,

@@ -1,12 +1,5 @@
 """How many GPUs (replicas) for N requests per minute at model latency X and batch size Y.
 
-One replica runs `instances` batches side by side, each of Y rows in X ms, so it serves
-T = instances x Y / X rows per second at most. Demand is R = N / 60 x rows per request.
-Replicas = ceil(R / (T x u)), where u < 1 is the utilization to plan for: queues stay short
-only with headroom (gen-config plans for 80% at peak; 70% is the default here). A batch
-size is only usable if a request can wait for the batch in flight and then run in its own
-within the SLO: o + 2 X <= S, the rule gen-config uses for max_batch_size.
-
   python -m tools capacity --rpm 60000 --latency-ms 12 --batch 32 --instances 2
   python -m tools capacity --rpm 6000 --profile profiles/cpu.json --model encoder_64           # best batch
   python -m tools capacity --rpm 6000 --profile profiles/cpu.json --model encoder_64 --batch 8 --json
@@ -20,7 +13,7 @@ thin batches cost, e.g. traffic fragmented over versions during a rollout.
 """
 
 # The `capacity` command: reads a latency profile, the serving spec or a recording, and prints the
-# plans of tools.planning.capacity. The docstring above is its --help text.
+# plans of tools.planning.capacity, whose docstring --help shows before the text above.
 
 from __future__ import annotations
 
@@ -35,6 +28,7 @@ from tools.observe.explain import knobs_from_repository, service_layout
 from tools.observe.metrics import Window, read_recording
 from tools.observe.scaling import observed_batches
 from tools.paths import REPO_ROOT
+from tools.planning import capacity as planning
 from tools.planning.capacity import (
     DEFAULT_UTILIZATION,
     Demand,
@@ -47,6 +41,8 @@ from tools.planning.capacity import (
 )
 from tools.spec.profile import LatencyCurve, load_profile
 from tools.spec.serving import load_spec
+
+EXPLAINED_BY = planning
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,31 +1,13 @@
 """Say, with numbers, why a model is slow and which knob to change.
 
-Reads two snapshots of /metrics a window apart (or a recording), the served configs and, on a
-live server, the statistics API; then tells whether requests are slow because they wait to
-be batched, because every instance is busy, or because compute itself is slow, and whether
-traffic is fragmented over buckets and versions: the case where the device is mostly idle
-yet p99 rises, and where adding replicas would make it worse.
-
   python -m tools explain embed                    # the router and the bucket models behind it
   python -m tools explain encoder_16 --window 30   # one bucket model
   python -m tools explain embed --replay tests/data/metrics/fragmented.jsonl
-
-How each cause is told apart, per bucket queue (model version), over the window:
-  waiting for an instance: mean queue time > the linger budget (max_queue_delay) + one batch
-    of compute: a request waited for a batch to finish, not for one to fill;
-  waiting to batch: mean queue time >= half the linger budget while batches close below the
-    preferred size: the timer, not a full batch, releases them;
-  slow compute: a batch takes > 1.5x what the latency profile measured for its size;
-  fragmented: the traffic is split beyond what the configs were derived for (two versions of
-    a bucket each waiting to batch, or >= 3 buckets waiting to batch), at least half of the
-    requests wait to batch as above, and the device is < 50% busy: batches that one queue
-    would fill are spread thin, so requests wait out the timer and p99 rises while the
-    device idles.
 """
 
 # The `explain` command: reads /metrics, the statistics API and the served configs (or a recording
-# and the repository's configs) and prints the diagnosis of tools.observe.explain. The docstring
-# above is its --help text.
+# and the repository's configs) and prints the diagnosis of tools.observe.explain, whose docstring
+# --help shows before the examples.
 
 from __future__ import annotations
 
@@ -35,8 +17,9 @@ import json
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
+from tools.cli._options import add_server_or_recording
+from tools.observe import explain as diagnosis
 from tools.observe.explain import (
     diagnose,
     diagnose_llm,
@@ -52,24 +35,18 @@ from tools.observe.explain import (
     to_json,
 )
 from tools.observe.metrics import LLM_BLOCKS_TOTAL, Window, read_recording, take_snapshot
-from tools.paths import REPO_ROOT
 from tools.spec.serving import load_spec
+
+EXPLAINED_BY = diagnosis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the model to explain: the router (embed), a bucket model (encoder_16) or llm")
-    parser.add_argument("--metrics-url", default="http://localhost:8002/metrics", help="the server's metrics endpoint")
-    parser.add_argument("--http-url", default="localhost:8000",
-                        help="the server's HTTP endpoint, for the served configs (host:port)")
+    add_server_or_recording(parser, "a recording (JSON lines of snapshots, from `python -m tools top --record`): "
+                                    "explain its last window instead of reading a server")
     parser.add_argument("--window", type=float, default=10.0,
                         help="seconds to read /metrics (default 10): the second half is judged against the first, "
                              "to see whether p99 rises; traffic must flow meanwhile")
-    parser.add_argument("--replay", type=Path, default=None,
-                        help="a recording (JSON lines of snapshots, from `python -m tools top --record`): explain "
-                             "its last window instead of reading a server; configs come from --repository")
-    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository",
-                        help="model repository whose config.pbtxt files give the knobs in --replay mode")
-    parser.add_argument("--spec", type=Path, default=None, help="serving spec (default serving.toml)")
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
 
 

@@ -1,4 +1,4 @@
-"""How many GPUs (replicas) for N requests per minute at model latency X and batch size Y (pure).
+"""How many GPUs (replicas) for N requests per minute at model latency X and batch size Y.
 
 One replica runs `instances` batches side by side, each of Y rows in X ms, so it serves
 T = instances x Y / X rows per second at most. Demand is R = N / 60 x rows per request.
