@@ -1,7 +1,10 @@
-"""top, explain and autoscale against the live server while traffic flows."""
+"""top, explain and autoscale against the live server while traffic flows; `top` and `explain`
+as docs/operations.md shows them."""
 
+import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.doc_examples import shell, shown
 from tests.integration.helpers import as_tenant, grpc_embed, text_with_tokens
 from tools.observe.metrics import BATCH_ROWS, Window, take_snapshot
 
@@ -48,6 +52,16 @@ def run_tool(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProces
                           timeout=timeout_s, env={**os.environ, "COLUMNS": "160"})
 
 
+def ports(triton) -> dict[str, int]:
+    return {"http": triton.config.http_port, "metrics": triton.config.metrics_port}
+
+
+def start_shown(command: str, triton, cwd: Path) -> subprocess.Popen:
+    """A command the docs show, on the session server's ports."""
+    argv, env = shell(command, ports(triton))
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_bucket_models_export_their_formed_batch_sizes(triton, traffic):
     start = take_snapshot(triton.metrics_url)
     time.sleep(3.0)
@@ -62,21 +76,59 @@ def test_bucket_models_export_their_formed_batch_sizes(triton, traffic):
     assert batches == pytest.approx(executions, abs=8)
 
 
-def test_top_once_shows_every_model_with_traffic(triton, traffic, tmp_path):
-    record = tmp_path / "top.jsonl.gz"
-    result = run_tool("top", "--once", "--interval", "3", "--metrics-url", triton.metrics_url, "--record", str(record))
-    assert result.returncode == 0, result.stderr
-    for text in ("models, last", "embed", "encoder_16", "encoder_32", "tenants", "search-frontend", "premium",
-                 "padding waste", "200.0"):
-        assert text in result.stdout, text
+def snapshots(record: Path) -> int:
+    if not record.exists():
+        return 0
+    with gzip.open(record, "rt") as lines:
+        try:
+            return sum(1 for _ in lines)
+        except EOFError:  # the writer is in the middle of a block
+            return 0
+
+
+def test_top_shows_every_model_with_traffic_until_ctrl_c(triton, traffic, tmp_path):
+    """Both live forms side by side, stopped by Ctrl-C once they have drawn a few windows (a
+    live view off a terminal prints its last one as it stops)."""
+    record = tmp_path / "run.jsonl.gz"
+    views = [start_shown(shown("docs/operations.md", "python -m tools top --metrics-url http://localhost:8002/metrics"),
+                         triton, tmp_path),
+             start_shown(shown("docs/operations.md", "python -m tools top --metrics-url http://localhost:8002/metrics "
+                                                     "--record run.jsonl.gz"), triton, tmp_path)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and snapshots(record) < 3:
+            time.sleep(0.5)
+        for view in views:
+            view.send_signal(signal.SIGINT)
+        outputs = [view.communicate(timeout=30) for view in views]
+    finally:
+        for view in views:
+            view.kill()
+    for view, (stdout, stderr) in zip(views, outputs, strict=True):
+        assert view.returncode == 0, stderr
+        for text in ("models, last", "embed", "encoder_16", "encoder_32", "tenants", "search-frontend", "premium",
+                     "padding waste", "200.0"):
+            assert text in stdout, (text, stdout)
     replayed = run_tool("top", "--replay", str(record), "--interval", "3")
     assert replayed.returncode == 0 and "encoder_16" in replayed.stdout
 
 
-def test_explain_reads_metrics_configs_and_statistics(triton, traffic):
+def test_top_once_exits_after_one_table(triton):
+    result = run_tool("top", "--once", "--interval", "1", "--metrics-url", triton.metrics_url)
+    assert result.returncode == 0, result.stderr
+    assert "models, last" in result.stdout and "encoder_16" in result.stdout
+
+
+def test_explain_reads_metrics_configs_and_statistics(triton, traffic, tmp_path):
+    shown_form = start_shown(shown("docs/operations.md", "python -m tools explain embed --metrics-url "
+                                   "http://localhost:8002/metrics --http-url localhost:8000"), triton, tmp_path)
     http = triton.http_url
     result = run_tool("explain", "embed", "--window", "4", "--metrics-url", triton.metrics_url, "--http-url", http,
                       "--json")
+    stdout, stderr = shown_form.communicate(timeout=120)
+    assert shown_form.returncode == 0, stderr
+    assert stdout.startswith("embed: ") and "req/s" in stdout and "bucket queue" in stdout, stdout
+    assert "busy over " in stdout and "\n- " in stdout and "knob: " in stdout, stdout
     assert result.returncode == 0, result.stderr
     diagnosis = json.loads(result.stdout)
     assert diagnosis["model"] == "embed"
@@ -107,9 +159,14 @@ def test_tools_say_what_is_wrong_when_no_server_answers():
     assert result.returncode == 1 and "is the server running" in result.stderr
 
 
-def test_explain_the_llm_engine(triton):
+def test_explain_the_llm_engine(triton, tmp_path):
+    shown_form = start_shown(shown("docs/operations.md", "python -m tools explain llm --metrics-url "
+                                   "http://localhost:8002/metrics --http-url localhost:8000"), triton, tmp_path)
     result = run_tool("explain", "llm", "--window", "2", "--metrics-url", triton.metrics_url,
                       "--http-url", triton.http_url, "--json")
+    stdout, stderr = shown_form.communicate(timeout=120)
+    assert shown_form.returncode == 0, stderr
+    assert stdout.startswith("llm: ") and "KV blocks" in stdout and "knob: " in stdout, stdout
     assert result.returncode == 0, result.stderr
     diagnosis = json.loads(result.stdout)
     assert "KV blocks" in diagnosis["summary"] and diagnosis["findings"]
