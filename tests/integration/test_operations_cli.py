@@ -107,8 +107,11 @@ def test_top_shows_every_model_with_traffic(triton, traffic, tmp_path):
 
 
 def test_explain_reads_metrics_configs_and_statistics(triton, traffic, tmp_path):
+    # Both shown forms (10 s windows) run beside the JSON form, so the three take one window.
     shown_form = start_shown(shown("docs/operations.md", "python -m tools explain embed --metrics-url "
                                    "http://localhost:8002/metrics --http-url localhost:8000"), triton, tmp_path)
+    shown_llm = start_shown(shown("docs/operations.md", "python -m tools explain llm --metrics-url "
+                                  "http://localhost:8002/metrics --http-url localhost:8000"), triton, tmp_path)
     http = triton.http_url
     result = run_tool("explain", "embed", "--window", "4", "--metrics-url", triton.metrics_url, "--http-url", http,
                       "--json")
@@ -116,6 +119,9 @@ def test_explain_reads_metrics_configs_and_statistics(triton, traffic, tmp_path)
     assert shown_form.returncode == 0, stderr
     assert stdout.startswith("embed: ") and "req/s" in stdout and "bucket queue" in stdout, stdout
     assert "busy over " in stdout and "\n- " in stdout and "knob: " in stdout, stdout
+    stdout, stderr = shown_llm.communicate(timeout=120)
+    assert shown_llm.returncode == 0, stderr
+    assert stdout.startswith("llm: ") and "KV blocks" in stdout and "knob: " in stdout, stdout
     assert result.returncode == 0, result.stderr
     diagnosis = json.loads(result.stdout)
     assert diagnosis["model"] == "embed"
@@ -146,14 +152,9 @@ def test_tools_say_what_is_wrong_when_no_server_answers():
     assert result.returncode == 1 and "is the server running" in result.stderr
 
 
-def test_explain_the_llm_engine(triton, tmp_path):
-    shown_form = start_shown(shown("docs/operations.md", "python -m tools explain llm --metrics-url "
-                                   "http://localhost:8002/metrics --http-url localhost:8000"), triton, tmp_path)
+def test_explain_the_llm_engine(triton):
     result = run_tool("explain", "llm", "--window", "2", "--metrics-url", triton.metrics_url,
                       "--http-url", triton.http_url, "--json")
-    stdout, stderr = shown_form.communicate(timeout=120)
-    assert shown_form.returncode == 0, stderr
-    assert stdout.startswith("llm: ") and "KV blocks" in stdout and "knob: " in stdout, stdout
     assert result.returncode == 0, result.stderr
     diagnosis = json.loads(result.stdout)
     assert "KV blocks" in diagnosis["summary"] and diagnosis["findings"]
