@@ -1,23 +1,29 @@
-"""`python -m tools profile` end to end, short form: a private server, every bucket's c(b), the
-router overhead, a profile file that gen-config takes."""
+"""`python -m tools profile` and `gen-config` as docs/operations.md shows them: a private
+server, every bucket's c(b), the router overhead, a profile file that gen-config takes; and
+gen-config, run on the checkout, rewrites nothing that already matches."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
-from .conftest import REPO
+import pytest
+
+from tests.doc_examples import REPO, shell, shown
 
 
 def test_profile_measures_every_bucket_and_the_router_and_gen_config_reads_it(tmp_path):
-    out = tmp_path / "cpu.json"
-    # 40 timed router requests: with a handful, one stalled request is the p95 (and gen-config
-    # then rightly refuses a router that alone overshoots the SLO).
-    run = subprocess.run([sys.executable, "-m", "tools", "profile", "--out", str(out), "--time-per-point", "0.1",
-                          "--overhead-requests", "40"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    # In a scratch folder: the profile and the private server's log go to its build/, not the
+    # checkout's. 40 timed router requests: with a handful, one stalled request is the p95 (and
+    # gen-config then rightly refuses a router that alone overshoots the SLO).
+    command = shown("docs/operations.md",
+                    "python -m tools profile --out build/cpu.json --time-per-point 0.1 --overhead-requests 40")
+    argv, env = shell(command)
+    run = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "profiling: 100%" in run.stderr  # the progress bar ran to the end
+    out = tmp_path / "build" / "cpu.json"
+    assert "wrote build/cpu.json" in run.stdout, run.stdout[-2000:]
     profile = json.loads(out.read_text())
     assert profile["hardware"]["kind"] == "cpu" and profile["hardware"]["cpu_count"] >= 1
     assert set(profile["models"]) == {f"encoder_{n}" for n in (16, 32, 64, 128, 256)}
@@ -28,7 +34,26 @@ def test_profile_measures_every_bucket_and_the_router_and_gen_config_reads_it(tm
     assert profile["models"]["encoder_256"]["compute_ms"]["1"] > profile["models"]["encoder_16"]["compute_ms"]["1"]
     assert profile["overhead_ms"]["embed"]["p95"] > 0
 
-    explained = subprocess.run([sys.executable, "-m", "tools", "gen-config", "--profile", str(out), "--explain"],
-                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    argv, env = shell(shown("docs/operations.md", "python -m tools gen-config --profile build/cpu.json --explain"))
+    explained = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert explained.returncode == 0, explained.stderr
     assert "max_batch_size" in explained.stdout and "preferred_batch_size" in explained.stdout
+    assert "profile cpu" in explained.stdout
+
+
+def test_gen_config_writes_only_what_changed(tmp_path):
+    """`gen-config` as shown writes into the checkout's model_repository/: run it only when
+    `--check` finds every file as it would write it, and then it must touch none (the server
+    may be watching them)."""
+    argv, env = shell("python -m tools gen-config --check")
+    check = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    if check.returncode != 0:
+        pytest.fail("the checkout's configs drift from the spec and profile; `gen-config` would rewrite them:\n"
+                    + check.stderr)
+    configs = sorted((REPO / "model_repository").rglob("config.pbtxt"))
+    before = {path: path.stat().st_mtime_ns for path in configs}
+    argv, env = shell(shown("docs/operations.md", "python -m tools gen-config"))
+    written = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.startswith("0 file(s) written, "), written.stdout
+    assert {path: path.stat().st_mtime_ns for path in configs} == before

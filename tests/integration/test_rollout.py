@@ -3,8 +3,10 @@
 The server serves a copy of the repository in explicit model-control mode. Two versions
 made for the test stand in for bad releases: one that fails every real request (warm-up
 still passes, as a real bug often would) and one too slow for the SLO. Each rollout runs
-through the real CLI (`python -m tools rollout`); the background clients record every
-answer, so the tests count exactly what clients saw.
+through the real CLI (`python -m tools rollout`), the good one, `status` and `abort` as
+docs/operations.md shows them, in a folder holding the copy as `model_repository/` and the
+records as `rollouts/`; the background clients record every answer, so the tests count
+exactly what clients saw.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.artifacts import MANIFEST
 from python_backends.embed.admission import ADMIT_ALL
+from tests.doc_examples import shell, shown
 from tools.paths import DEFAULT_MODEL_REPOSITORY
 from tools.server.admin_key import ADMIN_KEY_ENV, admin_headers
 from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
@@ -109,7 +112,10 @@ def admit_everything(config_path: Path) -> None:
 @pytest.fixture(scope="module")
 def canary_server(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "tools", "build-models"], cwd=REPO, check=True)
-    repository = copy_repository(tmp_path_factory.mktemp("rollout-repo"))
+    # The folder the shown commands run in: the served copy and the records under the names
+    # they have in the kit's root.
+    folder = tmp_path_factory.mktemp("rollout")
+    repository = copy_repository(folder / "model_repository")
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
                           load_models=("embed", *ENCODERS), admin_key=ADMIN_KEY)
@@ -117,7 +123,7 @@ def canary_server(tmp_path_factory):
     server.start()
     try:
         server.wait_ready(timeout_s=300)
-        yield server, repository, tmp_path_factory.mktemp("rollout-records")
+        yield server, repository, folder / "rollouts"
     finally:
         server.stop()
 
@@ -179,15 +185,29 @@ class Load:
 TEXTS = [f"steady background traffic, request about topic {i}" for i in range(50)]
 
 
+def ports(server: TritonServer) -> dict[str, int]:
+    return {"http": server.config.http_port, "metrics": server.config.metrics_port}
+
+
+def run_shown(command: str, server: TritonServer, records: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """A command docs/operations.md shows, in the folder holding the repository and records,
+    pointed at the canary server by its ports, with the admin key from the environment."""
+    argv, env = shell(command, ports(server), **{ADMIN_KEY_ENV: ADMIN_KEY})
+    return subprocess.run(argv, env=env, cwd=records.parent, capture_output=True, text=True, timeout=timeout_s)
+
+
 def rollout(server: TritonServer, repository: Path, records: Path, *args: str) -> tuple[int, dict, str]:
     command = [sys.executable, "-m", "tools", "rollout", "embed", *args,
                "--url", f"127.0.0.1:{server.config.http_port}",
                "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics", "--model-repository",
                str(repository), "--records", str(records)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=ADMIN_ENV)
+    return done.returncode, last_record(records), done.stdout + done.stderr
+
+
+def last_record(records: Path) -> dict:
     state = json.loads((records / "embed.state.json").read_text())
-    record = json.loads(Path(state["record"]).read_text())
-    return done.returncode, record, done.stdout + done.stderr
+    return json.loads((records.parent / state["record"]).read_text())  # relative to where the tool ran
 
 
 def loaded(server: TritonServer, model: str) -> set[int]:
@@ -238,7 +258,6 @@ def test_rollout_abort_rolls_back_a_running_rollout_and_status_reports_it(canary
                "--min-requests", "100000", "--max-step-seconds", "300", "--url", f"127.0.0.1:{server.config.http_port}",
                "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics",
                "--model-repository", str(repository), "--records", str(records)]
-    common = ["--model-repository", str(repository), "--records", str(records)]
     state_file = records / "embed.state.json"
     state_file.unlink(missing_ok=True)
     running = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -249,14 +268,14 @@ def test_rollout_abort_rolls_back_a_running_rollout_and_status_reports_it(canary
             if state_file.is_file() and json.loads(state_file.read_text())["status"].startswith("step"):
                 break
             time.sleep(0.5)
-        status = subprocess.run([sys.executable, "-m", "tools", "rollout", "status", "embed", *common], cwd=REPO,
-                                capture_output=True, text=True, timeout=60)
+        status = run_shown(shown("docs/operations.md", "python -m tools rollout status embed "
+                                 "--model-repository model_repository --records rollouts"), server, records, 60)
         assert "rollout v1 -> v4: step 10%" in status.stdout and "(tool running)" in status.stdout, status.stdout
         assert "live split of embed: v1 90%, v4 10%" in status.stdout, status.stdout
         second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, env=ADMIN_ENV)
         assert second.returncode == 2 and "already running" in second.stderr
-        aborted = subprocess.run([sys.executable, "-m", "tools", "rollout", "abort", "embed", *common], cwd=REPO,
-                                 capture_output=True, text=True, timeout=300, env=ADMIN_ENV)
+        aborted = run_shown(shown("docs/operations.md", "python -m tools rollout abort embed "
+                                  "--model-repository model_repository --records rollouts"), server, records, 300)
         assert aborted.returncode == 0, aborted.stdout + aborted.stderr
         assert running.wait(timeout=120) == 1
     finally:
@@ -269,7 +288,7 @@ def test_rollout_abort_rolls_back_a_running_rollout_and_status_reports_it(canary
 
 
 def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary_server):
-    server, repository, records = canary_server
+    server, _, records = canary_server
     long_text = " ".join(["batching long documents through the largest bucket"] * 30)
     state_file = records / "embed.state.json"
     old_answers: list[Answer] = []
@@ -299,11 +318,18 @@ def test_a_good_rollout_completes_with_no_failed_request_and_honours_pins(canary
         for thread in old_threads:
             thread.start()
             time.sleep(0.3)
-        code, record, output = rollout(server, repository, records, "--to", "2", *FAST_STEPS)
+        # The shown rollout's steps: 10% -> 50% -> 100%, 3 s or more each (FAST_STEPS, with the
+        # default step and drain limits).
+        done = run_shown(shown("docs/operations.md", "python -m tools rollout embed --to 2 --steps 10,50,100 "
+                               "--step-seconds 3 --min-requests 10 --min-shadow-samples 5 --shadow-rate 0.5 "
+                               "--url localhost:8000 --metrics-url localhost:8002/metrics "
+                               "--model-repository model_repository --records rollouts"),
+                         server, records, timeout_s=600)
         stop_old.set()
         for thread in old_threads:
             thread.join(timeout=120)
-    assert code == 0, output
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = last_record(records)
     assert record["status"] == "promoted"
     assert [s["percent"] for s in record["steps"]] == [10, 50, 100]
     assert all(s["verdict"] == "pass" for s in record["steps"])

@@ -1,12 +1,14 @@
-"""`python -m tools serve` as a user runs it: ready banner, a working request, clean stop."""
+"""`make serve` as the README shows it: ready banner, a working request, the control endpoints
+behind the admin key, a clean stop on Ctrl-C."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +16,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tools.server.admin_key import ADMIN_HEADER, admin_headers, grpc_admin_metadata, read_key_file, write_new_key
-from tools.server.triton_server import free_port
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.doc_examples import REPO, shell, shown
+from tools.server.admin_key import ADMIN_HEADER, admin_headers, grpc_admin_metadata, read_key_file
+from tools.server.triton_server import busy_ports, free_port
 
 
 def text_tensor(text: str) -> httpclient.InferInput:
@@ -26,20 +27,40 @@ def text_tensor(text: str) -> httpclient.InferInput:
     return tensor
 
 
-def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigint(tmp_path):
+def kit_installed_elsewhere() -> str | None:
+    """Why `make serve` must not run here, or None.
+
+    `make serve` first brings the environment up to date with the pins (`make setup`), which
+    re-installs the kit editable from this checkout. That is what a user gets; but when the
+    environment is another checkout's (a worktree sharing its .venv), it would re-point that
+    environment here."""
+    if subprocess.run(["make", "-q", "setup"], cwd=REPO, capture_output=True).returncode == 0:
+        return None
+    url = json.loads(importlib.metadata.distribution("triton-slo-kit").read_text("direct_url.json") or "{}")
+    if url.get("url") == REPO.as_uri():
+        return None
+    return (f"`make serve` would re-install the kit, which .venv has from {url.get('url')}, from {REPO}: "
+            "run `make setup` in the checkout that owns .venv")
+
+
+def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     """Also runs explicit model control behind the admin key: unloading without the key is
     denied and the model keeps serving; with it, a bucket model unloaded at run time fails only
     the rows that need it, with a retryable status naming the bucket."""
+    command = shown("README.md", "make serve")
+    assert shown("docs/batch.md", "make serve") == shown("docs/loadtests.md", "make serve") == command
+    assert shown("docs/operations.md", "make serve") == command
+    # What make serve runs after the set-up (the make variables only add options to it).
+    serve = shown("docs/security.md", "python -m tools serve --admin-key-file build/admin.key")
+    if (problem := kit_installed_elsewhere()) is not None:
+        pytest.fail(problem)
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    key_file = tmp_path / "admin.key"
-    write_new_key(key_file)
-    key = read_key_file(key_file)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tools", "serve", f"--http-port={ports['http']}", f"--grpc-port={ports['grpc']}",
-         f"--metrics-port={ports['metrics']}", "--host=127.0.0.1", f"--log-file={tmp_path / 'server.log'}",
-         "--model-control-mode=explicit", f"--admin-key-file={key_file}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    serve_args = (f"--http-port={ports['http']} --grpc-port={ports['grpc']} --metrics-port={ports['metrics']} "
+                  f"--host=127.0.0.1 --log-file={tmp_path / 'server.log'}")
+    argv, env = shell(command, SERVE_ARGS=serve_args)
+    # Its own process group, as a terminal gives a foreground job: Ctrl-C signals all of it.
+    process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
     output = []
     try:
         deadline = time.monotonic() + 300
@@ -51,12 +72,15 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigint(tmp_path):
             if "Ctrl-C stops the server" in line:
                 break
         banner = "".join(output)
+        assert f"{serve} {serve_args}\n" in banner, banner  # make echoes what it runs
+        # `admin-key new --keep` made the checkout's key once, or kept the one there.
+        key = read_key_file(REPO / "build" / "admin.key")
         assert "tritonserver is ready" in banner, banner
         assert f"http://localhost:{ports['http']}" in banner
         assert f"localhost:{ports['grpc']}" in banner
         assert f"http://localhost:{ports['metrics']}/metrics" in banner
         assert f"curl -s -X POST localhost:{ports['http']}/v2/models/embed/infer" in banner
-        assert f"control endpoints need the key from {key_file}" in banner and key not in banner
+        assert "control endpoints need the key from build/admin.key" in banner and key not in banner
 
         client = httpclient.InferenceServerClient(f"localhost:{ports['http']}")
         short = text_tensor("served by the CLI")
@@ -74,7 +98,8 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigint(tmp_path):
         assert client.is_model_ready("encoder_64")
         assert client.infer("embed", [text_tensor(" ".join(["token"] * 40))]).as_numpy("TOKENS")[0, 0] == 42
 
-        # Explicit mode loaded every model; with the key, take one bucket away at run time.
+        # Explicit model control is the default: every model loaded; with the key, take one
+        # bucket away at run time.
         admin = admin_headers(key)
         assert grpc.get_model_repository_index(headers=grpc_admin_metadata(key)).models
         grpc.close()
@@ -90,16 +115,17 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigint(tmp_path):
         assert client.infer("embed", [text_tensor(" ".join(["token"] * 40))]).as_numpy("TOKENS")[0, 0] == 42
         client.close()
 
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does to the foreground job
         rest, _ = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode == 0, rest
-    assert "tritonserver stopped (exit code 0)" in rest
+    # make waits for `serve` to finish and then ends as interrupted, as after any Ctrl-C;
+    # `serve` itself drained the server and returned normally.
+    assert process.returncode == -signal.SIGINT, rest
+    assert "tritonserver stopped (exit code 0)" in rest, rest
+    assert "Traceback" not in rest and "error:" not in rest, rest
     # The server and its Python backend stubs are gone: the ports are free again.
     time.sleep(0.5)
-    from tools.server.triton_server import busy_ports
-
     assert busy_ports({"HTTP": ports["http"], "gRPC": ports["grpc"]}, "127.0.0.1") == {}
