@@ -1,38 +1,67 @@
-"""Locust load runs against the real tritonserver: the short forms of `make loadtest`.
+"""Locust load runs against the real tritonserver: the commands docs/loadtests.md shows.
 
-Each test runs Locust headless as its own process, the way `make loadtest` does, and reads
-what a pipeline would read: the exit code, Locust's CSV and HTML reports, and the SLO
-verdict (Markdown and JSON). The full-length step ramp is marked `slow`.
+Each test runs a shown command as written (`make loadtest ...`, or the distributed master and
+workers), pointed at the session's server and shortened only through the `LOCUST_*`
+variables the command leaves to the environment, with Locust's reports and the SLO verdict
+going to the test's folder. It reads what a pipeline would read: the exit code, Locust's CSV
+and HTML reports, and the SLO verdict (Markdown and JSON). The full-length step ramp is
+marked `slow`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import re
+import shlex
+import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.doc_examples import REPO, shell, shown
 from tools.server.triton_server import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 EMBED_TENANTS = {"search-frontend", "acme", "nightly-backfill"}
+MAKE_ERROR = re.compile(r"\*\*\* \[[^\]]*\bloadtest\] Error (\d+)")
 
 
-def locust_command(triton, out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "locust", "--config", "loadtest/locust.conf",
-            "--triton-grpc", triton.grpc_url, "--triton-http", triton.http_url,
-            "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
-            "--slo-report", str(out / "summary.md"), "--slo-json", str(out / "verdict.json"), *args]
+@pytest.fixture(scope="module")
+def venv_up_to_date():
+    """`make loadtest` first brings the venv up to date (pip install); these tests run inside
+    that venv, so it must already be (`make test` and `make setup` see to it)."""
+    stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO, capture_output=True).returncode
+    if stale:
+        pytest.fail("the venv's stamp is older than pyproject.toml or requirements.lock: `make setup` first, "
+                    "so that `make loadtest` does not reinstall the venv these tests run in")
 
 
-def run_locust(triton, out: Path, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+def reports(triton, out: Path) -> dict[str, str]:
+    """The environment that points a shown Locust command at the session's server and writes
+    its reports (Locust's and the verdict) under `out`."""
+    return {"LOCUST_TRITON_GRPC": triton.grpc_url, "LOCUST_TRITON_HTTP": triton.http_url,
+            "LOCUST_CSV": str(out / "locust"), "LOCUST_HTML": str(out / "locust.html"),
+            "LOCUST_SLO_REPORT": str(out / "summary.md"), "LOCUST_SLO_JSON": str(out / "verdict.json")}
+
+
+def run_shown(command: str, triton, out: Path, timeout_s: float = 240, **env: str) -> subprocess.CompletedProcess:
+    """Run a shown `make loadtest ...` command in the repository (its make target and
+    `--config loadtest/locust.conf` are relative to it), its reports going under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(locust_command(triton, out, *args), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
+    argv, environ = shell(command, **reports(triton, out), **env)
+    return subprocess.run(argv, cwd=REPO, env=environ, capture_output=True, text=True, timeout=timeout_s)
+
+
+def locust_exit(result: subprocess.CompletedProcess) -> int:
+    """Locust's exit code under `make loadtest`: make says it (`*** [...] Error N`) and exits 2."""
+    if result.returncode == 0:
+        return 0
+    error = MAKE_ERROR.search(result.stderr)
+    assert result.returncode == 2 and error, explain(result)
+    return int(error[1])
 
 
 def locust_totals(out: Path) -> dict[str, tuple[int, int]]:
@@ -60,8 +89,9 @@ def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
 
 
-def test_a_short_embed_run_within_slo_passes_and_writes_every_report(triton, tmp_path):
-    result = run_locust(triton, tmp_path, "--mix", "embed", "-u", "3", "-r", "3", "--run-time", "30s")
+def test_a_short_embed_run_within_slo_passes_and_writes_every_report(triton, tmp_path, venv_up_to_date):
+    result = run_shown(shown("docs/loadtests.md", "make loadtest"), triton, tmp_path,
+                       LOCUST_USERS="3", LOCUST_SPAWN_RATE="3", LOCUST_RUN_TIME="30s")
     assert result.returncode == 0, explain(result)
     assert "# Load run: PASS" in result.stdout
     report = verdict(tmp_path)
@@ -85,7 +115,7 @@ def test_a_short_embed_run_within_slo_passes_and_writes_every_report(triton, tmp
     assert (tmp_path / "locust_stats_history.csv").exists()
 
 
-def test_a_run_that_misses_its_slo_exits_non_zero_and_says_why(triton, tmp_path):
+def test_a_run_that_misses_its_slo_exits_non_zero_and_says_why(triton, tmp_path, venv_up_to_date):
     workload = (REPO / "loadtest" / "workloads" / "embed_mix.toml").resolve()
     mix = tmp_path / "impossible.toml"
     mix.write_text(f'''name = "impossible"
@@ -104,8 +134,9 @@ slo_p95_ms = 1
 name = "acme"
 weight = 1
 ''')
-    result = run_locust(triton, tmp_path / "out", "--mix", str(mix), "-u", "1", "-r", "1", "--run-time", "8s")
-    assert result.returncode == 1, explain(result)
+    result = run_shown(shown("docs/loadtests.md", "make loadtest"), triton, tmp_path / "out",
+                       LOCUST_MIX=str(mix), LOCUST_USERS="1", LOCUST_SPAWN_RATE="1", LOCUST_RUN_TIME="8s")
+    assert locust_exit(result) == 1, explain(result)
     report = verdict(tmp_path / "out")
     assert report["passed"] is False
     overall = check(report, "embed", None)
@@ -114,9 +145,12 @@ weight = 1
     assert "# Load run: FAIL" in (tmp_path / "out" / "summary.md").read_text()
 
 
-def test_llm_streams_report_time_to_first_token_and_per_output_token_as_their_own_entries(triton, tmp_path):
-    result = run_locust(triton, tmp_path, "--mix", "llm", "-u", "2", "-r", "2", "--run-time", "30s")
-    assert result.returncode in (0, 1), explain(result)
+def test_llm_streams_report_time_to_first_token_and_per_output_token_as_their_own_entries(
+        triton, tmp_path, venv_up_to_date):
+    result = run_shown(shown("docs/loadtests.md", 'make loadtest LOADTEST_ARGS="--mix llm"'), triton, tmp_path,
+                       LOCUST_USERS="2", LOCUST_SPAWN_RATE="2", LOCUST_RUN_TIME="30s")
+    exit_code = locust_exit(result)
+    assert exit_code in (0, 1), explain(result)
     totals = locust_totals(tmp_path)
     # One entry per whole call (stream or plain infer) and one per token-timing metric.
     assert totals["gRPC llm"][0] > 0, totals
@@ -127,13 +161,13 @@ def test_llm_streams_report_time_to_first_token_and_per_output_token_as_their_ow
     assert overall["errors"] == 0, explain(result)
     assert overall["p95_ms"] is not None and overall["p95_ms"] > 0
     # The verdict and the exit code agree.
-    assert result.returncode == (0 if report["passed"] else 1)
+    assert exit_code == (0 if report["passed"] else 1)
 
 
-def test_a_compressed_step_ramp_reports_every_stage_and_the_knee(triton, tmp_path):
-    result = run_locust(triton, tmp_path, "--mix", "embed", "--shape", "step", "--shape-seconds", "32",
-                        "--shape-user-scale", "0.125", "--settle-s", "1")
-    assert result.returncode in (0, 1), explain(result)
+def test_a_compressed_step_ramp_reports_every_stage_and_the_knee(triton, tmp_path, venv_up_to_date):
+    result = run_shown(shown("docs/loadtests.md", 'make loadtest LOADTEST_ARGS="--shape step"'), triton, tmp_path,
+                       LOCUST_SHAPE_SECONDS="32", LOCUST_SHAPE_USER_SCALE="0.125", LOCUST_SETTLE_S="1")
+    assert locust_exit(result) in (0, 1), explain(result)
     report = verdict(tmp_path)
     stages = report["stages"]
     assert len(stages) == 8
@@ -145,28 +179,37 @@ def test_a_compressed_step_ramp_reports_every_stage_and_the_knee(triton, tmp_pat
 
 
 def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path):
-    port = free_port()
-    master = subprocess.Popen(
-        locust_command(triton, tmp_path, "--mix", "embed", "-u", "4", "-r", "4", "--run-time", "20s", "--master",
-                       "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
-                       "--expect-workers", "2", "--expect-workers-max-wait", "60"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Workers get only the locustfile and the master's address: mix, endpoints and spec come
-    # from the master when the test starts (the server here is on non-default ports).
-    time.sleep(2)
-    workers = [subprocess.Popen([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--worker",
-                                 "--master-host", "127.0.0.1", "--master-port", str(port)],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for _ in range(2)]
+    """The three shown lines as one script, the workers first and the master in the
+    foreground. Each line runs with the environment of the terminal it would be typed in:
+    all of them with the master's port (a free one, not 5557) and the run's length, only the
+    master with Locust's report files (a worker given them writes its own over the master's).
+    Workers get nothing else: mix, endpoints and spec come from the master when the test
+    starts (the server here is on non-default ports)."""
+    worker = shown("docs/loadtests.md", "python -m locust -f loadtest/locustfile.py --worker --master-host 127.0.0.1 &")
+    master = shown("docs/loadtests.md", "python -m locust --config loadtest/locust.conf --master --expect-workers 2")
+    port = str(free_port())
+    files = reports(triton, tmp_path)
+    script = "\n".join([
+        worker, "first=$!", worker, "second=$!",
+        "export " + " ".join(f"{name}={shlex.quote(files[name])}" for name in ("LOCUST_CSV", "LOCUST_HTML")),
+        master, "master=$?",
+        "wait $first; first=$?; wait $second; second=$?",
+        'echo "exit codes: master $master, workers $first $second"', "exit $master"])
+    argv, environ = shell(script, LOCUST_MASTER_BIND_PORT=port, LOCUST_MASTER_NODE_PORT=port,
+                          LOCUST_USERS="4", LOCUST_SPAWN_RATE="4", LOCUST_RUN_TIME="20s",
+                          LOCUST_EXPECT_WORKERS_MAX_WAIT="60",
+                          **{name: value for name, value in files.items() if name.startswith(("LOCUST_TRITON",
+                                                                                               "LOCUST_SLO"))})
+    process = subprocess.Popen(argv, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     try:
-        stdout, stderr = master.communicate(timeout=180)
-        worker_logs = [w.communicate(timeout=60)[0] for w in workers]
+        stdout, stderr = process.communicate(timeout=180)
     finally:
-        for process in (master, *workers):
-            process.kill()
-    result = subprocess.CompletedProcess(master.args, master.returncode, stdout, stderr)
-    assert master.returncode == 0, explain(result) + "\n".join(worker_logs)
-    assert all(w.returncode == 0 for w in workers), worker_logs
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever of the script is left
+    result = subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+    assert "exit codes: master 0, workers 0 0" in stdout, explain(result)
+    assert process.returncode == 0, explain(result)
     report = verdict(tmp_path)
     assert report["info"]["load generators"] == "master + 2 workers"
     overall = check(report, "embed", None)
@@ -177,11 +220,13 @@ def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path
 
 
 @pytest.mark.slow
-def test_the_full_step_ramp_reports_every_stage_against_the_slo(triton, tmp_path):
+def test_the_full_step_ramp_reports_every_stage_against_the_slo(triton, tmp_path, venv_up_to_date):
     """The step shape as written (4 minutes, up to 96 req/s): the form whose figures docs/benchmarks.md renders."""
-    result = run_locust(triton, tmp_path, "--mix", "embed", "--shape", "step", timeout_s=420)
-    assert result.returncode in (0, 1), explain(result)
+    result = run_shown(shown("docs/loadtests.md", 'make loadtest LOADTEST_ARGS="--shape step"'), triton, tmp_path,
+                       timeout_s=420)
+    exit_code = locust_exit(result)
+    assert exit_code in (0, 1), explain(result)
     report = verdict(tmp_path)
     assert len(report["stages"]) == 8 and report["stages"][0]["within_slo"]
-    assert result.returncode == (0 if report["passed"] else 1)
+    assert exit_code == (0 if report["passed"] else 1)
     assert "Knee" in (tmp_path / "summary.md").read_text()

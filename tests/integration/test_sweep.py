@@ -1,5 +1,8 @@
 """`python -m tools sweep` against the real server: open and closed loop, results file, plot,
-the generator's outstanding-request cap, and the errors a user sees first."""
+the generator's outstanding-request cap, and the errors a user sees first.
+
+The sweeps docs/loadtests.md shows run as written, with the session server's ports put in
+for localhost:8000/8001, in the test's folder (their `build/` results land there)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.doc_examples import shell, shown
 from tests.integration.helpers import as_tenant
 from tools.bench.loadgen import LoadTarget, run_open_loop
 from tools.server.triton_server import free_port
@@ -22,10 +26,16 @@ def sweep_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[st
                           text=True, timeout=timeout)
 
 
+def run_shown(command: str, triton, folder: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """A shown sweep as written, against the session's server, run in `folder`."""
+    argv, env = shell(command, {"http": triton.config.http_port, "grpc": triton.config.grpc_port})
+    return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_open_loop_sweep_writes_per_step_results_with_server_times_and_a_plot(triton, tmp_path):
-    out = tmp_path / "sweep.json"
-    done = sweep_cli("--url", triton.grpc_url, "--mode", "open", "--rates", "5,10", "--duration", "3",
-                     "--warmup", "1", "--slo-ms", "500", "--out", str(out))
+    done = run_shown(shown("docs/loadtests.md", "python -m tools sweep --url localhost:8001 --rates 5,10 "
+                           "--duration 3 --warmup 1 --slo-ms 500 --out build/sweep.json"), triton, tmp_path)
+    out = tmp_path / "build" / "sweep.json"
     assert done.returncode == 0, done.stdout + done.stderr
     assert "5 rps: p50" in done.stdout and "10 rps: p50" in done.stdout
     assert "server queue/compute ms" in done.stdout
@@ -55,10 +65,10 @@ def test_closed_loop_step_writes_csv(triton, tmp_path):
     now and then a request enqueued just as the previous batch finishes waits for the
     batcher's 500 ms idle wake-up, and the buckets' queue timeout (about 98 ms) rejects it as
     UNAVAILABLE. The sweep must count those as errors, and nothing else may fail."""
-    out = tmp_path / "closed.csv"
-    done = sweep_cli("--url", triton.grpc_url, "--mode", "closed", "--concurrency", "1", "--duration", "2",
-                     "--warmup", "1", "--out", str(out), "--plot", str(tmp_path / "closed.png"),
-                     "--parameters", json.dumps({**as_tenant("sweep-test"), "priority": 1}))
+    done = run_shown(shown("docs/loadtests.md", "python -m tools sweep --url localhost:8001 --mode closed "
+                           "--concurrency 1 --duration 2 --warmup 1 --out build/closed.csv --plot build/closed.png"),
+                     triton, tmp_path)
+    out = tmp_path / "build" / "closed.csv"
     assert done.returncode == 0, done.stdout + done.stderr
     assert "concurrency 1: p50" in done.stdout
     [row] = list(csv.DictReader(out.open()))
@@ -71,7 +81,7 @@ def test_closed_loop_step_writes_csv(triton, tmp_path):
             assert sample.startswith("StatusCode.UNAVAILABLE") and "Request timeout expired" in sample, sample
         assert float(row["goodput_fraction"]) < 1
     assert float(row["server.embed.compute_ms"]) > 0
-    assert (tmp_path / "closed.png").is_file()
+    assert (tmp_path / "build" / "closed.png").is_file()
 
 
 def test_open_loop_counts_requests_over_the_outstanding_cap_as_errors(triton):
@@ -87,17 +97,21 @@ def test_open_loop_counts_requests_over_the_outstanding_cap_as_errors(triton):
     assert set(result.server) == {"embed"}
 
 
-def test_a_sweep_over_http_sends_tenant_and_priority_and_the_server_sees_every_request(triton, tmp_path):
-    out = tmp_path / "http.json"
-    done = sweep_cli("--url", triton.grpc_url, "--http-url", triton.http_url, "--mode", "open", "--rates", "8",
-                     "--duration", "2", "--warmup", "0.5", "--slo-ms", "1000", "--out", str(out),
-                     "--parameters", json.dumps({**as_tenant("sweep-http"), "priority": 1}))
+def test_a_search_over_http_finds_the_highest_rate_and_the_server_sees_every_request(triton, tmp_path):
+    """Two steps of the search from 5 rps (doubling while the SLO holds). That the HTTP client's requests carry a
+    tenant token the server honours is checked by the quota refusals below."""
+    done = run_shown(shown("docs/loadtests.md", "python -m tools sweep --url localhost:8001 --http-url localhost:8000 "
+                           "--search 5 --max-steps 2 --duration 1 --warmup 0.5 --slo-ms 1000 --out build/search.json"),
+                     triton, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"at {triton.http_url} over HTTP" in done.stdout
-    [step] = json.loads(out.read_text())["steps"]
-    assert step["num_sent"] > 0 and step["num_ok"] == step["num_sent"], step["error_samples"]
-    assert step["server"]["embed"]["num_requests"] == step["num_ok"]
-    assert step["client_cpu_s"] > 0
+    assert "highest rate meeting the SLO: " in done.stdout
+    steps = json.loads((tmp_path / "build" / "search.json").read_text())["steps"]
+    assert len(steps) == 2 and steps[0]["offered_rps"] == 5
+    for step in steps:
+        assert step["num_sent"] > 0 and step["num_ok"] == step["num_sent"], step["error_samples"]
+        assert step["server"]["embed"]["num_requests"] == step["num_ok"]
+        assert step["client_cpu_s"] > 0
 
 
 def test_over_http_refusals_are_rejections_and_bad_input_is_an_error_with_the_servers_message(triton):
