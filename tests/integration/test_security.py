@@ -81,11 +81,13 @@ def test_the_admin_key_commands_make_check_and_keep_a_key(tmp_path):
 
 
 def make_checkout(folder: Path) -> None:
-    """What `make loadtest` needs of a checkout, in a scratch folder: the Makefile, the load test
-    and its inputs, and the environment `make setup` made, with a setup stamp of its own (the
-    checkout's may be older than a freshly checked-out pyproject.toml, and make would then
-    install the kit again, from the scratch folder)."""
-    for name in ("Makefile", "loadtest", "pyproject.toml", "requirements.lock"):
+    """A scratch folder that works as this checkout: its packages (so that Python run there,
+    tritonserver's model stubs included, imports this checkout's kit, whichever one the
+    environment has installed), what `make loadtest` needs (the Makefile, the load test), and
+    the environment `make setup` made, with a setup stamp of its own (the checkout's may be
+    older than a freshly checked-out pyproject.toml, and make would then install the kit again,
+    from the scratch folder). What the commands write under build/ stays there."""
+    for name in ("Makefile", "loadtest", "tools", "python_backends", "pyproject.toml", "requirements.lock"):
         (folder / name).symlink_to(REPO / name)
     venv = REPO / ".venv"
     (folder / ".venv").mkdir()
