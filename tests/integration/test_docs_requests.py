@@ -64,7 +64,9 @@ def batch_ports(ports, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             raise
-    assert code == 0, (folder / "batch.log").read_text()[-2000:]
+    # Workers first, then the API; uvicorn then ends the process with the signal it was sent.
+    log = (folder / "batch.log").read_text()
+    assert code in (0, -signal.SIGTERM) and log.count("stopped: WorkerStats") == 2, (code, log[-2000:])
 
 
 @pytest.mark.parametrize("block", SERVER_BLOCKS, ids=lambda b: b.where)
