@@ -9,9 +9,13 @@ session's real server (what workers on several machines would share).
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.doc_examples import shell, shown
 from tools.server.triton_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -250,3 +255,116 @@ def test_a_worker_without_a_server_keeps_items_queued_for_retry_not_failed(trito
         assert all(r["attempts"] >= 1 for r in results)
     finally:
         running.stop()
+
+
+def non_loopback_address() -> str:
+    """An address of this machine that is not loopback (the route out), else 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+    return "127.0.0.1" if address.startswith("127.") else address
+
+
+def test_the_shown_postgresql_queue_serves_workers_on_other_machines(triton):
+    """docs/batch.md's PostgreSQL block as written, in a scratch folder: the server on 5432 for
+    every interface, `batch serve` on it, and a worker that reaches it the way one on another
+    machine does (a non-loopback address of this machine as `queue-host`, so only the password
+    lets it in; the session's tritonserver as `triton-host:8001`). A batch completes; Ctrl-C
+    (SIGINT to each process group, as a terminal sends it) stops all three cleanly."""
+    import httpx
+    import psycopg
+
+    start_pg = shown("docs/batch.md", "python -m tools batch postgres --dir build/batch/pg --host 0.0.0.0")
+    serve = shown("docs/batch.md", "python -m tools batch serve --db postgresql://postgres@127.0.0.1:5432/postgres "
+                                   "--grpc-url localhost:8001")
+    worker = shown("docs/batch.md", "PGPASSWORD=$(cat build/batch/pg/password) python -m tools batch worker --db "
+                                    "postgresql://postgres@queue-host:5432/postgres --grpc-url triton-host:8001")
+    for port, what in ((5432, start_pg), (8080, serve)):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                pytest.fail(f"port {port} is in use, and `{what}` listens on it as shown: stop what listens there")
+    queue_host = non_loopback_address()
+    worker = worker.replace("queue-host", queue_host).replace("triton-host:8001", triton.grpc_url)
+    # Under the system temp dir, as tests/postgres.py does: the server runs as another user.
+    folder = Path(tempfile.mkdtemp(prefix="batch-pg-doc-"))
+    processes: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, command: str) -> None:
+        argv, env = shell(command, {"grpc": triton.config.grpc_port}, PYTHONPATH=str(REPO))
+        with (folder / f"{name}.log").open("w") as log:
+            processes[name] = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+
+    def log(name: str) -> str:
+        return (folder / f"{name}.log").read_text(errors="replace")
+
+    try:
+        start("postgres", start_pg)
+        def printed_url() -> str | None:
+            text = log("postgres")
+            assert "\n" in text or processes["postgres"].poll() is None, text
+            return text.split("\n", 1)[0] if "\n" in text else None
+
+        url = wait_for(printed_url, 120, "PostgreSQL to start")
+        assert url == "postgresql://postgres@127.0.0.1:5432/postgres", log("postgres")
+        start("serve", serve)
+        with httpx.Client(base_url="http://127.0.0.1:8080", timeout=30) as client:
+            def api_up() -> bool:
+                assert processes["serve"].poll() is None, log("serve")
+                try:
+                    return client.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(api_up, 60, "the batch API")
+            remote_url = f"postgresql://postgres@{queue_host}:5432/postgres"
+            if queue_host != "127.0.0.1":  # without the password, the server lets no other address in
+                argv, env = shell(worker.split(") ", 1)[1] + " --max-attempts 1", PYTHONPATH=str(REPO))
+                refused = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+                assert refused.returncode != 0 and remote_url in refused.stderr, refused.stderr[-2000:]
+            start("worker", worker)
+
+            def worker_up() -> bool:  # it opened the queue, over the network, with the password
+                assert processes["worker"].poll() is None, log("worker")
+                return f": queue {remote_url}" in log("worker")
+
+            wait_for(worker_up, 30, "the worker to open the queue")
+            items = texts(40)
+            created = client.post("/v1/batches", json={"model": "embed", "items": items})
+            assert created.status_code == 201, created.text
+            batch_id = created.json()["id"]
+            done = wait_for(lambda: (b := client.get(f"/v1/batches/{batch_id}").json())["status"] == "completed"
+                            and b, 120, "the batch to complete")
+            assert done["counts"]["ok"] == len(items), done
+            results = all_results(client, batch_id)
+            assert [r["index"] for r in results] == list(range(len(items)))
+            assert all(r["status"] == "ok" and len(r["result"]["embedding"]) == 384 for r in results)
+            with psycopg.connect(url) as conn:
+                finished_by = dict(conn.execute("SELECT finished_by, count(*) FROM batch_queue.items "
+                                                "GROUP BY finished_by").fetchall())
+            assert sum(finished_by.values()) == len(items), finished_by
+    finally:
+        codes = {}
+        for name in ("worker", "serve", "postgres"):  # the clients first, then the database
+            process = processes.get(name)
+            if process is None:
+                continue
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGINT)
+            try:
+                codes[name] = process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                codes[name] = "killed"
+        logs = {name: log(name)[-2000:] for name in processes}
+        shutil.rmtree(folder, ignore_errors=True)
+    # Each stops in order (the workers send what they hold; PostgreSQL shuts down fast); a process
+    # may then end with the SIGINT it was sent, as a Ctrl-C'd program does.
+    assert all(code in (0, -signal.SIGINT, 128 + signal.SIGINT) for code in codes.values()), (codes, logs)
+    assert "stopped: WorkerStats" in logs["worker"] and logs["serve"].count("stopped: WorkerStats") == 2, logs

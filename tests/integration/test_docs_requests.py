@@ -1,20 +1,20 @@
 """Every request the docs show against a server, run as written against the session's
 tritonserver (ports substituted), with its output checked; the convention is in
-tests/doc_examples.py. Examples of the batch API run against `python -m tools batch serve` in
-front of that server."""
+tests/doc_examples.py. Examples of the batch API run against `python -m tools batch serve`, as
+docs/batch.md shows it, in front of that server."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
-from tests.doc_examples import REPO, blocks, console_commands, run_console, run_pycon
-from tools.server.triton_server import free_port
+from tests.doc_examples import DEFAULT_PORTS, REPO, blocks, console_commands, run_console, run_pycon, shell, shown
 
 SERVER_BLOCKS = [b for b in blocks() if b.runs_on == "server"]
 BATCH_BLOCKS = [b for b in blocks() if b.runs_on == "batch"]
@@ -27,14 +27,23 @@ def ports(triton):
 
 
 @pytest.fixture(scope="module")
-def batch_ports(ports, triton, tmp_path_factory):
-    """`python -m tools batch serve` on a fresh queue, calling the session's tritonserver."""
-    port = free_port()
+def batch_ports(ports, tmp_path_factory):
+    """`python -m tools batch serve` as docs/batch.md shows it, in front of the session's
+    tritonserver (its gRPC port substituted), on the API port it shows, in a scratch folder
+    (its queue, build/batch/queue.db, is a fresh one there); stopped with SIGTERM, cleanly."""
+    command = shown("docs/batch.md", "python -m tools batch serve --grpc-url localhost:8001")
+    port = DEFAULT_PORTS["batch"]
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            pytest.fail(f"port {port} is in use, and `{command}` serves on it: stop what listens there")
     folder = tmp_path_factory.mktemp("docs-batch")
-    log = (folder / "batch.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "tools", "batch", "serve", "--port", str(port),
-                                "--grpc-url", triton.grpc_url, "--db", str(folder / "queue.db")],
-                               cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    argv, env = shell(command, ports, PYTHONPATH=str(REPO))  # this checkout's kit, from the scratch folder
+    with (folder / "batch.log").open("w") as log:
+        process = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -46,13 +55,18 @@ def batch_ports(ports, triton, tmp_path_factory):
                     raise AssertionError("the batch API did not come up: "
                                          + (folder / "batch.log").read_text()[-2000:]) from None
                 time.sleep(0.2)
+        assert (folder / "build" / "batch" / "queue.db").is_file()
         yield {**ports, "batch": port}
     finally:
-        process.send_signal(signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=30)
+            code = process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    # Workers first, then the API; uvicorn then ends the process with the signal it was sent.
+    log = (folder / "batch.log").read_text()
+    assert code in (0, -signal.SIGTERM) and log.count("stopped: WorkerStats") == 2, (code, log[-2000:])
 
 
 @pytest.mark.parametrize("block", SERVER_BLOCKS, ids=lambda b: b.where)

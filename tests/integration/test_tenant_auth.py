@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -34,8 +35,17 @@ from tritonclient.utils import InferenceServerException
 
 from python_backends.common.quotas import TenantPolicy, TierPolicy
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name
-from python_backends.common.tenant_auth import MAX_TOKEN_LEN, AuthConfig, AuthMode, encode_secret, parse_keys
+from python_backends.common.tenant_auth import (
+    MAX_TOKEN_LEN,
+    AuthConfig,
+    AuthMode,
+    encode_secret,
+    parse_keys,
+    parse_token,
+    verify_token,
+)
 from python_backends.embed.admission import SharedWork
+from tests.doc_examples import shell, shown
 from tests.integration.helpers import ROUTER_COUNTERS_LAG_S, settled
 from tools.clients.tenant_token import add_key, drop_key, issue
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
@@ -396,3 +406,34 @@ def test_the_server_log_holds_no_request_text_token_or_secret(server, http, keys
     assert canary not in log and valid not in log and forged not in log and valid.rsplit(".", 1)[1] not in log
     for secret in parse_keys(keys_file.read_text()).values():
         assert encode_secret(secret) not in log
+
+
+def test_the_shown_tenant_token_commands_make_a_key_sign_a_token_and_list_the_keys(tmp_path):
+    """docs/security.md's `tenant-token` commands as written, in a scratch folder: `--keys` puts
+    the keys file there, away from the one the checkout's servers read."""
+    def run(command: str) -> subprocess.CompletedProcess:
+        argv, env = shell(command, PYTHONPATH=str(REPO))  # this checkout's kit, from any folder
+        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"`{command}` exited {result.returncode}: {result.stderr}"
+        return result
+
+    keys_path = tmp_path / "build" / "tenant_keys.json"
+    made = run(shown("docs/security.md",
+                     "python -m tools tenant-token --new-key 2026-07 --keys build/tenant_keys.json"))
+    assert made.stderr.startswith("added key '2026-07' to build/tenant_keys.json (1 key)"), made.stderr
+    assert stat.S_IMODE(keys_path.stat().st_mode) == 0o600
+    keys = parse_keys(keys_path.read_text())
+    assert list(keys) == ["2026-07"]
+
+    issued = run(shown("docs/security.md",
+                       "python -m tools tenant-token team-a --ttl 1h --keys build/tenant_keys.json"))
+    token = issued.stdout.strip()
+    assert issued.stdout == token + "\n" and re.fullmatch(r"tenant 'team-a', key '2026-07', valid until "
+                                                          r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; .*\n", issued.stderr)
+    assert verify_token(token, keys, time.time()) == "team-a"  # what the router checks
+    assert 3590 <= parse_token(token).expiry_s - time.time() <= 3600
+
+    listed = run(shown("docs/security.md", "python -m tools tenant-token --list-keys --keys build/tenant_keys.json"))
+    assert listed.stdout == "2026-07   (newest: signs new tokens)\n", listed.stdout
+    assert keys_path.read_text().count(encode_secret(keys["2026-07"])) == 1 and encode_secret(
+        keys["2026-07"]) not in listed.stdout + listed.stderr + issued.stderr + made.stderr
