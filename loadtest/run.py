@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from loadtest import triton_users
 from loadtest.mix import LoadMix, Protocol, load_mix
 from loadtest.shapes import LoadShape, compress, load_shape, scale_users
 from loadtest.slo import Sample, judge, render_markdown, stage_rows, targets_for
+from tools.bench.harness import detect_hardware, hardware_report
 from tools.clients.tenant_token import KeysError, tenant_parameters
 from tools.clients.tls import check_pem
 from tools.paths import DEFAULT_SPEC
@@ -225,12 +228,21 @@ def on_quitting(environment, **_kwargs) -> None:
     markdown = render_markdown(verdict, info, rows)
     for path, text in ((options.slo_report, markdown),
                        (options.slo_json, json.dumps({**verdict.to_dict(), "info": info, "samples": len(samples),
-                                                      "stages": [row.__dict__ for row in rows]}, indent=2))):
+                                                      "stages": [row.__dict__ for row in rows],
+                                                      **provenance()}, indent=2))):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
     print("\n" + markdown, flush=True)  # noqa: T201 - the verdict is the run's result
     environment.process_exit_code = 0 if verdict.passed else 1
+
+
+def provenance() -> dict:
+    """What the JSON verdict records of the run: its command, when it ended, and the machine
+    Locust ran on (the server's too when `make loadtest` runs beside `make serve`)."""
+    return {"command": shlex.join(["python", "-m", "locust", *sys.argv[1:]]),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "hardware": hardware_report(detect_hardware(None))}
 
 
 def register(events) -> None:

@@ -96,6 +96,9 @@ def test_a_short_embed_run_within_slo_passes_and_writes_every_report(triton, tmp
     assert "# Load run: PASS" in result.stdout
     report = verdict(tmp_path)
     assert report["passed"] is True
+    # It says how it was run, when, and on what machine (the benchmark tables print these).
+    assert report["command"] == "python -m locust --config loadtest/locust.conf"
+    assert report["measured_at"].endswith("Z") and report["hardware"]["cpu_count"] >= 1
     overall = check(report, "embed", None)
     assert overall["metric"] == "latency" and overall["target_ms"] == 200
     assert 0 < overall["p95_ms"] <= 200

@@ -24,9 +24,6 @@ TIMES = "\N{MULTIPLICATION SIGN}"
 
 RESULT_FILES = ("goodput", "llm", "overload", "batch", "loadtest_step")
 
-# loadtest_step.json is the Locust verdict, which records neither its command nor the machine.
-LOADTEST_STEP_COMMAND = 'make loadtest LOADTEST_ARGS="--shape step"'
-
 MARKER = re.compile(r"<!-- report:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
                     re.DOTALL)
 
@@ -85,8 +82,8 @@ def _hardware(result: Mapping[str, Any]) -> str:
     return f"{hardware['description']}, {hardware['cpu_count']} vCPU, {gpu}"
 
 
-def _provenance(result: Mapping[str, Any], command: str | None = None) -> str:
-    lines = [f"- command: `{command or result['command']}`"]
+def _provenance(result: Mapping[str, Any]) -> str:
+    lines = [f"- command: `{result['command']}`"]
     if "measured_at" in result:
         lines.append(f"- measured: {result['measured_at']}")
     lines.append(f"- hardware: {_hardware(result)}")
@@ -266,7 +263,7 @@ def render_loadtest_step(result: Mapping[str, Any], results_link: str) -> str:
         knee = "No stage met every SLO."
     kinds = ", ".join(f"{kind} {_int(count)}" for kind, count in sorted(result["error_kinds"].items()))
     return "\n".join([
-        _provenance(result, LOADTEST_STEP_COMMAND),
+        _provenance(result),
         f"- mix: {info['mix']}; shape: {info['shape']}; load generators: {info['load generators']}",
         f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}**; failed requests by kind: {kinds or 'none'}",
         "",
