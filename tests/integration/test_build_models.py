@@ -77,6 +77,14 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
         (embedding,) = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
         assert embedding.shape == (batch, 384)
 
+    # A model file put in a version folder by someone else is never overwritten; the build says so.
+    onnx_32.unlink()
+    onnx_32.write_bytes(b"the user's own graph")
+    fifth = build(repository)
+    assert fifth.returncode == 0, fifth.stderr
+    assert f"left as it is: {onnx_32} was not made by build-models" in fifth.stdout
+    assert onnx_32.read_bytes() == b"the user's own graph"
+
 
 def test_build_fails_clearly_without_encoder_folders(tmp_path):
     result = build(tmp_path)

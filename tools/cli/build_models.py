@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         weights = weights_dir()
         log("[1/4] fingerprinting the packaged weights ...")
         fingerprint = source_fingerprint(weights)
-        installed = install_tokenizers(targets, weights, fingerprint, args.force)
+        installed = install_tokenizers(targets, weights, fingerprint, args.force, log)
         log(f"[2/4] tokenizer: {len(installed)} installed, {len(targets.router_dirs) - len(installed)} up to date")
         build_encoders(targets, fingerprint, weights, args.force, repository, encoder_precisions(args.spec), log)
         build_llm(targets, args.force, repository, log)

