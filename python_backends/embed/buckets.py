@@ -50,17 +50,20 @@ def choose_bucket(num_tokens: int, bucket_lens: Sequence[int]) -> int:
     raise ValueError(f"{num_tokens} tokens do not fit the largest bucket ({bucket_lens[-1]})")
 
 
-def truncate_tokens(token_ids: Sequence[int], max_tokens: int) -> list[int]:
-    """Cut an encoded row to `max_tokens`, keeping its closing special token.
+def truncate_tokens(token_ids: Sequence[int], max_tokens: int, num_trailing: int = 1) -> list[int]:
+    """Cut an encoded row to `max_tokens`, keeping the `num_trailing` special tokens that close it
+    (the tokenizer's `special_layout`: 1 for BERT's [SEP], 0 where nothing closes a text).
 
     For a single BERT sequence `[CLS] t1 .. tn [SEP]` this gives `[CLS] t1 .. tk [SEP]`,
     exactly what the tokenizer's own truncation produces, without encoding twice.
     """
-    if max_tokens < 2:
-        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    if not 0 <= num_trailing < max_tokens:
+        raise ValueError(f"max_tokens must leave room for a token besides the {num_trailing} closing "
+                         f"special token(s), got max_tokens={max_tokens}")
     if len(token_ids) <= max_tokens:
         return list(token_ids)
-    return [*token_ids[: max_tokens - 1], token_ids[-1]]
+    kept = max_tokens - num_trailing
+    return [*token_ids[:kept], *token_ids[len(token_ids) - num_trailing:]]
 
 
 def plan_chunks(

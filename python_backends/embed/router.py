@@ -330,7 +330,7 @@ class EmbedRouter:
                 raise InvalidInput(
                     f"TEXT row {index} has {len(ids)} tokens; the limit is {max_tokens} and truncate=false"
                 )
-            encoded[index] = truncate_tokens(ids, max_tokens)
+            encoded[index] = truncate_tokens(ids, max_tokens, self.tokenizer.layout.trailing)
             num_truncated += 1
         lengths = [len(ids) for ids in encoded]
         prepared: list[PreparedChunk] = []
