@@ -32,12 +32,19 @@ The convention, for README.md and docs/*.md:
 from __future__ import annotations
 
 import doctest
+import importlib.metadata
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+
+from tools.server.triton_server import busy_ports
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
@@ -137,6 +144,36 @@ def shell(command: str, ports: dict[str, int] | None = None, **env: str) -> tupl
     return ["bash", "-c", with_ports(command, ports)], {**environment(), **env}
 
 
+def run_shown(command: str, cwd: Path = REPO, ports: dict[str, int] | None = None, timeout_s: float = 120,
+              **env: str) -> subprocess.CompletedProcess:
+    """Run a shown command to its end in `cwd` (ports substituted, `env` added), capturing
+    its output; the caller judges its exit code."""
+    argv, environ = shell(command, ports, **env)
+    return subprocess.run(argv, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout_s)
+
+
+def require_free(ports: Mapping[str, int]) -> None:
+    """Fail, saying what to stop, when a port a shown command listens on (as shown) is taken:
+    `ports` maps each command to its port."""
+    for command, port in busy_ports(ports).items():
+        pytest.fail(f"port {port} is in use, and `{command}` listens on it as shown: stop what listens there "
+                    "(a `make serve`?) and run the test again")
+
+
+def setup_problem() -> str | None:
+    """Why a shown `make` command must not run here, or None. Every make target first brings
+    the environment up to date with the pins (`make setup`), which installs the kit editable
+    from this checkout: harmless when it is this checkout's environment already, but an
+    environment shared with another checkout would be re-pointed here."""
+    if subprocess.run(["make", "-q", "setup"], cwd=REPO, capture_output=True).returncode == 0:
+        return None
+    url = json.loads(importlib.metadata.distribution("triton-slo-kit").read_text("direct_url.json") or "{}")
+    if url.get("url") == REPO.as_uri():
+        return None
+    return (f"`make` would re-install the kit, which .venv has from {url.get('url')}, from {REPO}: "
+            "run `make setup` in the checkout that owns .venv")
+
+
 def with_ports(text: str, ports: dict[str, int] | None) -> str:
     for name, port in (ports or {}).items():
         text = text.replace(f"localhost:{DEFAULT_PORTS[name]}", f"localhost:{port}")
@@ -144,9 +181,11 @@ def with_ports(text: str, ports: dict[str, int] | None) -> str:
 
 
 def environment() -> dict[str, str]:
-    """The shell a reader has after `source .venv/bin/activate`, in a wide terminal."""
+    """The shell a reader has after `source .venv/bin/activate`, in a wide terminal; from any
+    folder (a scratch one too) `python -m tools` is this checkout's kit."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO)
     env["COLUMNS"] = "120"
     env.pop("TRITON_ADMIN_KEY", None)
     return env

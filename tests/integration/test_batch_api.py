@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.doc_examples import shell, shown
+from tests.doc_examples import require_free, shell, shown
 from tools.server.triton_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -282,13 +282,7 @@ def test_the_shown_postgresql_queue_serves_workers_on_other_machines(triton):
                                    "--grpc-url localhost:8001")
     worker = shown("docs/batch.md", "PGPASSWORD=$(cat build/batch/pg/password) python -m tools batch worker --db "
                                     "postgresql://postgres@queue-host:5432/postgres --grpc-url triton-host:8001")
-    for port, what in ((5432, start_pg), (8080, serve)):
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                pytest.fail(f"port {port} is in use, and `{what}` listens on it as shown: stop what listens there")
+    require_free({start_pg: 5432, serve: 8080})
     queue_host = non_loopback_address()
     worker = worker.replace("queue-host", queue_host).replace("triton-host:8001", triton.grpc_url)
     # Under the system temp dir, as tests/postgres.py does: the server runs as another user.
@@ -296,7 +290,7 @@ def test_the_shown_postgresql_queue_serves_workers_on_other_machines(triton):
     processes: dict[str, subprocess.Popen] = {}
 
     def start(name: str, command: str) -> None:
-        argv, env = shell(command, {"grpc": triton.config.grpc_port}, PYTHONPATH=str(REPO))
+        argv, env = shell(command, {"grpc": triton.config.grpc_port})
         with (folder / f"{name}.log").open("w") as log:
             processes[name] = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)
@@ -325,7 +319,7 @@ def test_the_shown_postgresql_queue_serves_workers_on_other_machines(triton):
             wait_for(api_up, 60, "the batch API")
             remote_url = f"postgresql://postgres@{queue_host}:5432/postgres"
             if queue_host != "127.0.0.1":  # without the password, the server lets no other address in
-                argv, env = shell(worker.split(") ", 1)[1] + " --max-attempts 1", PYTHONPATH=str(REPO))
+                argv, env = shell(worker.split(") ", 1)[1] + " --max-attempts 1")
                 refused = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=60)
                 assert refused.returncode != 0 and remote_url in refused.stderr, refused.stderr[-2000:]
             start("worker", worker)

@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
 
-from tests.doc_examples import DEFAULT_PORTS, REPO, blocks, console_commands, run_console, run_pycon, shell, shown
+from tests.doc_examples import (
+    DEFAULT_PORTS,
+    blocks,
+    console_commands,
+    require_free,
+    run_console,
+    run_pycon,
+    shell,
+    shown,
+)
 
 SERVER_BLOCKS = [b for b in blocks() if b.runs_on == "server"]
 BATCH_BLOCKS = [b for b in blocks() if b.runs_on == "batch"]
@@ -33,14 +41,9 @@ def batch_ports(ports, tmp_path_factory):
     (its queue, build/batch/queue.db, is a fresh one there); stopped with SIGTERM, cleanly."""
     command = shown("docs/batch.md", "python -m tools batch serve --grpc-url localhost:8001")
     port = DEFAULT_PORTS["batch"]
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            pytest.fail(f"port {port} is in use, and `{command}` serves on it: stop what listens there")
+    require_free({command: port})
     folder = tmp_path_factory.mktemp("docs-batch")
-    argv, env = shell(command, ports, PYTHONPATH=str(REPO))  # this checkout's kit, from the scratch folder
+    argv, env = shell(command, ports)
     with (folder / "batch.log").open("w") as log:
         process = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)

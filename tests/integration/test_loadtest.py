@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_examples import REPO, shell, shown
+from tests import doc_examples
+from tests.doc_examples import REPO, setup_problem, shell, shown
 from tools.server.triton_server import free_port
 
 EMBED_TENANTS = {"search-frontend", "acme", "nightly-backfill"}
@@ -31,12 +32,9 @@ MAKE_ERROR = re.compile(r"\*\*\* \[[^\]]*\bloadtest\] Error (\d+)")
 
 @pytest.fixture(scope="module")
 def venv_up_to_date():
-    """`make loadtest` first brings the venv up to date (pip install); these tests run inside
-    that venv, so it must already be (`make test` and `make setup` see to it)."""
-    stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO, capture_output=True).returncode
-    if stale:
-        pytest.fail("the venv's stamp is older than pyproject.toml or requirements.lock: `make setup` first, "
-                    "so that `make loadtest` does not reinstall the venv these tests run in")
+    """`make loadtest` first brings the venv up to date; it must not re-point a shared one."""
+    if (problem := setup_problem()) is not None:
+        pytest.fail(problem)
 
 
 def reports(triton, out: Path) -> dict[str, str]:
@@ -51,8 +49,7 @@ def run_shown(command: str, triton, out: Path, timeout_s: float = 240, **env: st
     """Run a shown `make loadtest ...` command in the repository (its make target and
     `--config loadtest/locust.conf` are relative to it), its reports going under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    argv, environ = shell(command, **reports(triton, out), **env)
-    return subprocess.run(argv, cwd=REPO, env=environ, capture_output=True, text=True, timeout=timeout_s)
+    return doc_examples.run_shown(command, timeout_s=timeout_s, **reports(triton, out), **env)
 
 
 def locust_exit(result: subprocess.CompletedProcess) -> int:

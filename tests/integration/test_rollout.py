@@ -30,7 +30,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.artifacts import MANIFEST
 from python_backends.embed.admission import ADMIT_ALL
-from tests.doc_examples import shell, shown
+from tests import doc_examples
+from tests.doc_examples import shown
 from tools.paths import DEFAULT_MODEL_REPOSITORY
 from tools.server.admin_key import ADMIN_KEY_ENV, admin_headers
 from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
@@ -192,8 +193,8 @@ def ports(server: TritonServer) -> dict[str, int]:
 def run_shown(command: str, server: TritonServer, records: Path, timeout_s: float) -> subprocess.CompletedProcess:
     """A command docs/operations.md shows, in the folder holding the repository and records,
     pointed at the canary server by its ports, with the admin key from the environment."""
-    argv, env = shell(command, ports(server), **{ADMIN_KEY_ENV: ADMIN_KEY})
-    return subprocess.run(argv, env=env, cwd=records.parent, capture_output=True, text=True, timeout=timeout_s)
+    return doc_examples.run_shown(command, records.parent, ports(server), timeout_s=timeout_s,
+                                  **{ADMIN_KEY_ENV: ADMIN_KEY})
 
 
 def rollout(server: TritonServer, repository: Path, records: Path, *args: str) -> tuple[int, dict, str]:

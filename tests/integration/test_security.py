@@ -10,7 +10,6 @@ import json
 import re
 import secrets
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -25,7 +24,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from python_backends.common.artifacts import MANIFEST
-from tests.doc_examples import shell, shown
+from tests import doc_examples
+from tests.doc_examples import require_free, shell, shown
 from tools.batch.policy import ItemKind
 from tools.batch.worker import make_callers
 from tools.clients.retrying import EmbedClient
@@ -42,24 +42,11 @@ SHOWN_PORTS = (8000, 8001, 8002)  # `serve` as shown: its default HTTP, gRPC and
 
 
 def run_shown(command: str, cwd: Path, timeout_s: float = 120, **env: str) -> subprocess.CompletedProcess:
-    """Run a command the doc shows, as written, in `cwd`; it must exit 0. PYTHONPATH makes
-    `python -m tools` there this checkout's kit, whichever one the environment has installed."""
-    argv, environ = shell(command, PYTHONPATH=str(REPO), **env)
-    result = subprocess.run(argv, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout_s)
+    """Run a command the doc shows, as written, in `cwd`; it must exit 0."""
+    result = doc_examples.run_shown(command, cwd, timeout_s=timeout_s, **env)
     assert result.returncode == 0, (f"`{command}` exited {result.returncode}\n"
                                     + result.stdout[-3000:] + result.stderr[-3000:])
     return result
-
-
-def require_free_ports(ports: tuple[int, ...], what: str) -> None:
-    for port in ports:
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                pytest.fail(f"port {port} is in use, and {what} runs on the ports it shows: stop what listens "
-                            f"there (a `make serve`?) and run the test again")
 
 
 def test_the_admin_key_commands_make_check_and_keep_a_key(tmp_path):
@@ -74,7 +61,7 @@ def test_the_admin_key_commands_make_check_and_keep_a_key(tmp_path):
     checked = run_shown(shown("docs/security.md", "python -m tools admin-key check build/admin.key"), tmp_path)
     assert checked.stdout == "build/admin.key: a usable admin key\n"
     key_file.write_text("short")  # an unusable key is refused, not kept
-    argv, environ = shell("python -m tools admin-key new build/admin.key --keep", PYTHONPATH=str(REPO))
+    argv, environ = shell("python -m tools admin-key new build/admin.key --keep")
     refused = subprocess.run(argv, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and refused.stderr.startswith("error: "), refused.stderr
     assert key_file.read_text() == "short"
@@ -122,10 +109,11 @@ def locked_server(tmp_path_factory):
     command = shown("docs/security.md",
                     "python -m tools serve --admin-key-file build/admin.key --grpc-tls-cert build/tls/server.crt "
                     "--grpc-tls-key build/tls/server.key")
-    require_free_ports(SHOWN_PORTS, "the TLS example")
+    require_free({f"{command} ({what})": port for what, port in zip(("HTTP", "gRPC", "metrics"), SHOWN_PORTS,
+                                                                     strict=True)})
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / "serve-tls.log"
-    argv, environ = shell(command, PYTHONPATH=str(REPO))
+    argv, environ = shell(command)
     with log_path.open("w") as log:
         process = subprocess.Popen(argv, cwd=folder, env=environ, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -198,7 +186,7 @@ def test_a_sweep_and_a_load_run_connect_over_tls(locked_server):
 
     checkout = server.folder
     command = shown("docs/security.md", 'make loadtest LOADTEST_ARGS="--triton-grpc-tls-ca build/tls/server.crt"')
-    argv, environ = shell(command, PYTHONPATH=str(REPO), LOCUST_USERS="2", LOCUST_SPAWN_RATE="2",
+    argv, environ = shell(command, LOCUST_USERS="2", LOCUST_SPAWN_RATE="2",
                           LOCUST_RUN_TIME="8s", LOCUST_MIX="embed")
     locust = subprocess.run(argv, cwd=checkout, env=environ, capture_output=True, text=True, timeout=180)
     stats = (checkout / "build" / "loadtest" / "locust_stats.csv").read_text()

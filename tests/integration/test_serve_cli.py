@@ -3,8 +3,6 @@ behind the admin key, a clean stop on Ctrl-C."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.doc_examples import REPO, shell, shown
+from tests.doc_examples import REPO, setup_problem, shell, shown
 from tools.server.admin_key import ADMIN_HEADER, admin_headers, grpc_admin_metadata, read_key_file
 from tools.server.triton_server import busy_ports, free_port
 
@@ -25,22 +23,6 @@ def text_tensor(text: str) -> httpclient.InferInput:
     tensor = httpclient.InferInput("TEXT", [1, 1], "BYTES")
     tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
     return tensor
-
-
-def kit_installed_elsewhere() -> str | None:
-    """Why `make serve` must not run here, or None.
-
-    `make serve` first brings the environment up to date with the pins (`make setup`), which
-    re-installs the kit editable from this checkout. That is what a user gets; but when the
-    environment is another checkout's (a worktree sharing its .venv), it would re-point that
-    environment here."""
-    if subprocess.run(["make", "-q", "setup"], cwd=REPO, capture_output=True).returncode == 0:
-        return None
-    url = json.loads(importlib.metadata.distribution("triton-slo-kit").read_text("direct_url.json") or "{}")
-    if url.get("url") == REPO.as_uri():
-        return None
-    return (f"`make serve` would re-install the kit, which .venv has from {url.get('url')}, from {REPO}: "
-            "run `make setup` in the checkout that owns .venv")
 
 
 def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
@@ -52,7 +34,7 @@ def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path
     assert shown("docs/operations.md", "make serve") == command
     # What make serve runs after the set-up (the make variables only add options to it).
     serve = shown("docs/security.md", "python -m tools serve --admin-key-file build/admin.key")
-    if (problem := kit_installed_elsewhere()) is not None:
+    if (problem := setup_problem()) is not None:
         pytest.fail(problem)
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     serve_args = (f"--http-port={ports['http']} --grpc-port={ports['grpc']} --metrics-port={ports['metrics']} "

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.doc_examples import shell, shown
+from tests import doc_examples
+from tests.doc_examples import shown
 from tests.integration.helpers import as_tenant
 from tools.bench.loadgen import LoadTarget, run_open_loop
 from tools.server.triton_server import free_port
@@ -28,8 +29,8 @@ def sweep_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[st
 
 def run_shown(command: str, triton, folder: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """A shown sweep as written, against the session's server, run in `folder`."""
-    argv, env = shell(command, {"http": triton.config.http_port, "grpc": triton.config.grpc_port})
-    return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+    return doc_examples.run_shown(command, folder, {"http": triton.config.http_port, "grpc": triton.config.grpc_port},
+                                  timeout_s=timeout)
 
 
 def test_open_loop_sweep_writes_per_step_results_with_server_times_and_a_plot(triton, tmp_path):

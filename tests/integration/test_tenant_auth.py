@@ -45,7 +45,7 @@ from python_backends.common.tenant_auth import (
     verify_token,
 )
 from python_backends.embed.admission import SharedWork
-from tests.doc_examples import shell, shown
+from tests.doc_examples import run_shown, shown
 from tests.integration.helpers import ROUTER_COUNTERS_LAG_S, settled
 from tools.clients.tenant_token import add_key, drop_key, issue
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
@@ -412,8 +412,7 @@ def test_the_shown_tenant_token_commands_make_a_key_sign_a_token_and_list_the_ke
     """docs/security.md's `tenant-token` commands as written, in a scratch folder: `--keys` puts
     the keys file there, away from the one the checkout's servers read."""
     def run(command: str) -> subprocess.CompletedProcess:
-        argv, env = shell(command, PYTHONPATH=str(REPO))  # this checkout's kit, from any folder
-        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        result = run_shown(command, tmp_path, timeout_s=60)
         assert result.returncode == 0, f"`{command}` exited {result.returncode}: {result.stderr}"
         return result
 
