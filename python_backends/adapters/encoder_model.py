@@ -1,4 +1,4 @@
-"""Triton adapter for a bucket encoder model (`encoder_<len>`); the logic lives in `python_backends.embed.encoder`."""
+"""Triton adapter for a bucket model (`<prefix><len>`); the logic lives in `python_backends.embed.encoder`."""
 
 import json
 from pathlib import Path
@@ -31,11 +31,12 @@ class TritonPythonModel:
 
     def execute(self, requests):
         # Triton formed this batch from requests of one shape: stack, run once, split back.
-        ids = [pb_utils.get_input_tensor_by_name(r, "INPUT_IDS").as_numpy() for r in requests]
-        masks = [pb_utils.get_input_tensor_by_name(r, "ATTENTION_MASK").as_numpy() for r in requests]
-        embedding = self.encoder.embed(np.concatenate(ids), np.concatenate(masks))
-        self.batch_rows.observe(float(embedding.shape[0]))
+        config = self.encoder.config
+        tensors = {name: [pb_utils.get_input_tensor_by_name(r, name).as_numpy() for r in requests]
+                   for name in config.inputs}
+        output = self.encoder.run({name: np.concatenate(parts) for name, parts in tensors.items()})
+        self.batch_rows.observe(float(output.shape[0]))
         return [
-            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("EMBEDDING", rows)])
-            for rows in split_rows(embedding, [len(x) for x in ids])
+            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(config.output, rows)])
+            for rows in split_rows(output, [len(x) for x in tensors[config.inputs[0]]])
         ]

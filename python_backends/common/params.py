@@ -116,6 +116,25 @@ NameList = Annotated[tuple[str, ...], PlainValidator(_parse_names),
                      PlainSerializer(lambda names: ",".join(names), return_type=str)]
 
 
+def _parse_name_map(value: object) -> dict[str, str]:
+    """`KEY=value,KEY=value` (or the mapping itself); keys and values non-empty, keys distinct."""
+    if isinstance(value, Mapping):
+        return {str(key): str(name) for key, name in value.items()}
+    mapping: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in str(value).split(","))):
+        key, sep, name = part.partition("=")
+        if not sep or not key.strip() or not name.strip():
+            raise ValueError(f"entry {part!r} is not 'KEY=name'")
+        if key.strip() in mapping:
+            raise ValueError(f"entry {key.strip()!r} is given twice")
+        mapping[key.strip()] = name.strip()
+    return mapping
+
+
+NameMap = Annotated[dict[str, str], PlainValidator(_parse_name_map),
+                    PlainSerializer(lambda mapping: ",".join(f"{k}={v}" for k, v in mapping.items()), return_type=str)]
+
+
 def _parse_tenants(value: object) -> TenantPolicy:
     if isinstance(value, TenantPolicy):
         return value

@@ -80,3 +80,48 @@ class TextTokenizer:
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text with its special tokens (`[CLS] ... [SEP]` for BERT), full length."""
         return [encoding.ids for encoding in self._tokenizer.encode_batch(list(texts))]
+
+    def num_pair_specials(self) -> int:
+        """Special tokens the tokenizer adds around a text pair (BERT's [CLS] a [SEP] b [SEP]: 3)."""
+        return self._tokenizer.num_special_tokens_to_add(True)
+
+    def encode_pairs(self, firsts: Sequence[str], seconds: Sequence[str],
+                     max_tokens: int | None = None) -> list[tuple[list[int], list[int], int]]:
+        """Each pair as one row: (token ids, token type ids, tokens cut). With `max_tokens` the
+        longer member loses tokens first (`longest_first`) until the row fits; specials are kept."""
+        firsts_enc = self._tokenizer.encode_batch(list(firsts), add_special_tokens=False)
+        seconds_enc = self._tokenizer.encode_batch(list(seconds), add_special_tokens=False)
+        rows = []
+        for first, second in zip(firsts_enc, seconds_enc, strict=True):
+            cut = 0
+            if max_tokens is not None:
+                keep_first, keep_second = longest_first(len(first.ids), len(second.ids),
+                                                        max_tokens - self.num_pair_specials())
+                cut = len(first.ids) - keep_first + len(second.ids) - keep_second
+                if keep_first < len(first.ids):
+                    first.truncate(keep_first)
+                if keep_second < len(second.ids):
+                    second.truncate(keep_second)
+            pair = self._tokenizer.post_process(first, second, add_special_tokens=True)
+            rows.append((list(pair.ids), list(pair.type_ids), cut))
+        return rows
+
+
+def longest_first(first: int, second: int, budget: int) -> tuple[int, int]:
+    """How many tokens of each pair member to keep so both fit `budget`: one at a time from the
+    longer member (the first on a tie), as Hugging Face's `longest_first` truncation does; each
+    keeps at least one token when the budget allows it."""
+    if budget < 2:
+        raise ValueError(f"a pair needs room for at least one token of each text, got {budget}")
+    over = first + second - budget
+    if over <= 0:
+        return first, second
+    longer, shorter = max(first, second), min(first, second)
+    # Cut the longer down to the shorter's length, then both alternately.
+    cut_longer = min(over, longer - shorter)
+    longer -= cut_longer
+    over -= cut_longer
+    both = over // 2
+    longer -= both + over % 2
+    shorter -= both
+    return (longer, shorter) if first >= second else (shorter, longer)

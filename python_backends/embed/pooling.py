@@ -41,9 +41,9 @@ def pool(hidden: np.ndarray, attention_mask: np.ndarray, how: Pooling) -> np.nda
     if attention_mask.shape != hidden.shape[:2]:
         raise ValueError(f"attention mask {list(attention_mask.shape)} does not match the output's "
                          f"rows and tokens {list(hidden.shape[:2])}")
+    # A row whose mask is all zeros (only a warm-up batch sends one) pools as sentence-transformers
+    # pools it: the mean's divisor is clamped (a zero vector), `last` takes the last position.
     mask = attention_mask.astype(bool)
-    if not mask.any(axis=1).all():
-        raise ValueError("a row has no real token (its attention mask is all zeros)")
     if how is Pooling.CLS:
         return hidden[:, 0, :].astype(np.float32)
     if how is Pooling.LAST:
@@ -51,7 +51,7 @@ def pool(hidden: np.ndarray, attention_mask: np.ndarray, how: Pooling) -> np.nda
         last = num_tokens - 1 - np.argmax(mask[:, ::-1], axis=1)  # index of each row's last real token
         return hidden[np.arange(hidden.shape[0]), last, :].astype(np.float32)
     weights = mask.astype(np.float32)[:, :, None]
-    return ((hidden * weights).sum(axis=1) / weights.sum(axis=1)).astype(np.float32)
+    return ((hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)).astype(np.float32)
 
 
 def l2_normalise(vectors: np.ndarray, eps: float = 1e-12) -> np.ndarray:

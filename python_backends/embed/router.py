@@ -1,8 +1,11 @@
-"""The `embed` router: validate a request, tokenize it, and plan which bucket models serve it.
+"""The router of a length-bucketed text model: validate a request, tokenize it, and plan which
+bucket models serve it.
 
-The Triton adapter (`model_repository/embed/1/model.py`) unpacks tensors, calls
-`EmbedRouter.prepare`, sends each `PreparedChunk` to its bucket model over BLS, and
-passes the outputs to `buckets.reassemble`. Everything here is free of Triton imports.
+The service (`python_backends.embed.service`) unpacks tensors, calls `EmbedRouter.prepare`,
+sends each `PreparedChunk` to its bucket model over BLS, and passes the outputs to
+`buckets.reassemble`. What a row is depends on the model's kind (`kinds`): a text (with the
+spec's query or document prefix), or for a pair classifier a text and its pair, tokenized
+together with token type ids, the longer member truncated first. Free of Triton imports.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ import numpy as np
 from pydantic import PlainSerializer, PlainValidator, model_validator
 
 from python_backends.common.errors import InvalidInput
-from python_backends.common.params import AuthParameter, ModelParameters, PositiveInt, TenantsParameter
+from python_backends.common.params import AuthParameter, Flag, ModelParameters, PositiveInt, TenantsParameter
 from python_backends.common.quotas import UNLIMITED, TenantPolicy, parse_tenant
 from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.embed.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
+from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
 from python_backends.embed.routing import RoutingTable, format_weights, parse_weights, pinned_version
 
-EMBEDDING_DIM = 384
+INPUT_TYPES = ("query", "document")  # what a request's `input_type` parameter may say (which prefix)
 
 # Custom metrics of the router (Prometheus counters, port 8002): name -> help text.
 ROUTER_COUNTERS = {
@@ -70,6 +74,16 @@ class RouterConfig:
     admission: AdmissionPolicy = ADMIT_ALL  # how much work may be in flight (derived from the profile)
     auth: AuthConfig = AUTH_OFF  # how a request proves its tenant (spec [tenants.auth])
     max_concurrent_requests: int = 32  # requests one instance serves at once (its worker threads)
+    kind: ModelKind = ModelKind.TEXT_ENCODER  # what a row is and what comes back
+    token_types: bool = False  # send TOKEN_TYPE_IDS to the bucket models
+    query_prefix: str = ""  # put before each text of a query (input_type "query", the default)
+    document_prefix: str = ""  # put before each text of a document (input_type "document")
+    labels: tuple[str, ...] = ()  # classifier label names by logit index; empty: no LABEL output
+    pairs: bool = False  # rows may be text pairs (TEXT_PAIR)
+
+    @property
+    def output(self) -> str:
+        return self.kind.output
 
     @property
     def max_tokens(self) -> int:
@@ -146,6 +160,29 @@ AdmissionParameter = Annotated[AdmissionPolicy, PlainValidator(_parse_admission)
 RoutingFile = Annotated[str, PlainValidator(lambda value: str(value) or DEFAULT_ROUTING_FILE)]
 
 
+def _parse_kind(value: object) -> ModelKind:
+    return value if isinstance(value, ModelKind) else ModelKind.parse(str(value))
+
+
+def _parse_labels(value: object) -> tuple[str, ...]:
+    """A JSON list of label names (names may hold commas), or the names themselves."""
+    if isinstance(value, str):
+        if not value:
+            return ()
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"parameter labels is not a JSON list of names: {err}") from None
+    if not isinstance(value, list | tuple) or not all(isinstance(name, str) for name in value):
+        raise ValueError(f"parameter labels must be a list of names, got {value!r}")
+    return tuple(value)
+
+
+KindParameter = Annotated[ModelKind, PlainValidator(_parse_kind), PlainSerializer(str, return_type=str)]
+LabelsParameter = Annotated[tuple[str, ...], PlainValidator(_parse_labels),
+                            PlainSerializer(lambda names: json.dumps(list(names)), return_type=str)]
+
+
 class RouterParameters(ModelParameters):
     """The `embed` router's config.pbtxt parameters (gen-config writes them through this class)."""
 
@@ -161,6 +198,12 @@ class RouterParameters(ModelParameters):
     admission: AdmissionParameter = ADMIT_ALL  # how much work may be in flight
     tenant_auth: AuthParameter = AUTH_OFF  # how a request proves its tenant
     max_concurrent_requests: PositiveInt = 32  # requests one instance serves at once
+    kind: KindParameter = ModelKind.TEXT_ENCODER  # text-encoder or text-classifier
+    token_types: Flag = False  # send TOKEN_TYPE_IDS to the bucket models
+    query_prefix: str = ""  # put before each query text
+    document_prefix: str = ""  # put before each document text
+    labels: LabelsParameter = ()  # classifier label names by logit index
+    pairs: Flag = False  # rows may be text pairs (TEXT_PAIR)
 
     @model_validator(mode="after")
     def _every_bucket_covered(self) -> RouterParameters:
@@ -177,7 +220,9 @@ class RouterParameters(ModelParameters):
                             encoder_prefix=self.encoder_prefix, max_text_bytes=self.max_text_bytes,
                             default_routing=self.version_weights, routing_file=self.routing_file,
                             tenants=self.tenants, admission=self.admission, auth=self.tenant_auth,
-                            max_concurrent_requests=self.max_concurrent_requests)
+                            max_concurrent_requests=self.max_concurrent_requests, kind=self.kind,
+                            token_types=self.token_types, query_prefix=self.query_prefix,
+                            document_prefix=self.document_prefix, labels=self.labels, pairs=self.pairs)
 
 
 def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> RouterConfig:
@@ -196,6 +241,7 @@ class RequestOptions:
     tenant: str = "default"  # who sent it; quotas and priorities key on this
     truncate: bool = True  # False: a row over the token limit is an error instead of cut
     version: int | None = None  # encoder version the request pins; None: the routing table decides
+    input_type: str = "query"  # which of the model's prefixes its texts get: query or document
 
 
 def parse_request_options(parameters_json: str | None,
@@ -224,26 +270,29 @@ def parse_request_options(parameters_json: str | None,
         truncate = truncate.lower() == "true"
     if not isinstance(truncate, bool):
         raise InvalidInput(f"parameter 'truncate' must be true or false, got {truncate!r}")
-    return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params))
+    input_type = params.get("input_type", "query")
+    if input_type not in INPUT_TYPES:
+        raise InvalidInput(f"parameter 'input_type' must be one of {', '.join(INPUT_TYPES)}, got {input_type!r}")
+    return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params), input_type=input_type)
 
 
-def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int) -> list[str]:
-    """Check and decode the TEXT rows; the error names the first offending row."""
+def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int, tensor: str = "TEXT") -> list[str]:
+    """Check and decode the rows of a BYTES input; the error names the input and the first offending row."""
     if len(raw_rows) == 0:
-        raise InvalidInput("input 'TEXT' has no rows; send at least one string")
+        raise InvalidInput(f"input '{tensor}' has no rows; send at least one string")
     texts: list[str] = []
     for index, raw in enumerate(raw_rows):
         data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
         if len(data) > max_text_bytes:
             raise InvalidInput(
-                f"TEXT row {index} is {len(data)} bytes; the limit is {max_text_bytes} bytes per row"
+                f"{tensor} row {index} is {len(data)} bytes; the limit is {max_text_bytes} bytes per row"
             )
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise InvalidInput(f"TEXT row {index} is not valid UTF-8 (byte {err.start})") from None
+            raise InvalidInput(f"{tensor} row {index} is not valid UTF-8 (byte {err.start})") from None
         if not text.strip():
-            raise InvalidInput(f"TEXT row {index} is empty; send at least one non-blank character")
+            raise InvalidInput(f"{tensor} row {index} is empty; send at least one non-blank character")
         texts.append(text)
     return texts
 
@@ -271,9 +320,16 @@ class PreparedChunk:
 
     chunk: Chunk  # which rows, which bucket
     model_name: str  # bucket model to call
-    input_ids: np.ndarray  # int64 [rows, bucket_len]
-    attention_mask: np.ndarray  # int64 [rows, bucket_len]
+    tensors: dict[str, np.ndarray]  # the bucket model's inputs by name, each int64 [rows, bucket_len]
     num_real_tokens: int  # tokens that carry text; the rest of rows * bucket_len is padding
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return self.tensors[INPUT_IDS]
+
+    @property
+    def attention_mask(self) -> np.ndarray:
+        return self.tensors[ATTENTION_MASK]
 
 
 @dataclass(frozen=True)
@@ -316,42 +372,73 @@ class EmbedRouter:
         self.tokenizer = tokenizer
 
     def prepare(self, raw_rows: Sequence[bytes | str], parameters_json: str | None,
-                options: RequestOptions | None = None) -> PreparedRequest:
-        """Validate, tokenize and plan a request; `options` when the caller parsed the parameters already."""
+                options: RequestOptions | None = None,
+                raw_pairs: Sequence[bytes | str] | None = None) -> PreparedRequest:
+        """Validate, tokenize and plan a request; `options` when the caller parsed the parameters
+        already; `raw_pairs` the TEXT_PAIR rows of a pair classifier's request."""
         options = options if options is not None else parse_request_options(parameters_json)
-        texts = decode_rows(raw_rows, self.config.max_text_bytes)
-        encoded = self.tokenizer.encode(texts)
-        max_tokens = self.config.max_tokens
-        num_truncated = 0
-        for index, ids in enumerate(encoded):
-            if len(ids) <= max_tokens:
-                continue
-            if not options.truncate:
-                raise InvalidInput(
-                    f"TEXT row {index} has {len(ids)} tokens; the limit is {max_tokens} and truncate=false"
-                )
-            encoded[index] = truncate_tokens(ids, max_tokens, self.tokenizer.layout.trailing)
-            num_truncated += 1
+        config = self.config
+        texts = decode_rows(raw_rows, config.max_text_bytes)
+        max_tokens = config.max_tokens
+        if raw_pairs is not None:
+            if not config.pairs:
+                raise InvalidInput(f"this model takes single texts; it has no input TEXT_PAIR (kind {config.kind})")
+            seconds = decode_rows(raw_pairs, config.max_text_bytes, "TEXT_PAIR")
+            if len(seconds) != len(texts):
+                raise InvalidInput(f"TEXT has {len(texts)} rows but TEXT_PAIR {len(seconds)}; send one pair per row")
+            encoded, types, num_truncated = self._pairs(texts, seconds, max_tokens, options.truncate)
+        else:
+            prefix = config.document_prefix if options.input_type == "document" else config.query_prefix
+            if prefix:
+                texts = [prefix + text for text in texts]
+            encoded, num_truncated = self._singles(texts, max_tokens, options.truncate)
+            types = None
         lengths = [len(ids) for ids in encoded]
         prepared: list[PreparedChunk] = []
-        for chunk in plan_chunks(lengths, self.config.bucket_lens, self.config.bucket_max_batch):
+        for chunk in plan_chunks(lengths, config.bucket_lens, config.bucket_max_batch):
             rows = [encoded[i] for i in chunk.row_indices]
             input_ids, attention_mask = pad_rows(rows, chunk.bucket_len, self.tokenizer.pad_id)
-            prepared.append(
-                PreparedChunk(
-                    chunk=chunk,
-                    model_name=self.config.model_for(chunk.bucket_len),
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    num_real_tokens=sum(lengths[i] for i in chunk.row_indices),
-                )
-            )
+            tensors = {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask}
+            if config.token_types:
+                tensors[TOKEN_TYPE_IDS] = (pad_rows([types[i] for i in chunk.row_indices], chunk.bucket_len, 0)[0]
+                                           if types is not None else np.zeros_like(input_ids))
+            prepared.append(PreparedChunk(
+                chunk=chunk,
+                model_name=config.model_for(chunk.bucket_len),
+                tensors=tensors,
+                num_real_tokens=sum(lengths[i] for i in chunk.row_indices),
+            ))
         return PreparedRequest(
             options=options,
             token_counts=np.asarray(lengths, dtype=np.int32),
             num_truncated=num_truncated,
             chunks=prepared,
         )
+
+    def _singles(self, texts: list[str], max_tokens: int, truncate: bool) -> tuple[list[list[int]], int]:
+        encoded = self.tokenizer.encode(texts)
+        num_truncated = 0
+        for index, ids in enumerate(encoded):
+            if len(ids) <= max_tokens:
+                continue
+            if not truncate:
+                raise InvalidInput(
+                    f"TEXT row {index} has {len(ids)} tokens; the limit is {max_tokens} and truncate=false"
+                )
+            encoded[index] = truncate_tokens(ids, max_tokens, self.tokenizer.layout.trailing)
+            num_truncated += 1
+        return encoded, num_truncated
+
+    def _pairs(self, firsts: list[str], seconds: list[str], max_tokens: int,
+               truncate: bool) -> tuple[list[list[int]], list[list[int]], int]:
+        rows = self.tokenizer.encode_pairs(firsts, seconds, max_tokens if truncate else None)
+        if not truncate:
+            for index, (ids, _, _) in enumerate(rows):
+                if len(ids) > max_tokens:
+                    raise InvalidInput(f"pair row {index} has {len(ids)} tokens; the limit is {max_tokens} and "
+                                       "truncate=false")
+        return ([ids for ids, _, _ in rows], [types for _, types, _ in rows],
+                sum(1 for _, _, cut in rows if cut))
 
 
 def row_cosines(served: np.ndarray, other: np.ndarray) -> np.ndarray:

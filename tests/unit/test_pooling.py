@@ -49,8 +49,14 @@ def test_shapes_that_do_not_fit_the_pooling_are_refused_with_the_shapes():
         pool(HIDDEN[:, 0, :], RIGHT_PADDED, Pooling.MEAN)
     with pytest.raises(ValueError, match=r"attention mask \[3, 4\] does not match .* \[3, 5\]"):
         pool(HIDDEN, RIGHT_PADDED[:, :4], Pooling.MEAN)
-    with pytest.raises(ValueError, match="a row has no real token"):
-        pool(HIDDEN, np.zeros((3, 5), int), Pooling.LAST)
+
+
+
+def test_a_row_without_real_tokens_pools_like_sentence_transformers():
+    """Only a warm-up batch sends one: the mean is a zero vector, `last` the last position."""
+    empty = np.zeros((3, 5), int)
+    np.testing.assert_array_equal(pool(HIDDEN, empty, Pooling.MEAN), np.zeros((3, HIDDEN.shape[2]), np.float32))
+    np.testing.assert_array_equal(pool(HIDDEN, empty, Pooling.LAST), HIDDEN[:, -1, :])
 
 
 def test_an_unknown_pooling_name_lists_the_known_ones():

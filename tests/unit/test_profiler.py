@@ -9,14 +9,15 @@ import pytest
 
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from tools.bench.harness import profile_name_for_gpu
-from tools.bench.profiler import probe_knobs, profiled_version, profiling_router_config
+from tools.bench.profiler import probe_knobs, probe_rows, profiled_version, profiling_router_config
+from tools.repository.sources import served_graph
 from tools.spec.serving import load_spec
 
 
 def test_the_overhead_probe_router_has_one_instance_and_admits_everything():
     spec = load_spec()
     model = spec.models[0]
-    config = profiling_router_config(model, spec, {length: 8 for length in model.bucket_lens})
+    config = profiling_router_config(model, spec, {length: 8 for length in model.bucket_lens}, served_graph(model))
     assert config.name == model.name
     assert [group.count for group in config.instance_group] == [1]
     assert config.parameters["max_concurrent_requests"].string_value == "1"  # one request at a time
@@ -63,3 +64,13 @@ def test_a_gpu_name_with_no_model_word_gives_the_generic_name():
     assert profile_name_for_gpu("") == "gpu"
     assert profile_name_for_gpu("NVIDIA") == "gpu"
     assert profile_name_for_gpu("  ") == "gpu"
+
+
+def test_probe_rows_are_full_length_ids_the_tokenizer_can_make():
+    import numpy as np
+
+    rows = probe_rows(np.random.default_rng(0), 4, 16, vocab=500, token_types=True)
+    assert sorted(rows) == ["ATTENTION_MASK", "INPUT_IDS", "TOKEN_TYPE_IDS"]
+    assert rows["INPUT_IDS"].shape == (4, 16) and rows["INPUT_IDS"].max() < 500
+    assert rows["ATTENTION_MASK"].all() and not rows["TOKEN_TYPE_IDS"].any()
+    assert "TOKEN_TYPE_IDS" not in probe_rows(np.random.default_rng(0), 1, 8, vocab=30522, token_types=False)

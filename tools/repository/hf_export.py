@@ -260,10 +260,13 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-def export_hf(hf_dir: Path, out_path: Path, *, pooling: str | None = None, normalize: bool = False) -> ExportCheck:
+def export_hf(hf_dir: Path, out_path: Path, *, pooling: str | None = None, normalize: bool = False,
+              token_types: bool | None = None) -> ExportCheck:
     """Export the model in `hf_dir` to the ONNX file `out_path` and check it against PyTorch.
 
-    Inputs `input_ids`, `attention_mask` (and `token_type_ids` when the model uses them), INT64
+    Inputs `input_ids`, `attention_mask` (and `token_type_ids` when `token_types`; None: when the
+    model has more than one token type; False: the model sees type 0 everywhere, as a single
+    text does, and the graph takes no such input), INT64
     [batch, sequence]. Output: a classifier's `logits` [batch, num_labels]; an encoder's
     `last_hidden_state` [batch, sequence, hidden] when `pooling` is None, else `embedding`
     [batch, hidden] pooled in the graph ("mean" over the attention mask, "cls" the first token,
@@ -294,10 +297,14 @@ def export_hf(hf_dir: Path, out_path: Path, *, pooling: str | None = None, norma
             model = loader.from_pretrained(str(model_info.path), local_files_only=True, attn_implementation="eager")
     except (OSError, ValueError, KeyError, SafetensorError) as error:
         raise HfExportError(f"{model_info.path}: transformers cannot load the model: {_first_line(error)}") from None
+    takes_types = model_info.uses_token_types if token_types is None else token_types
+    if takes_types and not model_info.uses_token_types:
+        raise HfExportError(f"{model_info.path}: the model has one token type (type_vocab_size), so it cannot tell a "
+                            "pair's members apart: export it without token_type_ids")
     model = model.float().eval()
     module = _export_module(torch, model, classifier=classifier, pooling=pooling, normalize=normalize,
-                            uses_token_types=model_info.uses_token_types)
-    input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if model_info.uses_token_types else [])
+                            uses_token_types=takes_types)
+    input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if takes_types else [])
     if classifier:
         output_name, output_axes = "logits", {0: "batch"}
     elif pooling is None:
@@ -305,7 +312,7 @@ def export_hf(hf_dir: Path, out_path: Path, *, pooling: str | None = None, norma
     else:
         output_name, output_axes = "embedding", {0: "batch"}
     check = _check_batch(torch, int(config.get("vocab_size") or 1000), int(config.get("pad_token_id") or 0),
-                         model_info.uses_token_types)
+                         takes_types)
     with torch.no_grad():
         reference = module(*(check[name] for name in input_names)).numpy()  # before export: it may alter the module
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ from python_backends.common.quotas import TENANT_PATTERN, TenantPolicy
 from python_backends.common.quotas import TierPolicy as TenantTier  # a tier of the spec is the policy's tier
 from python_backends.common.tenant_auth import ANONYMOUS_TENANT, MAX_CLOCK_SKEW_S, AuthConfig, AuthMode
 from python_backends.embed.buckets import validate_buckets
+from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
+from python_backends.embed.pooling import Pooling
 from python_backends.llm.scheduler import BatchingPolicy
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
 from tools.spec.schema import ClosedTable, Table, describe, table_error
@@ -96,12 +98,17 @@ class TenantAuthSpec:
                           issuer=self.issuer, audience=self.audience)
 
 
+PACKAGE_SOURCE = "package:"  # a source named `package:<module>` is a folder a pip package ships
+
+
 @dataclass(frozen=True)
-class EmbedModelSpec:
-    """The length-bucketed embedding service: a router model and one encoder per bucket."""
+class BucketedModelSpec:
+    """A length-bucketed text model: a router model (named by the spec's table) that tokenizes
+    and routes, and one bucket model per length running the user's graph. `kind` says what a row
+    is and what comes back (`python_backends.embed.kinds`)."""
 
     name: str  # the router model clients call
-    versions: tuple[int, ...]  # encoder versions loaded at start (each bucket model serves them all)
+    versions: tuple[int, ...]  # model versions loaded at start (each bucket model serves them all)
     slo_p95_ms: float  # end-to-end p95 latency target of one request
     expected_rps: float  # requests per second in normal traffic
     peak_rps: float  # requests per second at peak
@@ -112,14 +119,39 @@ class EmbedModelSpec:
     max_router_instances: int  # cap on router instances (one per host core is derived)
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
     queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
-    precision: dict[int, str] = field(default_factory=dict)  # encoder version -> "fp32" or "int8" (build recipe)
-    traffic: dict[int, float] = field(default_factory=dict)  # encoder version -> weight of unpinned traffic at start
+    precision: dict[int, str] = field(default_factory=dict)  # version -> "fp32" or "int8" (build recipe)
+    traffic: dict[int, float] = field(default_factory=dict)  # version -> weight of unpinned traffic at start
+    kind: ModelKind = ModelKind.TEXT_ENCODER  # what a row is and what comes back
+    sources: dict[int, str] = field(default_factory=dict)  # version -> ONNX file, Hugging Face folder or package:
+    root: Path = Path(".")  # the folder relative sources are in (the spec's)
+    tokenizer: Path | None = None  # tokenizer.json; None: the source folder's
+    onnx_inputs: dict[str, str] = field(default_factory=lambda: {INPUT_IDS: "input_ids",
+                                                                   ATTENTION_MASK: "attention_mask"})
+    onnx_output: str = ""  # the graph output read; empty: the graph's only output
+    pooling: Pooling = Pooling.NONE  # how the graph's per-token output becomes one vector per row
+    normalize: bool = False  # L2-normalise each answered row
+    query_prefix: str = ""  # put before each text of a query (the default input_type)
+    document_prefix: str = ""  # put before each text of a document (input_type = "document")
+    labels: tuple[str, ...] = ()  # classifier label names by logit index; empty: no LABEL output
+    pairs: bool = False  # classifier rows may be text pairs (TEXT_PAIR input)
 
     def precision_of(self, version: int) -> str:
         return self.precision.get(version, "fp32")
 
     def encoder_name(self, bucket_len: int) -> str:
         return f"{self.encoder_prefix}{bucket_len}"
+
+    @property
+    def bucket_names(self) -> tuple[str, ...]:
+        return tuple(self.encoder_name(length) for length in self.bucket_lens)
+
+    @property
+    def token_types(self) -> bool:
+        """Whether the graph takes token type ids (a pair's members told apart)."""
+        return TOKEN_TYPE_IDS in self.onnx_inputs
+
+    def source_of(self, version: int) -> str:
+        return self.sources[version]
 
 
 @dataclass(frozen=True)
@@ -146,7 +178,7 @@ class ServingSpec:
     path: Path  # the file it was read from
     sha256: str  # digest of that file, recorded in generated configs
     profile: Path  # default latency profile for gen-config
-    models: tuple[EmbedModelSpec, ...]  # served models
+    models: tuple[BucketedModelSpec, ...]  # length-bucketed text models
     tiers: tuple[TenantTier, ...]  # tenant tiers, highest priority first
     default_tier: str  # tier of requests that name no tenant tier
     hardware: dict[str, HardwareLimits]  # by hardware kind
@@ -367,12 +399,69 @@ class HardwareTable(Table):
         )
 
 
-class EmbedModelTable(Table):
-    """`[models.<name>]`: the length-bucketed embedding service, a router model (named by the
-    table) and one encoder model per bucket."""
+class TextInputsTable(ClosedTable):
+    """`[models.<name>.inputs]`: the graph's names of the tensors the kit feeds it."""
 
+    ids: str = "input_ids"
+    """The token ids input."""
+    mask: str = "attention_mask"
+    """The attention mask input."""
+    token_types: str = ""
+    """The token type ids input (BERT-style pair models); empty: the graph takes none."""
+
+    def mapping(self) -> dict[str, str]:
+        names = {INPUT_IDS: self.ids, ATTENTION_MASK: self.mask}
+        if self.token_types:
+            names[TOKEN_TYPE_IDS] = self.token_types
+        if len(set(names.values())) != len(names):
+            raise table_error(f"inputs name one graph input twice: {names}")
+        return names
+
+
+KIND_KEYS = {  # keys that mean something for one kind only
+    "labels": ModelKind.TEXT_CLASSIFIER,
+    "pairs": ModelKind.TEXT_CLASSIFIER,
+    "normalize": ModelKind.TEXT_ENCODER,
+    "query_prefix": ModelKind.TEXT_ENCODER,
+    "document_prefix": ModelKind.TEXT_ENCODER,
+}
+
+
+class BucketedModelTable(Table):
+    """`[models.<name>]`: a length-bucketed text model, a router model (named by the table) and
+    one bucket model per length running the model's graph."""
+
+    kind: ModelKind = ModelKind.TEXT_ENCODER
+    """What the model is: "text-encoder" (text -> one vector per row) or "text-classifier" (text or
+    text pair -> logits per row, and label names)."""
+    source: str | dict[int, str]
+    """Where the model comes from, for every version or as a table of version = source: an ONNX
+    file, a Hugging Face folder (config.json, safetensors, tokenizer.json) that build-models exports,
+    or `package:<module>`, a folder a pip package ships. Relative to the spec."""
+    tokenizer: str | None = None
+    """The tokenizer.json the router tokenizes with, relative to the spec; default: the source
+    folder's (required for an ONNX file)."""
+    inputs: TextInputsTable = Field(default_factory=TextInputsTable)
+    """The graph's input names."""
+    output: str = ""
+    """The graph output the model answers with; default: the graph's only output."""
+    pooling: Literal["none", "mean", "cls", "last"] = "none"
+    """How a per-token output ([rows, tokens, width]) becomes one vector per row: "mean" over real
+    tokens, "cls" (first token), "last" (last real token); "none": the graph pools already."""
+    normalize: StrictBool = False
+    """Scale each embedding to unit length (text-encoder)."""
+    query_prefix: str = ""
+    """Put before every text a request sends as a query (the default `input_type`), e.g. "query: "."""
+    document_prefix: str = ""
+    """Put before every text a request sends with `input_type` = "document", e.g. "passage: "."""
+    labels: tuple[str, ...] = ()
+    """Label names by logit index (text-classifier); the router answers a LABEL per row with them."""
+    pairs: StrictBool = False
+    """Rows may be text pairs, sent as TEXT and TEXT_PAIR (text-classifier: cross-encoder rerankers)."""
+    max_length: int | None = Field(None, gt=1)
+    """Most tokens the model takes (its position embeddings); the largest bucket must not exceed it."""
     versions: Versions = (1,)
-    """Encoder versions loaded at start; every bucket model serves each of them."""
+    """Model versions loaded at start; every bucket model serves each of them."""
     precision: dict[int, Literal["fp32", "int8"]] = {}
     """Encoder version -> what build-models makes of it: "fp32" (the default) or "int8"."""
     traffic: dict[int, float] = {}
@@ -387,8 +476,8 @@ class EmbedModelTable(Table):
     """Length mix of requests (a loadtest workload TOML), relative to the spec."""
     buckets: Annotated[tuple[int, ...], AfterValidator(_buckets)]
     """Bucket sequence lengths, distinct, each >= 2; read in ascending order."""
-    encoder_prefix: str = "encoder_"
-    """Bucket model name = prefix + length."""
+    encoder_prefix: str | None = None
+    """Bucket model name = prefix + length; default: the model's name and `_`."""
     max_request_rows: int = Field(gt=0)
     """Rows one client request may carry (the router's max_batch_size)."""
     max_router_instances: int = Field(gt=0)
@@ -405,6 +494,34 @@ class EmbedModelTable(Table):
         if not path.is_file():
             raise ValueError(f"workload file {path} not found")
         return path
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _known_kind(cls, value: object) -> object:
+        kinds = [k.value for k in ModelKind]
+        if value not in kinds:
+            raise ValueError(f"kind must be one of {kinds}, got {value!r}")
+        return value
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _sources(cls, value: object) -> object:
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("source must name an ONNX file, a Hugging Face folder or package:<module>")
+            return value
+        if not isinstance(value, dict) or not value:
+            raise ValueError("source must be a path, package:<module>, or a table of version = source")
+        keyed = {}
+        for key, item in value.items():
+            try:
+                version = int(key)
+            except ValueError:
+                raise ValueError(f"source: key {key!r} is not a version number") from None
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"source of version {version} must be a path or package:<module>, got {item!r}")
+            keyed[version] = item
+        return keyed
 
     @field_validator("precision", "traffic", mode="before")
     @classmethod
@@ -427,7 +544,22 @@ class EmbedModelTable(Table):
         return keyed
 
     @model_validator(mode="after")
-    def _consistent(self) -> EmbedModelTable:
+    def _consistent(self) -> BucketedModelTable:
+        for key, kind in KIND_KEYS.items():
+            if key in self.model_fields_set and kind is not self.kind:
+                raise table_error(f"'{key}' applies to kind {kind.value!r} only; this model is {self.kind.value!r}")
+        if self.kind is ModelKind.TEXT_CLASSIFIER and self.pooling != "none":
+            raise table_error("a text-classifier answers its graph's logits: pooling must be 'none'")
+        if self.pairs and not self.inputs.token_types:
+            raise table_error("pairs = true needs the graph's token type ids input ([inputs] token_types), so "
+                              "the model can tell a pair's members apart")
+        if self.max_length is not None and self.buckets[-1] > self.max_length:
+            raise table_error(f"the largest bucket ({self.buckets[-1]}) is over max_length ({self.max_length}): "
+                              "the model has no position for the tokens past it")
+        if isinstance(self.source, dict):
+            missing = [v for v in self.versions if v not in self.source]
+            if missing:
+                raise table_error(f"source names no model for version(s) {missing}")
         if self.peak_rps < self.expected_rps:
             raise table_error(f"peak_rps ({self.peak_rps}) must be >= expected_rps ({self.expected_rps})")
         for key in ("precision", "traffic"):
@@ -439,9 +571,23 @@ class EmbedModelTable(Table):
             raise table_error("traffic needs a weight > 0 on at least one version")
         return self
 
-    def model(self, name: str) -> EmbedModelSpec:
-        return EmbedModelSpec(
+    def model(self, name: str, root: Path) -> BucketedModelSpec:
+        sources = (dict(self.source) if isinstance(self.source, dict)
+                   else {version: self.source for version in self.versions})
+        return BucketedModelSpec(
             name=name,
+            kind=self.kind,
+            sources={v: sources[v] for v in self.versions},
+            root=root,
+            tokenizer=root / self.tokenizer if self.tokenizer else None,
+            onnx_inputs=self.inputs.mapping(),
+            onnx_output=self.output,
+            pooling=Pooling(self.pooling),
+            normalize=self.normalize,
+            query_prefix=self.query_prefix,
+            document_prefix=self.document_prefix,
+            labels=self.labels,
+            pairs=self.pairs,
             versions=self.versions,
             precision=dict(self.precision),
             # all traffic on the first version until a rollout moves it
@@ -451,7 +597,7 @@ class EmbedModelTable(Table):
             peak_rps=self.peak_rps,
             workload=self.workload,
             bucket_lens=self.buckets,
-            encoder_prefix=self.encoder_prefix,
+            encoder_prefix=self.encoder_prefix if self.encoder_prefix is not None else f"{name}_",
             max_request_rows=self.max_request_rows,
             max_router_instances=self.max_router_instances,
             max_text_bytes=self.max_text_bytes,
@@ -514,8 +660,8 @@ class ServingFile(Table):
     """Tenant tiers, members and authentication."""
     hardware: dict[str, HardwareTable] = {}
     """What each kind of hardware runs in parallel, by the profile's hardware kind; at least one."""
-    models: dict[str, EmbedModelTable] = {}
-    """Embedding services by router model name; at least one."""
+    models: dict[str, BucketedModelTable] = {}
+    """Length-bucketed text models (encoders, classifiers) by router model name; at least one."""
     llm_models: dict[str, LLMModelTable] = {}
     """Generative models by model name."""
 
@@ -528,6 +674,15 @@ class ServingFile(Table):
         for name in self.llm_models:
             if name in self.models:
                 raise table_error(f"model name {name!r} is used twice")
+        owners: dict[str, str] = {name: name for name in [*self.models, *self.llm_models]}
+        for name, table in self.models.items():
+            prefix = table.encoder_prefix if table.encoder_prefix is not None else f"{name}_"
+            for length in table.buckets:
+                bucket = f"{prefix}{length}"
+                if bucket in owners:
+                    raise table_error(f"[models.{name}]: bucket model {bucket!r} is also a model of "
+                                      f"{owners[bucket]!r}; give the model another encoder_prefix")
+                owners[bucket] = name
         return self
 
     def spec(self, path: Path, sha256: str) -> ServingSpec:
@@ -538,7 +693,7 @@ class ServingFile(Table):
             path=path,
             sha256=sha256,
             profile=root / self.profile,
-            models=tuple(table.model(name) for name, table in self.models.items()),
+            models=tuple(table.model(name, root) for name, table in self.models.items()),
             tiers=tuple(sorted((t.policy(name) for name, t in tenants.tiers.items()), key=lambda t: t.priority)),
             default_tier=tenants.default_tier or tenants.lowest_tier(),
             hardware={kind: table.limits(kind) for kind, table in self.hardware.items()},
