@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
+from python_backends.common.drift import DriftMeasure
 from tools.cli import main
-from tools.ops.rollout import RolloutLock, lock_path, rollout_running
-from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
+from tools.ops.rollout import RolloutError, RolloutLock, lock_path, make_plan, rollout_running
+from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
 
 ROUTING = DEFAULT_MODEL_REPOSITORY / "embed" / "routing.json"
 
@@ -32,6 +33,20 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     assert not (tmp_path / "records").exists()
 
 
+def test_the_plan_states_the_drift_gate_of_the_models_measure():
+    def gates_line(**drift) -> str:
+        plan = make_plan(DEFAULT_SPEC, "embed", DEFAULT_MODEL_REPOSITORY, 2, **drift)
+        return next(line for line in plan.describe().splitlines() if line.startswith("  gates: "))
+
+    assert "; mean cosine vs v1 >= 0.98 on a 20% shadowed sample; " in gates_line()
+    assert ("; top-1 agreement vs v1 >= 0.995 and largest logit difference <= 0.25 on a 20% shadowed sample; "
+            in gates_line(drift=DriftMeasure.TOP1, min_top1_agreement=0.995, max_logit_diff=0.25))
+    assert ("; largest absolute difference vs v1 <= 0.003 (judged at the histogram edge 0.0025) on a 20% "
+            "shadowed sample; " in gates_line(drift=DriftMeasure.ABS_DIFF, tolerance=0.003))
+    with pytest.raises(RolloutError, match="the abs_diff drift gate needs a declared tolerance"):
+        make_plan(DEFAULT_SPEC, "embed", DEFAULT_MODEL_REPOSITORY, 2, drift=DriftMeasure.ABS_DIFF)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["embed", "--to", "9"], "version 9 has no model folder"),
     (["embed", "--to", "2", "--steps", "5,50"], "the last step must be 100"),
@@ -40,6 +55,9 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     (["embed", "--to", "2", "--from", "2"], "--from and --to are both version 2"),
     (["embed", "--to", "2", "--max-error-rate", "1.5"], "max_error_rate must be within [0, 1)"),
     (["embed", "--to", "2", "--shadow-rate", "0"], "--shadow-rate must be within (0, 1]"),
+    (["embed", "--to", "2", "--min-top1-agreement", "1.5"], "min_top1_agreement must be within [0, 1], got 1.5"),
+    (["embed", "--to", "2", "--max-logit-diff", "0"], "max_logit_diff must be >= 0.0001"),
+    (["embed", "--to", "2", "--tolerance", "-1"], "tolerance must be >= 0.0001"),
     (["nosuch", "--to", "2"], "no embedding model 'nosuch'"),
     (["embed"], "say which version to roll out with --to VERSION"),
     (["status"], "`rollout status` needs the model name"),

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from python_backends.common.drift import DIFF_BUCKETS, SHADOW_HISTOGRAMS, DriftMeasure
 from python_backends.embed.router import (
     COSINE_BUCKETS,
     LATENCY_BUCKETS_S,
-    SHADOW_COSINE,
     VERSION_COUNTER,
     VERSION_INFLIGHT,
     VERSION_LATENCY,
@@ -102,7 +102,7 @@ class RouterMetrics:
     outcomes: dict[tuple[int, str], int] = field(default_factory=dict)  # (version, outcome) -> requests
     latency_s: dict[int, Observed] = field(default_factory=dict)  # version -> durations of ok requests
     inflight: dict[int, int] = field(default_factory=dict)  # version -> requests being served
-    cosines: dict[tuple[int, int], Observed] = field(default_factory=dict)  # (baseline, candidate) -> rows
+    shadowed: dict[tuple[str, int, int], Observed] = field(default_factory=dict)  # (series, baseline, candidate)
     num_rows: int = 0  # rows sent to the 16-token bucket: a router metric without a version
 
     def _series_of(self, version: int) -> None:
@@ -124,10 +124,10 @@ class RouterMetrics:
         if inflight is not None:
             self.inflight[version] = inflight
 
-    def shadow(self, baseline: int, candidate: int, cosines: Sequence[float]) -> None:
-        histogram = self.cosines.setdefault((baseline, candidate), Observed(COSINE_BUCKETS))
-        for cosine in cosines:
-            histogram.observe(cosine)
+    def shadow(self, baseline: int, candidate: int, cosines: Sequence[float], series: str = "cosine") -> None:
+        histogram = self.shadowed.setdefault((series, baseline, candidate), Observed(SHADOW_HISTOGRAMS[series][2]))
+        for value in cosines:
+            histogram.observe(value)
 
 
 def _family(name: str, kind: str, help_text: str, lines: list[str]) -> list[str]:
@@ -155,7 +155,8 @@ def metrics_page(*routers: RouterMetrics, num_inferences: int = 5230) -> str:
         *_family("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM) in bytes",
                  ["nv_cpu_memory_used_bytes 12884901888"]),
     ]
-    counters, latency, inflight, cosines, rows = [], [], [], [], []
+    counters, latency, inflight, rows = [], [], [], []
+    shadowed: dict[str, list[str]] = {series: [] for series in SHADOW_HISTOGRAMS}
     for router in routers:
         for (version, outcome), value in sorted(router.outcomes.items()):
             counters.append(f"{VERSION_COUNTER[0]}{_labels(model=router.model, outcome=outcome, version=version)} "
@@ -164,16 +165,17 @@ def metrics_page(*routers: RouterMetrics, num_inferences: int = 5230) -> str:
             latency += histogram.lines(VERSION_LATENCY[0], {"model": router.model, "version": version})
             inflight.append(f"{VERSION_INFLIGHT[0]}{_labels(model=router.model, version=version)} "
                             f"{router.inflight[version]}")
-        for (baseline, candidate), histogram in sorted(router.cosines.items()):
-            cosines += histogram.lines(SHADOW_COSINE[0],
-                                       {"baseline": baseline, "candidate": candidate, "model": router.model})
+        for (series, baseline, candidate), histogram in sorted(router.shadowed.items()):
+            shadowed[series] += histogram.lines(SHADOW_HISTOGRAMS[series][0],
+                                                {"baseline": baseline, "candidate": candidate, "model": router.model})
         rows.append(f"embed_bucket_rows_total{_labels(bucket=16, model=router.model)} {router.num_rows}")
     custom = [
         *_family("embed_bucket_rows_total", "counter", "Rows the embed router sent to each length bucket", rows),
         *_family(VERSION_COUNTER[0], "counter", VERSION_COUNTER[1], counters),
         *_family(VERSION_LATENCY[0], "histogram", VERSION_LATENCY[1], latency),
         *_family(VERSION_INFLIGHT[0], "gauge", VERSION_INFLIGHT[1], inflight),
-        *_family(SHADOW_COSINE[0], "histogram", SHADOW_COSINE[1], cosines),
+        *(line for series, (name, help_text, _) in SHADOW_HISTOGRAMS.items()
+          for line in _family(name, "histogram", help_text, shadowed[series])),
     ]
     return "\n".join([*triton_head, *custom, *triton_tail]) + "\n"
 
@@ -581,6 +583,181 @@ def test_drift_gate_reading_before_and_after_shadowed_rows():
     assert gate(window_of(cosines=[0.99, 0.97]), "drift").detail == "mean cosine v2 vs v1 0.9800 over 2 shadowed rows"
 
 
+# --- drift gates by measure -----------------------------------------------------------------
+
+TOP1 = Gates(slo_p95_ms=200, drift=DriftMeasure.TOP1)  # agreement >= 0.99, logit difference <= 0.5
+TOLERANCE = Gates(slo_p95_ms=200, drift=DriftMeasure.ABS_DIFF, tolerance=0.01)
+
+
+def shadow_window(**series: Sequence[float]) -> Snapshot:
+    """A window in which the router observed these per-row values of each named series."""
+    router = before_the_step()
+    first = snapshot_from_metrics(metrics_page(router), MODEL)
+    router.serve(CANDIDATE, [0.05] * 20)
+    for name, values in series.items():
+        router.shadow(BASELINE, CANDIDATE, values, series=name)
+    return snapshot_from_metrics(metrics_page(router), MODEL).minus(first)
+
+
+def test_snapshot_reads_every_shadow_series_by_name():
+    router = RouterMetrics()
+    router.shadow(1, 2, [1.0, 0.0, 1.0, 1.0], series="top1_agreement")
+    router.shadow(1, 2, [0.001, 0.3, 0.02, 0.0], series="max_logit_diff")
+    router.shadow(1, 2, [0.004, 12.0], series="max_abs_diff")
+    other = RouterMetrics(model="reranker")
+    other.shadow(1, 2, [0.0] * 5, series="top1_agreement")
+    snapshot = snapshot_from_metrics(metrics_page(other, router), MODEL)
+    assert set(snapshot.drift) == {("top1_agreement", 1, 2), ("max_logit_diff", 1, 2), ("max_abs_diff", 1, 2)}
+    agreement = snapshot.shadowed("top1_agreement", 1, 2)
+    assert (agreement.edges, agreement.cumulative, agreement.count, agreement.mean) == ((0.5, 1.0), (1, 4), 4, 0.75)
+    logit_diff = snapshot.shadowed("max_logit_diff", 1, 2)
+    assert logit_diff.edges == DIFF_BUCKETS and logit_diff.upper_bound == 0.5  # 0.3 is in (0.25, 0.5]
+    assert snapshot.shadowed("max_abs_diff", 1, 2).upper_bound == math.inf  # 12 is past the last edge, 10
+    assert snapshot.cosines(1, 2) == Histogram() == snapshot.shadowed("cosine", 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("histogram", "bound"),
+    [
+        (SPREAD, 0.5),  # observations up to the last bucket
+        (Histogram((0.1, 0.2, 0.5), (3, 3, 3), 3, 0.1), 0.1),  # all in the first bucket
+        (Histogram((0.1, 0.2, 0.5), (0, 2, 2), 2, 0.3), 0.2),
+        (Histogram((0.1, 0.2, 0.5), (1, 2, 2), 3, 9.0), math.inf),  # one past the last edge
+        (Histogram((), (), 2, 1.0), math.inf),  # no finite edges at all
+    ],
+)
+def test_upper_bound_is_the_edge_of_the_highest_non_empty_bucket(histogram, bound):
+    assert histogram.upper_bound == bound
+    if math.isfinite(bound):
+        assert histogram.quantile(1.0) == pytest.approx(bound)  # the 100th percentile, to rounding
+
+
+def test_upper_bound_of_no_observations_is_nan():
+    assert math.isnan(Histogram().upper_bound)
+    assert math.isnan(SPREAD.minus(SPREAD).upper_bound)
+
+
+def test_window_subtracts_every_shadow_series():
+    router = before_the_step()
+    router.shadow(BASELINE, CANDIDATE, [8.0], series="max_abs_diff")  # before the step: not the window's
+    first = snapshot_from_metrics(metrics_page(router), MODEL)
+    router.shadow(BASELINE, CANDIDATE, [0.002, 0.001], series="max_abs_diff")
+    window = snapshot_from_metrics(metrics_page(router), MODEL).minus(first)
+    diff = window.shadowed("max_abs_diff", BASELINE, CANDIDATE)
+    assert (diff.count, diff.upper_bound) == (2, 0.0025)
+
+
+@pytest.mark.parametrize(
+    ("agreement", "logit_diffs", "verdict", "value"),
+    [
+        ((), (), Verdict.WAIT, None),
+        ([1.0] * 9, [0.1] * 9, Verdict.WAIT, 1.0),
+        ([1.0] * 10, [0.1] * 10, Verdict.PASS, 1.0),
+        ([1.0] * 99 + [0.0], [0.1] * 100, Verdict.PASS, 0.99),  # agreement exactly at the limit
+        ([1.0] * 98 + [0.0] * 2, [0.1] * 100, Verdict.FAIL, 0.98),
+        ([1.0] * 10, [0.1] * 9 + [0.5], Verdict.PASS, 1.0),  # 0.5 is the edge: <= 0.5
+        ([1.0] * 10, [0.1] * 9 + [0.51], Verdict.FAIL, 1.0),  # one row's logits moved too far
+        ([1.0] * 10, [0.1] * 9 + [math.inf], Verdict.FAIL, 1.0),  # a NaN row (scored +inf)
+    ],
+)
+def test_top1_gate_judges_agreement_and_the_largest_logit_difference(agreement, logit_diffs, verdict, value):
+    reading = gate(shadow_window(top1_agreement=agreement, max_logit_diff=logit_diffs), "drift", TOP1)
+    assert reading.verdict is verdict
+    assert reading.value == (None if value is None else pytest.approx(value))
+    assert reading.limit == 0.99
+
+
+def test_top1_gate_reading_says_what_it_measured():
+    window = shadow_window(top1_agreement=[1.0] * 199 + [0.0], max_logit_diff=[0.02] * 199 + [0.3])
+    assert gate(window, "drift", TOP1).detail == (
+        "top-1 agreement v2 vs v1 0.9950 (min 0.99), largest logit difference <= 0.5 (max 0.5) "
+        "over 200 shadowed rows")
+    window = shadow_window(top1_agreement=[1.0] * 10, max_logit_diff=[0.02] * 9 + [40.0])
+    assert gate(window, "drift", TOP1).detail == (
+        "top-1 agreement v2 vs v1 1.0000 (min 0.99), largest logit difference > 10 (max 0.5) "
+        "over 10 shadowed rows")
+    assert gate(shadow_window(), "drift", TOP1).detail == "no shadowed rows yet (need 10)"
+
+
+@pytest.mark.parametrize(
+    ("diffs", "verdict", "value"),
+    [
+        ((), Verdict.WAIT, None),
+        ([0.0] * 10, Verdict.PASS, 0.0001),  # exact matches land in the first bucket
+        ([0.001] * 9 + [0.01], Verdict.PASS, 0.01),  # the tolerance is an edge: <= 0.01
+        ([0.001] * 9 + [0.011], Verdict.FAIL, 0.025),
+        ([0.001] * 9 + [math.inf], Verdict.FAIL, None),  # past every edge: no finite value, the detail says > 10
+    ],
+)
+def test_tolerance_gate_judges_the_largest_absolute_difference(diffs, verdict, value):
+    reading = gate(shadow_window(max_abs_diff=diffs), "drift", TOLERANCE)
+    assert (reading.verdict, reading.value, reading.limit) == (verdict, value, 0.01)
+
+
+def test_tolerance_gate_reading_says_what_it_measured():
+    window = shadow_window(max_abs_diff=[0.0002] * 119 + [0.004])
+    assert gate(window, "drift", TOLERANCE).detail == (
+        "largest absolute difference v2 vs v1 <= 0.005 (tolerance 0.01) over 120 shadowed rows")
+    window = shadow_window(max_abs_diff=[0.0002] * 9 + [math.inf])
+    assert gate(window, "drift", TOLERANCE).detail == (
+        "largest absolute difference v2 vs v1 > 10 (tolerance 0.01) over 10 shadowed rows")
+
+
+def test_a_tolerance_between_two_edges_is_judged_at_the_edge_below_it():
+    gates = replace(TOLERANCE, tolerance=0.003)  # between the edges 0.0025 and 0.005
+    assert gate(shadow_window(max_abs_diff=[0.0025] * 10), "drift", gates).verdict is Verdict.PASS
+    assert gate(shadow_window(max_abs_diff=[0.0028] * 10), "drift", gates).verdict is Verdict.FAIL
+
+
+def test_each_measure_reads_only_its_own_series():
+    cosines_only = shadow_window(cosine=[0.2] * 10)
+    assert gate(cosines_only, "drift", TOP1).verdict is Verdict.WAIT
+    assert gate(cosines_only, "drift", TOLERANCE).verdict is Verdict.WAIT
+    classifier = shadow_window(top1_agreement=[1.0] * 10, max_logit_diff=[0.1] * 10)
+    assert gate(classifier, "drift").verdict is Verdict.WAIT  # the default measure: cosine
+    assert gate(shadow_window(max_abs_diff=[0.1] * 10), "drift", TOP1).verdict is Verdict.WAIT
+
+
+def test_top1_gate_waits_for_both_of_its_series():
+    window = shadow_window(top1_agreement=[1.0] * 10, max_logit_diff=[0.1] * 4)
+    assert gate(window, "drift", TOP1).verdict is Verdict.WAIT
+
+
+def test_a_measure_without_shadowing_asked_for_passes_until_rows_come():
+    gates = replace(TOP1, min_shadow_samples=0)
+    assert gate(shadow_window(), "drift", gates).verdict is Verdict.PASS
+    bad = shadow_window(top1_agreement=[0.0], max_logit_diff=[3.0])
+    assert gate(bad, "drift", gates).verdict is Verdict.FAIL
+
+
+def test_drift_text_says_each_measures_condition():
+    assert GATES.drift_text(1) == "mean cosine vs v1 >= 0.98"
+    assert TOP1.drift_text(3) == "top-1 agreement vs v3 >= 0.99 and largest logit difference <= 0.5"
+    assert TOLERANCE.drift_text(1) == "largest absolute difference vs v1 <= 0.01"
+    assert replace(TOLERANCE, tolerance=0.003).drift_text(1) == (
+        "largest absolute difference vs v1 <= 0.003 (judged at the histogram edge 0.0025)")
+    assert replace(TOP1, max_logit_diff=0.3).drift_text(1).endswith(
+        "largest logit difference <= 0.3 (judged at the histogram edge 0.25)")
+
+
+def test_gates_take_the_measure_by_name():
+    assert Gates(slo_p95_ms=200, drift="top1").drift is DriftMeasure.TOP1
+    assert GATES.drift is DriftMeasure.COSINE
+
+
+def test_recorded_step_of_a_classifier_that_flips_classes_fails_at_its_tenth_row():
+    def flipping_classifier(router: RouterMetrics, poll: int) -> None:
+        baseline_traffic(router, poll)
+        router.serve(CANDIDATE, [0.03, 0.045, 0.06, 0.09])
+        router.shadow(BASELINE, CANDIDATE, [1.0 if poll % 4 else 0.0], series="top1_agreement")
+        router.shadow(BASELINE, CANDIDATE, [0.05], series="max_logit_diff")
+
+    polls = walk_step(record_series(before_the_step(), 14, flipping_classifier), gates=TOP1)
+    assert first_decision(polls) == 10
+    assert polls[9].why == ("drift gate failed: top-1 agreement v2 vs v1 0.8000 (min 0.99), largest logit "
+                            "difference <= 0.05 (max 0.5) over 10 shadowed rows")
+
+
 def test_readings_of_an_empty_window_are_json_without_nan():
     readings = evaluate_gates(Snapshot({}, {}), BASELINE, CANDIDATE, GATES)
     assert [(r.gate, r.verdict, r.value) for r in readings] == [
@@ -597,6 +774,16 @@ def test_readings_of_an_empty_window_are_json_without_nan():
         ({"slo_p95_ms": 200, "max_error_rate": 1.0}, r"max_error_rate must be within \[0, 1\), got 1.0"),
         ({"slo_p95_ms": 200, "max_error_rate": -0.1}, "max_error_rate must be within"),
         ({"slo_p95_ms": 200, "min_cosine": 1.5}, r"min_cosine must be within \[-1, 1\], got 1.5"),
+        ({"slo_p95_ms": 200, "min_top1_agreement": 1.5}, r"min_top1_agreement must be within \[0, 1\], got 1.5"),
+        ({"slo_p95_ms": 200, "max_logit_diff": 0.0},
+         r"max_logit_diff must be >= 0.0001 \(the first edge of the drift histogram\), got 0.0"),
+        ({"slo_p95_ms": 200, "max_logit_diff": math.nan}, "max_logit_diff must be >= 0.0001"),
+        ({"slo_p95_ms": 200, "drift": "abs_diff"},
+         r"the abs_diff drift gate needs a declared tolerance \(the largest absolute output difference "
+         r"allowed\); it has no default"),
+        ({"slo_p95_ms": 200, "drift": "abs_diff", "tolerance": 1e-5}, "tolerance must be >= 0.0001"),
+        ({"slo_p95_ms": 200, "tolerance": -1.0}, "tolerance must be >= 0.0001"),
+        ({"slo_p95_ms": 200, "drift": "l2"}, "'l2' is not a valid DriftMeasure"),
         ({"slo_p95_ms": 200, "min_requests": 0}, "min_requests must be >= 1"),
         ({"slo_p95_ms": 200, "min_shadow_samples": -1}, "min_shadow_samples >= 0"),
     ],

@@ -10,7 +10,7 @@ loads the new version of every bucket model through the repository API (with the
 own config, its version list extended; `model_warmup` runs before the version reports
 ready), then moves unpinned traffic step by step by rewriting the router's routing file.
 At each step it reads the router's metrics and judges the candidate against the baseline
-(`tools.planning.rollout`): error rate, p95 against the SLO, embedding drift on a shadowed
+(`tools.planning.rollout`): error rate, p95 against the SLO, output drift on a shadowed
 sample. A failing gate moves all traffic back, waits for the candidate's in-flight requests
 and unloads it; success moves all traffic to the candidate and unloads the old version once
 its in-flight requests have drained. Every step and gate reading goes to a JSON record.
@@ -65,7 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ms", type=float, default=None,
                         help="latency gate: p95 limit in ms (default: the model's SLO in the spec)")
     parser.add_argument("--min-cosine", type=float, default=0.98,
-                        help="drift gate: mean cosine to the baseline on shadowed rows (default: %(default)s)")
+                        help="drift gate of embeddings: mean cosine to the baseline on shadowed rows "
+                             "(default: %(default)s)")
+    parser.add_argument("--min-top1-agreement", type=float, default=0.99,
+                        help="drift gate of classifiers: share of shadowed rows whose top class agrees with the "
+                             "baseline's (default: %(default)s)")
+    parser.add_argument("--max-logit-diff", type=float, default=0.5,
+                        help="drift gate of classifiers: largest absolute logit difference of any shadowed row "
+                             "(default: %(default)s)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="drift gate of tensor models: largest absolute output difference of any shadowed "
+                             "row (required for them; no default)")
     parser.add_argument("--min-requests", type=int, default=20,
                         help="candidate requests a step needs before it can pass (default: %(default)s)")
     parser.add_argument("--min-shadow-samples", type=int, default=10,
@@ -160,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         plan = make_plan(args.spec, args.model, args.model_repository, args.to, from_version=args.from_version,
                          steps=args.steps, slo_ms=args.slo_ms, max_error_rate=args.max_error_rate,
-                         min_cosine=args.min_cosine, min_requests=args.min_requests,
+                         min_cosine=args.min_cosine, min_top1_agreement=args.min_top1_agreement,
+                         max_logit_diff=args.max_logit_diff, tolerance=args.tolerance, min_requests=args.min_requests,
                          min_shadow_samples=args.min_shadow_samples, shadow_rate=args.shadow_rate,
                          step_seconds=args.step_seconds, max_step_seconds=args.max_step_seconds)
     except (RolloutError, SpecError) as err:

@@ -5,11 +5,12 @@ loads the new version of every bucket model through the repository API (`TritonC
 `tools.server.control`: with the model's own config, its version list extended; `model_warmup`
 runs before the version reports ready), then moves unpinned traffic step by step by rewriting
 the router's routing file. At each step it reads the router's metrics and judges the candidate
-against the baseline (`tools.planning.rollout`): error rate, p95 against the SLO, embedding
-drift on a shadowed sample. A failing gate moves all traffic back, waits for the candidate's
-in-flight requests and unloads it; success moves all traffic to the candidate and unloads the
-old version once its in-flight requests have drained. Every step and gate reading goes to a
-JSON record (`Recorder`), and the model's state file says where the rollout stands.
+against the baseline (`tools.planning.rollout`): error rate, p95 against the SLO, output
+drift on a shadowed sample (by the model's measure: cosine, top-1 agreement, or a tolerance).
+A failing gate moves all traffic back, waits for the candidate's in-flight requests and
+unloads it; success moves all traffic to the candidate and unloads the old version once its
+in-flight requests have drained. Every step and gate reading goes to a JSON record
+(`Recorder`), and the model's state file says where the rollout stands.
 
 A running rollout holds `RolloutLock` (an exclusive `flock` on `<model>.state.lock` beside the
 state file) for its whole life, so a second rollout of the model is refused, and the lock of a
@@ -30,6 +31,7 @@ from filelock import FileLock, Timeout
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.common.drift import DriftMeasure
 from python_backends.common.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
 from python_backends.embed.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
 from tools.observe.metrics import fetch_text, parse_exposition
@@ -138,8 +140,8 @@ class RolloutPlan:
             f"  load v{self.candidate} of every bucket model (warm-up runs before it reports ready)",
             "  steps (candidate share of unpinned traffic): " + " -> ".join(f"{s:g}%" for s in self.steps),
             f"  each step lasts at least {self.min_step_s:g} s, at most {self.max_step_s:g} s waiting for data",
-            f"  gates: error rate <= {g.max_error_rate:.1%}; p95 <= {g.slo_p95_ms:g} ms (SLO); mean cosine vs "
-            f"v{self.baseline} >= {g.min_cosine} on a {self.shadow_rate:.0%} shadowed sample; "
+            f"  gates: error rate <= {g.max_error_rate:.1%}; p95 <= {g.slo_p95_ms:g} ms (SLO); "
+            f"{g.drift_text(self.baseline)} on a {self.shadow_rate:.0%} shadowed sample; "
             f"at least {g.min_requests} requests and {g.min_shadow_samples} shadowed rows per step",
             f"  pass: all traffic to v{self.candidate}, unload v{self.baseline} after its in-flight requests drain",
             f"  fail: all traffic back to v{self.baseline}, unload v{self.candidate}; the record says which gate",
@@ -426,18 +428,21 @@ def current_table(routing_path: Path, model: BucketedModelSpec) -> RoutingTable:
 
 def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, from_version: int | None = None,
               steps: str = ",".join(f"{s:g}" for s in DEFAULT_STEPS), slo_ms: float | None = None,
-              max_error_rate: float = 0.01, min_cosine: float = 0.98, min_requests: int = 20,
-              min_shadow_samples: int = 10, shadow_rate: float = 0.2, step_seconds: float = 30.0,
-              max_step_seconds: float = 300.0) -> RolloutPlan:
+              max_error_rate: float = 0.01, drift: DriftMeasure = DriftMeasure.COSINE, min_cosine: float = 0.98,
+              min_top1_agreement: float = 0.99, max_logit_diff: float = 0.5, tolerance: float | None = None,
+              min_requests: int = 20, min_shadow_samples: int = 10, shadow_rate: float = 0.2,
+              step_seconds: float = 30.0, max_step_seconds: float = 300.0) -> RolloutPlan:
     """The plan for rolling `model_name` out to encoder version `to`, checked against the spec
-    and the repository; a RolloutError says what is wrong."""
+    and the repository; a RolloutError says what is wrong. `drift` is the model's measure (its
+    kind's); only that measure's thresholds apply, and `tolerance` is required for abs_diff."""
     model = embed_model(spec, model_name)
     repository = model_repository.resolve()
     routing_path = repository / model.name / ROUTING_FILE
     try:
         parsed_steps = parse_steps(steps)
-        gates = Gates(slo_p95_ms=slo_ms or model.slo_p95_ms, max_error_rate=max_error_rate,
-                      min_cosine=min_cosine, min_requests=min_requests, min_shadow_samples=min_shadow_samples)
+        gates = Gates(slo_p95_ms=slo_ms or model.slo_p95_ms, max_error_rate=max_error_rate, drift=drift,
+                      min_cosine=min_cosine, min_top1_agreement=min_top1_agreement, max_logit_diff=max_logit_diff,
+                      tolerance=tolerance, min_requests=min_requests, min_shadow_samples=min_shadow_samples)
         baseline = from_version or baseline_of(current_table(routing_path, model).weights, to)
     except ValueError as err:
         raise RolloutError(str(err)) from None

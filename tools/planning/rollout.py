@@ -10,8 +10,13 @@ gates judge the candidate on that window:
   what the rate allows over the step's minimum sample, so a broken version is pulled after
   a handful of failures rather than at the end of the step.
 - latency: the candidate's p95, read from the router's latency histogram, is within the SLO.
-- drift: the mean cosine between the candidate's and the baseline's embeddings of the
-  shadowed sample is at least `min_cosine`.
+- drift: the candidate's outputs on the shadowed sample are close to the baseline's on the
+  same rows, by the measure of the model's kind (`python_backends.common.drift`): for
+  embeddings the mean cosine is at least `min_cosine`; for classifiers the share of rows whose
+  top class agrees is at least `min_top1_agreement` and no row's logits moved more than
+  `max_logit_diff`; for tensor models no output moved more than the declared `tolerance`.
+  A largest difference is read from the router's histogram as the upper edge of its highest
+  non-empty bucket, so it is judged at the histogram's resolution (`DIFF_BUCKETS`).
 
 A gate without enough data waits; a step passes when every gate passes and the step has
 lasted its minimum time, and fails when a gate fails or the step runs out of time waiting.
@@ -25,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from python_backends.common.drift import DIFF_BUCKETS, SHADOW_HISTOGRAMS, DriftMeasure
 from tools.planning.samples import SeriesKey, histogram_quantile
 
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)
@@ -60,6 +66,18 @@ class Histogram:
     def mean(self) -> float:
         return self.total / self.count if self.count > 0 else math.nan
 
+    @property
+    def upper_bound(self) -> float:
+        """A bound on every observation: the upper edge of the highest non-empty bucket (the
+        100th percentile, taken as the edge itself, not interpolated to a float near it); +inf
+        when some observation lies past the last finite edge, which `quantile` reports as that
+        edge; NaN without observations."""
+        if self.count <= 0:
+            return math.nan
+        if not self.edges or self.count > self.cumulative[-1]:
+            return math.inf
+        return next(edge for edge, num in zip(self.edges, self.cumulative, strict=True) if num >= self.count)
+
 
 @dataclass(frozen=True)
 class VersionStats:
@@ -89,13 +107,18 @@ class Snapshot:
     """The router metrics of one model at one moment."""
 
     versions: Mapping[int, VersionStats]
-    drift: Mapping[tuple[int, int], Histogram]  # (baseline, candidate) -> cosine histogram of shadowed rows
+    # (series, baseline, candidate) -> histogram of shadowed rows; series as in
+    # `python_backends.common.drift.SHADOW_HISTOGRAMS` ("cosine", "top1_agreement", ...)
+    drift: Mapping[tuple[str, int, int], Histogram]
 
     def version(self, version: int) -> VersionStats:
         return self.versions.get(version, VersionStats())
 
+    def shadowed(self, series: str, baseline: int, candidate: int) -> Histogram:
+        return self.drift.get((series, baseline, candidate), Histogram())
+
     def cosines(self, baseline: int, candidate: int) -> Histogram:
-        return self.drift.get((baseline, candidate), Histogram())
+        return self.shadowed("cosine", baseline, candidate)
 
     def minus(self, earlier: Snapshot) -> Snapshot:
         return Snapshot(
@@ -138,8 +161,10 @@ def snapshot_from_samples(series: Mapping[SeriesKey, float], model: str) -> Snap
         elif metric == "embed_inflight_requests":
             inflight[version] = value
     latency = _histograms(samples, "embed_request_duration_seconds", lambda labels: int(labels["version"]))
-    drift = _histograms(samples, "embed_shadow_cosine",
-                        lambda labels: (int(labels["baseline"]), int(labels["candidate"])))
+    drift = {}
+    for series, (metric, _, _) in SHADOW_HISTOGRAMS.items():
+        drift.update(_histograms(samples, metric,
+                                 lambda labels, s=series: (s, int(labels["baseline"]), int(labels["candidate"]))))
     versions = {}
     for version in set(counts) | set(inflight) | set(latency):
         c = counts.get(version, {})
@@ -154,24 +179,59 @@ class Gates:
 
     slo_p95_ms: float  # the candidate's p95 must be within this (the model's SLO)
     max_error_rate: float = 0.01  # failed / answered requests on the candidate
-    min_cosine: float = 0.98  # mean cosine of the candidate's embeddings against the baseline's
+    drift: DriftMeasure = DriftMeasure.COSINE  # how outputs are compared: by the model's kind
+    min_cosine: float = 0.98  # cosine: mean cosine of the candidate's embeddings against the baseline's
+    min_top1_agreement: float = 0.99  # top1: share of rows whose top class agrees with the baseline's
+    max_logit_diff: float = 0.5  # top1: largest absolute logit difference of any row
+    tolerance: float | None = None  # abs_diff: largest absolute output difference (declared; no default)
     min_requests: int = 20  # candidate requests a step needs before its latency and error gates can pass
     min_shadow_samples: int = 10  # shadowed rows a step needs before the drift gate can pass
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "drift", DriftMeasure(self.drift))
         if self.slo_p95_ms <= 0:
             raise ValueError(f"slo_p95_ms must be > 0, got {self.slo_p95_ms}")
         if not 0 <= self.max_error_rate < 1:
             raise ValueError(f"max_error_rate must be within [0, 1), got {self.max_error_rate}")
         if not -1 <= self.min_cosine <= 1:
             raise ValueError(f"min_cosine must be within [-1, 1], got {self.min_cosine}")
+        if not 0 <= self.min_top1_agreement <= 1:
+            raise ValueError(f"min_top1_agreement must be within [0, 1], got {self.min_top1_agreement}")
+        _check_difference("max_logit_diff", self.max_logit_diff)
+        if self.tolerance is not None:
+            _check_difference("tolerance", self.tolerance)
+        elif self.drift is DriftMeasure.ABS_DIFF:
+            raise ValueError("the abs_diff drift gate needs a declared tolerance (the largest absolute "
+                             "output difference allowed); it has no default")
         if self.min_requests < 1 or self.min_shadow_samples < 0:
             raise ValueError("min_requests must be >= 1 and min_shadow_samples >= 0")
+
+    def drift_text(self, baseline: int) -> str:
+        """The drift gate's condition, as the rollout plan prints it."""
+        if self.drift is DriftMeasure.COSINE:
+            return f"mean cosine vs v{baseline} >= {self.min_cosine}"
+        if self.drift is DriftMeasure.TOP1:
+            return (f"top-1 agreement vs v{baseline} >= {self.min_top1_agreement} and largest logit difference "
+                    f"<= {self.max_logit_diff:g}{_resolution(self.max_logit_diff)}")
+        return f"largest absolute difference vs v{baseline} <= {self.tolerance:g}{_resolution(self.tolerance)}"
 
     @property
     def errors_allowed(self) -> int:
         """Errors the candidate may make over a minimum sample and still pass."""
         return math.floor(self.max_error_rate * self.min_requests)
+
+
+def _check_difference(name: str, limit: float) -> None:
+    # A row that matches exactly still lands in the first bucket: a limit below its edge fails every step.
+    if not limit >= DIFF_BUCKETS[0]:
+        raise ValueError(f"{name} must be >= {DIFF_BUCKETS[0]:g} (the first edge of the drift histogram), "
+                         f"got {limit}")
+
+
+def _resolution(limit: float) -> str:
+    """Where a limit between two histogram edges is judged: at the edge below it."""
+    edge = max(e for e in DIFF_BUCKETS if e <= limit)
+    return "" if edge == limit else f" (judged at the histogram edge {edge:g})"
 
 
 class Verdict(StrEnum):
@@ -196,7 +256,9 @@ class GateReading:
 
 
 def _number(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 6)
+    """A reading's value for JSON: None when nothing was measured, or past the histogram's last edge
+    (the detail says which)."""
+    return None if not math.isfinite(value) else round(value, 6)
 
 
 def evaluate_gates(window: Snapshot, baseline: int, candidate: int, gates: Gates) -> list[GateReading]:
@@ -229,16 +291,43 @@ def evaluate_gates(window: Snapshot, baseline: int, candidate: int, gates: Gates
         f"candidate v{candidate} p95 {p95_ms:.0f} ms over {cand.latency_s.count:.0f} requests "
         f"(SLO {gates.slo_p95_ms:.0f} ms); baseline v{baseline} p95 {base_text}"))
 
-    cosines = window.cosines(baseline, candidate)
-    if cosines.count < max(1, gates.min_shadow_samples):
+    readings.append(_drift_reading(window, baseline, candidate, gates))
+    return readings
+
+
+def _bound_text(bound: float) -> str:
+    return f"> {DIFF_BUCKETS[-1]:g}" if math.isinf(bound) else f"<= {bound:g}"
+
+
+def _drift_reading(window: Snapshot, baseline: int, candidate: int, gates: Gates) -> GateReading:
+    """The drift gate by the model's measure; waits for `min_shadow_samples` rows."""
+    versus = f"v{candidate} vs v{baseline}"
+    if gates.drift is DriftMeasure.COSINE:
+        cosines = window.shadowed("cosine", baseline, candidate)
+        num_rows, value, limit = cosines.count, cosines.mean, gates.min_cosine
+        passes = cosines.mean >= gates.min_cosine
+        detail = f"mean cosine {versus} {cosines.mean:.4f} over {num_rows:.0f} shadowed rows"
+    elif gates.drift is DriftMeasure.TOP1:
+        agreement = window.shadowed("top1_agreement", baseline, candidate)
+        logit_diff = window.shadowed("max_logit_diff", baseline, candidate)
+        num_rows = min(agreement.count, logit_diff.count)
+        value, limit, bound = agreement.mean, gates.min_top1_agreement, logit_diff.upper_bound
+        passes = agreement.mean >= gates.min_top1_agreement and bound <= gates.max_logit_diff
+        detail = (f"top-1 agreement {versus} {agreement.mean:.4f} (min {gates.min_top1_agreement:g}), "
+                  f"largest logit difference {_bound_text(bound)} (max {gates.max_logit_diff:g}) "
+                  f"over {num_rows:.0f} shadowed rows")
+    else:
+        diff = window.shadowed("max_abs_diff", baseline, candidate)
+        num_rows, value, limit = diff.count, diff.upper_bound, gates.tolerance
+        passes = diff.upper_bound <= gates.tolerance
+        detail = (f"largest absolute difference {versus} {_bound_text(value)} (tolerance {gates.tolerance:g}) "
+                  f"over {num_rows:.0f} shadowed rows")
+    if num_rows < max(1, gates.min_shadow_samples):
         verdict = Verdict.WAIT if gates.min_shadow_samples > 0 else Verdict.PASS
     else:
-        verdict = Verdict.PASS if cosines.mean >= gates.min_cosine else Verdict.FAIL
-    readings.append(GateReading(
-        "drift", verdict, _number(cosines.mean), gates.min_cosine,
-        f"mean cosine v{candidate} vs v{baseline} {cosines.mean:.4f} over {cosines.count:.0f} shadowed rows"
-        if cosines.count else f"no shadowed rows yet (need {gates.min_shadow_samples})"))
-    return readings
+        verdict = Verdict.PASS if passes else Verdict.FAIL
+    return GateReading("drift", verdict, _number(value), limit,
+                       detail if num_rows else f"no shadowed rows yet (need {gates.min_shadow_samples})")
 
 
 def step_verdict(readings: Sequence[GateReading], elapsed_s: float, min_step_s: float,
