@@ -21,6 +21,8 @@ import enum
 
 import numpy as np
 
+from python_backends.common.drift import DriftMeasure
+
 INPUT_IDS = "INPUT_IDS"
 ATTENTION_MASK = "ATTENTION_MASK"
 TOKEN_TYPE_IDS = "TOKEN_TYPE_IDS"
@@ -41,6 +43,12 @@ class ModelKind(enum.StrEnum):
     def output(self) -> str:
         """The bucket models' (and the router's) output tensor."""
         return "EMBEDDING" if self is ModelKind.TEXT_ENCODER else "LOGITS"
+
+    @property
+    def drift(self) -> DriftMeasure:
+        """How a canary's outputs are compared with the baseline's: cosine of embeddings, top-1
+        agreement and largest logit difference of a classifier's logits."""
+        return DriftMeasure.COSINE if self is ModelKind.TEXT_ENCODER else DriftMeasure.TOP1
 
 
 def bucket_inputs(token_types: bool) -> tuple[str, ...]:

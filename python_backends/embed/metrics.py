@@ -12,16 +12,15 @@ import threading
 import time
 from collections.abc import Iterable
 
+from python_backends.common.drift import SHADOW_HISTOGRAMS
 from python_backends.common.metric_buffer import DeltaBuffer, ObservationBuffer
 from python_backends.common.quotas import TenantPolicy
 from python_backends.common.tenant_auth import AuthFailure
 from python_backends.embed.router import (
     AUTH_FAILURE_COUNTER,
     BUCKET_COUNTERS,
-    COSINE_BUCKETS,
     LATENCY_BUCKETS_S,
     ROUTER_COUNTERS,
-    SHADOW_COSINE,
     TENANT_COUNTER,
     UNAUTHENTICATED_LABELS,
     VERSION_COUNTER,
@@ -59,7 +58,8 @@ class RouterMetrics:
                          for name, text in ROUTER_COUNTERS.items()}
         for (name, text), kind in ((VERSION_COUNTER, family.COUNTER), (TENANT_COUNTER, family.COUNTER),
                                    (VERSION_INFLIGHT, family.GAUGE), (VERSION_LATENCY, family.HISTOGRAM),
-                                   (SHADOW_COSINE, family.HISTOGRAM), (AUTH_FAILURE_COUNTER, family.COUNTER)):
+                                   (AUTH_FAILURE_COUNTER, family.COUNTER),
+                                   *(((name, text), family.HISTOGRAM) for name, text, _ in SHADOW_HISTOGRAMS.values())):
             self.families[name] = family(name=name, description=text, kind=kind)
         # Counter and gauge increments are summed here and handed to Triton by a flusher
         # thread every half second: one call per moved series instead of several per request.
@@ -151,11 +151,12 @@ class RouterMetrics:
                 self.versions[version] = (outcomes, latency, inflight)
             return self.versions[version]
 
-    def shadow_cosine(self, baseline: int, candidate: int):
-        key = (baseline, candidate)
+    def shadow_histogram(self, series: str, baseline: int, candidate: int):
+        """The histogram of one drift series (`common.drift.SHADOW_HISTOGRAMS`) of shadowed rows."""
+        key = (series, baseline, candidate)
         with self.create_lock:
             if key not in self.shadows:
+                name, _, edges = SHADOW_HISTOGRAMS[series]
                 labels = {"model": self.model, "baseline": str(baseline), "candidate": str(candidate)}
-                self.shadows[key] = self.families[SHADOW_COSINE[0]].Metric(labels=labels,
-                                                                           buckets=list(COSINE_BUCKETS))
+                self.shadows[key] = self.families[name].Metric(labels=labels, buckets=list(edges))
             return self.shadows[key]

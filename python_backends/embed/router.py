@@ -41,7 +41,6 @@ ROUTER_COUNTERS = {
 VERSION_COUNTER = ("embed_requests_total", "Routed requests by encoder version and outcome (ok, error, rejected)")
 VERSION_LATENCY = ("embed_request_duration_seconds", "Time the router took to answer a request, by encoder version")
 VERSION_INFLIGHT = ("embed_inflight_requests", "Requests the router is serving on each encoder version now")
-SHADOW_COSINE = ("embed_shadow_cosine", "Cosine between the candidate's and the baseline's embedding of shadowed rows")
 # Per tenant (labels model, tenant, tier, outcome): who is served and who is turned away.
 TENANT_COUNTER = ("embed_tenant_requests_total",
                   "Requests by tenant, tier and outcome (ok, error, rejected: server busy, over_quota, "
@@ -55,7 +54,6 @@ AUTH_FAILURE_COUNTER = ("embed_auth_failures_total",
 # Histogram bucket edges: latency in seconds (fine around a 200 ms SLO), cosine near 1.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4,
                      0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
-COSINE_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
 # The per-bucket counters, in the order the adapter increments them: rows, real, padded.
 BUCKET_COUNTERS = ("embed_bucket_rows_total", "embed_bucket_real_tokens_total", "embed_bucket_padded_tokens_total")
 
@@ -439,11 +437,3 @@ class EmbedRouter:
                                        "truncate=false")
         return ([ids for ids, _, _ in rows], [types for _, types, _ in rows],
                 sum(1 for _, _, cut in rows if cut))
-
-
-def row_cosines(served: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """Cosine of each row pair of two embedding batches of the same inputs (rows need not be unit length)."""
-    if served.shape != other.shape:
-        raise ValueError(f"embedding shapes differ: {served.shape} vs {other.shape}")
-    norms = np.linalg.norm(served, axis=1) * np.linalg.norm(other, axis=1)
-    return np.sum(served * other, axis=1) / np.maximum(norms, 1e-12)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from python_backends.common.artifacts import verify_artifacts
+from python_backends.common.drift import drift_rows
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import SharedBuckets, admit
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
@@ -46,7 +47,6 @@ from python_backends.embed.router import (
     is_scheduler_rejection,
     parse_request_options,
     parse_router_config,
-    row_cosines,
 )
 from python_backends.embed.routing import RoutingSource, RoutingTable
 
@@ -351,9 +351,10 @@ class EmbedService:
             failure, reference = self._run_chunks(prepared, baseline)
             if failure is not None:
                 return  # the baseline was busy or is going away: no sample
-            metric = self.metrics.shadow_cosine(baseline, candidate)
-            for cosine in row_cosines(served, reference):
-                metric.observe(float(cosine))
+            for series, values in drift_rows(self.router.config.kind.drift, served, reference).items():
+                metric = self.metrics.shadow_histogram(series, baseline, candidate)
+                for value in values:
+                    metric.observe(float(value))
         except Exception as err:  # a shadow must never take the router down
             self.logger.log_warn(f"shadow request on version {baseline} failed: {err}")
         finally:

@@ -14,7 +14,6 @@ from python_backends.common.drift import (
     DriftMeasure,
     drift_rows,
 )
-from python_backends.embed.router import COSINE_BUCKETS, SHADOW_COSINE, row_cosines
 
 
 def test_cosine_of_each_row_pair_matches_the_routers():
@@ -24,7 +23,9 @@ def test_cosine_of_each_row_pair_matches_the_routers():
     rows = drift_rows(DriftMeasure.COSINE, served, other)
     assert list(rows) == ["cosine"]
     assert rows["cosine"].dtype == np.float64 and rows["cosine"].shape == (6,)
-    np.testing.assert_allclose(rows["cosine"], row_cosines(served, other), rtol=1e-6)
+    expected = [a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) for a, b in zip(served, other, strict=True)]
+    np.testing.assert_allclose(rows["cosine"], expected, rtol=1e-5)
+    np.testing.assert_allclose(drift_rows("cosine", served, 3 * served)["cosine"], np.ones(6), rtol=1e-5)
     assert drift_rows("cosine", np.array([[1.0, 0.0], [0.0, 2.0]]), np.array([[1.0, 1.0], [0.0, -3.0]]))[
         "cosine"] == pytest.approx([math.sqrt(0.5), -1.0])
 
@@ -131,8 +132,8 @@ def test_every_series_has_one_histogram_named_for_the_router():
         assert metric == f"embed_shadow_{name}" and help_text
         assert list(edges) == sorted(set(edges))
     # The cosine series is the router's existing one, with its edges.
-    assert SHADOW_HISTOGRAMS["cosine"][0] == SHADOW_COSINE[0]
-    assert SHADOW_HISTOGRAMS["cosine"][2] == COSINE_BUCKETS
+    assert SHADOW_HISTOGRAMS["cosine"][0] == "embed_shadow_cosine"
+    assert SHADOW_HISTOGRAMS["cosine"][2] == (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
     assert SHADOW_HISTOGRAMS["top1_agreement"][2] == (0.5, 1.0)
     assert (DIFF_BUCKETS[0], DIFF_BUCKETS[-1]) == (1e-4, 10.0)
     ratios = np.diff(np.log10(DIFF_BUCKETS))

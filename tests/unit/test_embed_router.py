@@ -16,7 +16,6 @@ from python_backends.embed.router import (
     is_scheduler_rejection,
     parse_request_options,
     parse_router_config,
-    row_cosines,
 )
 from python_backends.embed.routing import RoutingTable
 
@@ -232,33 +231,6 @@ def test_lanes_run_buckets_side_by_side_and_a_buckets_chunks_in_order(router):
 )
 def test_scheduler_rejections_are_recognised(message, expected):
     assert is_scheduler_rejection(message) is expected
-
-
-def test_row_cosines_compare_rows_pairwise_whatever_their_length():
-    served = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0], [1.0, 1.0]], dtype=np.float32)
-    other = np.array([[5.0, 0.0], [3.0, 0.0], [-3.0, -4.0], [0.0, 1.0]], dtype=np.float32)
-    np.testing.assert_allclose(row_cosines(served, other), [1.0, 0.0, -1.0, np.sqrt(0.5)], rtol=1e-6)
-
-
-def test_row_cosines_match_the_definition_on_embeddings():
-    rng = np.random.default_rng(0)
-    served = rng.normal(size=(5, 384)).astype(np.float32)
-    other = served + rng.normal(scale=0.1, size=served.shape).astype(np.float32)
-    expected = [a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) for a, b in zip(served, other, strict=True)]
-    cosines = row_cosines(served, other)
-    assert cosines.shape == (5,)
-    np.testing.assert_allclose(cosines, expected, rtol=1e-5)
-    np.testing.assert_allclose(row_cosines(served, 3 * served), np.ones(5), rtol=1e-5)
-
-
-def test_row_cosines_of_a_zero_row_is_zero_not_nan():
-    cosines = row_cosines(np.zeros((1, 4)), np.ones((1, 4)))
-    assert cosines.tolist() == [0.0]
-
-
-def test_row_cosines_refuse_batches_of_different_shapes():
-    with pytest.raises(ValueError, match=r"embedding shapes differ: \(2, 384\) vs \(3, 384\)"):
-        row_cosines(np.ones((2, 384)), np.ones((3, 384)))
 
 
 def test_router_parameters_write_the_text_they_read_back():

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.common.drift import DIFF_BUCKETS, SHADOW_HISTOGRAMS, DriftMeasure
+from python_backends.common.drift import COSINE_BUCKETS, DIFF_BUCKETS, SHADOW_HISTOGRAMS, DriftMeasure
 from python_backends.embed.router import (
-    COSINE_BUCKETS,
     LATENCY_BUCKETS_S,
     VERSION_COUNTER,
     VERSION_INFLIGHT,

@@ -428,19 +428,21 @@ def current_table(routing_path: Path, model: BucketedModelSpec) -> RoutingTable:
 
 def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, from_version: int | None = None,
               steps: str = ",".join(f"{s:g}" for s in DEFAULT_STEPS), slo_ms: float | None = None,
-              max_error_rate: float = 0.01, drift: DriftMeasure = DriftMeasure.COSINE, min_cosine: float = 0.98,
+              max_error_rate: float = 0.01, drift: DriftMeasure | None = None, min_cosine: float = 0.98,
               min_top1_agreement: float = 0.99, max_logit_diff: float = 0.5, tolerance: float | None = None,
               min_requests: int = 20, min_shadow_samples: int = 10, shadow_rate: float = 0.2,
               step_seconds: float = 30.0, max_step_seconds: float = 300.0) -> RolloutPlan:
     """The plan for rolling `model_name` out to encoder version `to`, checked against the spec
-    and the repository; a RolloutError says what is wrong. `drift` is the model's measure (its
-    kind's); only that measure's thresholds apply, and `tolerance` is required for abs_diff."""
+    and the repository; a RolloutError says what is wrong. `drift` is the output-drift measure,
+    by default the model kind's (cosine for an encoder, top-1 agreement and largest logit difference
+    for a classifier); only that measure's thresholds apply, and `tolerance` is required for abs_diff."""
     model = embed_model(spec, model_name)
     repository = model_repository.resolve()
     routing_path = repository / model.name / ROUTING_FILE
     try:
         parsed_steps = parse_steps(steps)
-        gates = Gates(slo_p95_ms=slo_ms or model.slo_p95_ms, max_error_rate=max_error_rate, drift=drift,
+        gates = Gates(slo_p95_ms=slo_ms or model.slo_p95_ms, max_error_rate=max_error_rate,
+                      drift=drift or model.kind.drift,
                       min_cosine=min_cosine, min_top1_agreement=min_top1_agreement, max_logit_diff=max_logit_diff,
                       tolerance=tolerance, min_requests=min_requests, min_shadow_samples=min_shadow_samples)
         baseline = from_version or baseline_of(current_table(routing_path, model).weights, to)

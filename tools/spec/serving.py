@@ -409,12 +409,17 @@ class TextInputsTable(ClosedTable):
     token_types: str = ""
     """The token type ids input (BERT-style pair models); empty: the graph takes none."""
 
+    @model_validator(mode="after")
+    def _distinct(self) -> TextInputsTable:
+        names = self.mapping()
+        if len(set(names.values())) != len(names):
+            raise table_error(f"inputs name one graph input twice: {names}")
+        return self
+
     def mapping(self) -> dict[str, str]:
         names = {INPUT_IDS: self.ids, ATTENTION_MASK: self.mask}
         if self.token_types:
             names[TOKEN_TYPE_IDS] = self.token_types
-        if len(set(names.values())) != len(names):
-            raise table_error(f"inputs name one graph input twice: {names}")
         return names
 
 
