@@ -141,12 +141,12 @@ def test_a_hugging_face_folder_is_exported_with_its_pooling_folded_in(user_model
 
 
 def test_sources_that_are_not_models_are_named(tmp_path):
-    with pytest.raises(SourceError, match="neither an ONNX file nor a Hugging Face folder: .* does not exist"):
+    with pytest.raises(SourceError, match=r"neither an ONNX file nor a Hugging Face folder: .* does not exist"):
         served_graph(spec_with(source=str(tmp_path / "missing.onnx")).models[0])
     with pytest.raises(SourceError, match="the package module 'no_such_weights' is not installed"):
         served_graph(spec_with(source="package:no_such_weights").models[0])
     onnx_only = spec_with(source="model.onnx").models[0]
-    with pytest.raises(SourceError, match="is an ONNX file; name its tokenizer.json with `tokenizer`"):
+    with pytest.raises(SourceError, match=r"is an ONNX file; name its tokenizer\.json with `tokenizer`"):
         tokenizer_path(onnx_only)
 
 
@@ -285,5 +285,5 @@ def test_a_classifier_answers_logits_and_labels_and_gates_on_top1_agreement(serv
 
 def test_a_classifier_without_pairs_refuses_a_pair(serve):  # noqa: F811
     service = serve(FakeTriton(bls=fake_classifier), kind=ModelKind.TEXT_CLASSIFIER, token_types=True)
-    code, message = error_of(answer(service, pair_request(["q"], ["p"])))
+    _, message = error_of(answer(service, pair_request(["q"], ["p"])))
     assert "has no input TEXT_PAIR" in message

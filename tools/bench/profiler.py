@@ -147,7 +147,9 @@ def measure_overhead(client, model: BucketedModelSpec, bucket: str, c1_ms: float
 
 def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s: float, overhead_requests: int,
                    log, cpu_seconds=None, control_headers: Mapping[str, str] | None = None,
-                   ) -> tuple[dict[str, ModelProfile], dict[str, Overhead]]:
+                   only: tuple[str, ...] = ()) -> tuple[dict[str, ModelProfile], dict[str, Overhead]]:
+    """c(b) of every bucket model and the router overhead of every model of the spec (of the
+    models named in `only`, when given)."""
     from tqdm import tqdm
 
     hardware = spec.hardware.get(hardware_kind)
@@ -158,9 +160,14 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
         cpu_seconds = None  # the bucket's compute time is its CPU time only for one thread on a CPU
     models: dict[str, ModelProfile] = {}
     overheads: dict[str, Overhead] = {}
-    total = sum(len(sizes) * len(m.bucket_lens) for m in spec.models)
+    chosen = [m for m in spec.models if not only or m.name in only]
+    unknown = sorted(set(only) - {m.name for m in spec.models})
+    if unknown:
+        raise SpecError(f"{spec.path}: no model {', '.join(unknown)} to profile; its models are "
+                        f"{', '.join(m.name for m in spec.models)}")
+    total = sum(len(sizes) * len(m.bucket_lens) for m in chosen)
     with tqdm(total=total, desc="profiling", unit="point", file=sys.stderr, dynamic_ncols=True) as progress:
-        for model in spec.models:
+        for model in chosen:
             try:
                 graph, vocab = served_graph(model), vocab_size(model)
             except SourceError as err:

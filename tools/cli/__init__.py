@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from tools.cli import (
+    add_model,
     admin_key,
     autoscale,
     batch,
@@ -33,6 +34,7 @@ from tools.cli import (
 COMMANDS = {
     "serve": serve,
     "build-models": build_models,
+    "add-model": add_model,
     "profile": profile,
     "gen-config": gen_config,
     "sweep": sweep,

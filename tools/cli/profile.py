@@ -4,7 +4,9 @@ For each bucket model of the serving spec: the compute time of one execution, c(
 batch sizes 1, 2, 4, ... (read from Triton's per-batch-size statistics, so queueing and
 the client are excluded), until a batch costs more than half the SLO. Then the router
 overhead o: single-row requests through the router, minus the bucket's c(1). Written to
-profiles/<hardware>.json with a description of the machine.
+profiles/<hardware>.json with a description of the machine. With --model, only the models
+named are measured, and their curves replace theirs in the existing profile of this hardware
+(a model just added is profiled without measuring the others again).
 
 By default a private tritonserver (explicit model control) is started on free ports; with
 --url, a running server started with `--model-control-mode=explicit` is used and its
@@ -23,15 +25,17 @@ from pathlib import Path
 
 from tools.bench.harness import detect_hardware
 from tools.bench.profiler import profile_models
-from tools.paths import DEFAULT_SPEC, PROFILE_DIR
+from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, PROFILE_DIR
 from tools.server.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.profile import LatencyProfile, save_profile
+from tools.spec.profile import Hardware, LatencyProfile, ProfileError, load_profile, save_profile
 from tools.spec.serving import SpecError, load_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="repository the private server serves (default: %(default)s)")
     parser.add_argument("--url", default=None,
                         help="HTTP address of a running tritonserver in explicit model-control mode; "
                              "default: start a private one")
@@ -42,8 +46,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="profile file (default: profiles/<name>.json)")
     parser.add_argument("--time-per-point", type=float, default=1.0, metavar="SECONDS",
                         help="measuring time per batch size (3 to 30 executions; default: %(default)s)")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME",
+                        help="measure only this model (repeatable) and merge it into the existing profile")
     parser.add_argument("--overhead-requests", type=int, default=60,
                         help="single-row router requests timed for the overhead (default: %(default)s)")
+
+
+def existing_profile(path: Path, hardware: Hardware) -> LatencyProfile | None:
+    """The profile a --model run merges into: None when there is none yet; ProfileError when it
+    was measured on other hardware (one profile holds one machine's curves)."""
+    if not path.is_file():
+        return None
+    profile = load_profile(path)
+    if (profile.hardware.name, profile.hardware.cpu_count) != (hardware.name, hardware.cpu_count) or \
+            profile.hardware.details.get("intra_op_threads") != hardware.details.get("intra_op_threads"):
+        raise ProfileError(f"{path} was measured on {profile.hardware.description}, this is "
+                           f"{hardware.description}: profile every model here (without --model), or "
+                           "write to another file with --out")
+    return profile
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         threads = spec.hardware[hardware.kind].intra_op_threads
         hardware = replace(hardware, details={**hardware.details, "intra_op_threads": threads})
     out = args.out or PROFILE_DIR / f"{hardware.name}.json"
+    try:
+        merge_into = existing_profile(out, hardware) if args.model else None
+    except ProfileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"profiling on {hardware.description} -> {out}", flush=True)
     with ExitStack() as stack:
         url = args.url
@@ -66,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         if url is None:
             admin_key = secrets.token_urlsafe(32)  # a private server's control endpoints are this run's alone
             config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                                  host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT, admin_key=admin_key)
+                                  host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT, admin_key=admin_key,
+                                  model_repository=args.model_repository.resolve())
             server = TritonServer(config, log_path=Path("build/profile-logs/tritonserver.log").resolve())
             try:
                 stack.enter_context(server)
@@ -97,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             models, overheads = profile_models(client, spec, hardware.kind, args.time_per_point,
                                                args.overhead_requests, log=lambda m: print(m, flush=True),
-                                               cpu_seconds=cpu_seconds, control_headers=headers)
+                                               cpu_seconds=cpu_seconds, control_headers=headers,
+                                               only=tuple(args.model))
+        except SpecError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         except Exception as err:
             print(f"error: profiling failed: {err}", file=sys.stderr)
             return 1
@@ -105,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             if args.url is not None:  # leave a shared server as it was: repository configs, same models
                 for name in sorted(originally_loaded):
                     client.load_model(name, headers=headers)
+    if merge_into is not None:
+        models, overheads = {**merge_into.models, **models}, {**merge_into.overhead, **overheads}
     profile = LatencyProfile(path=out, sha256="", hardware=hardware,
                              measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                              models=models, overhead=overheads)

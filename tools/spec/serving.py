@@ -666,7 +666,7 @@ class ServingFile(Table):
     hardware: dict[str, HardwareTable] = {}
     """What each kind of hardware runs in parallel, by the profile's hardware kind; at least one."""
     models: dict[str, BucketedModelTable] = {}
-    """Length-bucketed text models (encoders, classifiers) by router model name; at least one."""
+    """Length-bucketed text models (encoders, classifiers) by router model name."""
     llm_models: dict[str, LLMModelTable] = {}
     """Generative models by model name."""
 
@@ -674,8 +674,6 @@ class ServingFile(Table):
     def _complete(self) -> ServingFile:
         if not self.hardware:
             raise table_error("needs at least one [hardware.<kind>] table")
-        if not self.models:
-            raise table_error("needs at least one [models.<name>] table")
         for name in self.llm_models:
             if name in self.models:
                 raise table_error(f"model name {name!r} is used twice")

@@ -1,0 +1,171 @@
+"""`python -m tools add-model`: a user's ONNX file or Hugging Face folder becomes a spec table
+and model folders, without touching anything else, or nothing at all when it cannot be served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from python_backends.common.artifacts import MANIFEST, verify_artifacts
+from tests.unit.test_gen_config import REPO
+from tests.user_models import (
+    cross_encoder_dir,
+    image_classifier_onnx,
+    minilm_tokenizer,
+    raw_sentence_encoder_onnx,
+    sentence_encoder_dir,
+)
+from tools.cli import main
+from tools.repository.add_model import (
+    AddModelError,
+    buckets_up_to,
+    describe_hf,
+    describe_onnx,
+    spec_with_model,
+    spec_with_version,
+)
+
+SPEC_HEAD = '''# A user's spec: only the tables add-model needs around a model.
+[hardware.cpu]
+max_instances = 2
+intra_op_threads = 1   # one thread per instance
+
+[tenants.auth]
+mode = "off"
+'''
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("user-models")
+    return {"raw": raw_sentence_encoder_onnx(folder), "encoder_dir": sentence_encoder_dir(folder),
+            "cross_dir": cross_encoder_dir(folder), "image": image_classifier_onnx(folder)}
+
+
+@pytest.fixture
+def kit(tmp_path):
+    """A scratch spec (with a workload beside it) and an empty repository."""
+    (tmp_path / "workload.toml").write_text((REPO / "loadtest/workloads/embed_mix.toml").read_text())
+    spec = tmp_path / "serving.toml"
+    spec.write_text(SPEC_HEAD)
+    (tmp_path / "repo").mkdir()
+    return tmp_path
+
+
+def add(kit: Path, *args: str) -> int:
+    return main(["add-model", *args, "--spec", str(kit / "serving.toml"), "--model-repository", str(kit / "repo"),
+                 "--workload", str(kit / "workload.toml")])
+
+
+def test_a_raw_onnx_encoder_reads_its_inputs_and_guesses_the_pooling(made):
+    described = describe_onnx(made["raw"])
+    assert described.table["kind"] == "text-encoder" and described.table["pooling"] == "mean"
+    assert described.table["inputs"] == {"ids": "input_ids", "mask": "attention_mask",
+                                         "token_types": "token_type_ids"}
+    assert any(note.startswith("pooling = 'mean'") for note in described.guessed)
+    assert describe_onnx(made["raw"], pooling="cls").table["pooling"] == "cls"
+
+
+def test_a_hugging_face_cross_encoder_is_a_pair_classifier_with_its_labels(made):
+    described = describe_hf(made["cross_dir"])
+    assert described.table["kind"] == "text-classifier" and described.table["pairs"] is True
+    assert described.table["labels"] == ["irrelevant", "relevant"]
+    assert described.table["max_length"] == 512
+    encoder = describe_hf(made["encoder_dir"], pooling="cls")
+    assert (encoder.table["pooling"], encoder.table["normalize"]) == ("cls", True)
+
+
+@pytest.mark.parametrize(("which", "options", "message"), [
+    ("image", {}, r"inputs \['pixel_values'\] are not a text model's"),
+    ("raw", {"kind": "text-classifier"}, r"a text-classifier answers logits \[rows, labels\]; 'last_hidden_state' is "
+                                         r"\[None, None, 128\]"),
+    ("raw", {"output": "logits"}, "no output named 'logits'; the graph's outputs: last_hidden_state"),
+])
+def test_a_graph_add_model_cannot_serve_is_named(made, which, options, message):
+    with pytest.raises(AddModelError, match=message):
+        describe_onnx(made[which], **options)
+
+
+def test_buckets_are_powers_of_two_up_to_the_model_length():
+    assert buckets_up_to(512) == [16, 32, 64, 128, 256]
+    assert buckets_up_to(100) == [16, 32, 64]
+    assert buckets_up_to(None) == [16, 32, 64, 128, 256]
+    assert buckets_up_to(8) == [8]
+
+
+def test_the_table_goes_in_after_the_others_with_the_comments_kept():
+    text = spec_with_model(SPEC_HEAD, "search", {"kind": "text-encoder", "inputs": {"ids": "input_ids"},
+                                                  "buckets": [16, 32]}, " search: added")
+    assert text.startswith(SPEC_HEAD)  # every comment and value above is as it was
+    assert tomllib.loads(text)["models"]["search"] == {"kind": "text-encoder", "inputs": {"ids": "input_ids"},
+                                                       "buckets": [16, 32]}
+    with pytest.raises(AddModelError, match="a model named 'search' is in the spec already"):
+        spec_with_model(text, "search", {}, "")
+    versioned = tomllib.loads(spec_with_version(text.replace("[models.search]", "[models.search]\nsource = "
+                                                             '"a.onnx"'), "search", 2, "b.onnx"))["models"]["search"]
+    assert versioned["source"] == {"1": "a.onnx", "2": "b.onnx"} and versioned["versions"] == [1, 2]
+    assert versioned["traffic"] == {"1": 100}  # the new version gets no traffic until a rollout
+    with pytest.raises(AddModelError, match="no model 'rerank' to add version 2 to"):
+        spec_with_version(text, "rerank", 2, "b.onnx")
+
+
+def test_add_model_writes_the_spec_and_the_folders_of_that_model_only(kit, made, capsys):
+    other = kit / "repo" / "someone_else" / "1"
+    other.mkdir(parents=True)
+    (other / "model.onnx").write_bytes(b"not ours")
+    assert add(kit, "search", "--onnx", str(made["raw"]), "--tokenizer", str(minilm_tokenizer()),
+               "--pooling", "cls", "--query-prefix", "query: ", "--buckets", "16,32") == 0
+    out = capsys.readouterr().out
+    assert "added search (text-encoder)" in out and "bucket models search_16, search_32" in out
+    assert "read from the model: inputs = " in out and "chosen, check it:    slo_p95_ms = 200" in out
+    assert "next: python -m tools profile --model search" in out
+    table = tomllib.loads((kit / "serving.toml").read_text())["models"]["search"]
+    assert (table["pooling"], table["query_prefix"], table["buckets"]) == ("cls", "query: ", [16, 32])
+    assert Path(table["source"]) == made["raw"].resolve()
+    for bucket in ("search_16", "search_32"):
+        folder = kit / "repo" / bucket / "1"
+        assert (folder / "model.onnx").stat().st_size == made["raw"].stat().st_size
+        verify_artifacts(folder, bucket, required=["model.onnx"])
+    assert json.loads((kit / "repo" / "search" / "1" / MANIFEST).read_text())["files"].keys() == {"tokenizer.json"}
+    assert sorted(p.name for p in (kit / "repo").iterdir()) == ["search", "search_16", "search_32", "someone_else"]
+    assert (other / "model.onnx").read_bytes() == b"not ours"
+
+    second = made["raw"].with_name("sentence-encoder-v2.onnx")
+    shutil.copy2(made["raw"], second)
+    assert add(kit, "search", "--version", "2", "--onnx", str(second)) == 0
+    table = tomllib.loads((kit / "serving.toml").read_text())["models"]["search"]
+    assert table["versions"] == [1, 2] and table["traffic"] == {"1": 100}
+    assert (kit / "repo" / "search_16" / "2" / "model.onnx").is_file()
+
+
+def test_a_hugging_face_folder_is_exported_into_its_folders(kit, made, capsys):
+    assert add(kit, "rerank", "--hf-dir", str(made["cross_dir"]), "--buckets", "32") == 0
+    out = capsys.readouterr().out
+    assert "exported" in out and "cosine vs PyTorch" in out
+    table = tomllib.loads((kit / "serving.toml").read_text())["models"]["rerank"]
+    assert table["kind"] == "text-classifier" and table["pairs"] is True
+    assert (kit / "repo" / "rerank_32" / "1" / "model.onnx").is_file()
+    assert (kit / "repo" / "rerank" / "1" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--onnx", "{image}"], "are not a text model's"),
+    (["--onnx", "{raw}"], "tokenizer.json not found: name the model's tokenizer.json with --tokenizer"),
+    (["--onnx", "{raw}", "--tokenizer", "{tokenizer}", "--pooling", "none"], "has one vector per token"),
+    (["--onnx", "{missing}"], "does not exist"),
+    (["--hf-dir", "{encoder_dir}", "--kind", "text-classifier"], "is a text-encoder, not a text-classifier"),
+    (["--onnx", "{raw}", "--version", "2"], "the spec has no model 'search' to add version 2 to"),
+])
+def test_a_model_that_cannot_be_served_leaves_everything_as_it_was(kit, made, capsys, args, message):
+    paths = {**{k: str(v) for k, v in made.items()}, "tokenizer": str(minilm_tokenizer()),
+             "missing": str(kit / "missing.onnx")}
+    before = (kit / "serving.toml").read_text()
+    assert add(kit, "search", *(arg.format(**paths) for arg in args)) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and message in error and error.count("\n") == 1
+    assert (kit / "serving.toml").read_text() == before
+    assert list((kit / "repo").iterdir()) == []

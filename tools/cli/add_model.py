@@ -1,0 +1,178 @@
+"""Add your own text model: an ONNX file or a Hugging Face folder, served like the built-in one.
+
+  python -m tools add-model rerank --hf-dir /models/my-cross-encoder
+  python -m tools add-model search --onnx /models/encoder.onnx --tokenizer /models/tokenizer.json \
+      --pooling cls --query-prefix "query: "
+  python -m tools add-model search --version 2 --onnx /models/encoder-v2.onnx
+
+Reads the model (an ONNX graph's inputs and outputs, a Hugging Face folder's config.json),
+writes its `[models.NAME]` table into the serving spec (the file's comments kept) and prints
+what it read from the model and what it had to choose (defaults to check: buckets, SLO,
+rates, workload, pooling when the model does not say). Then it makes the model's folders in
+the repository (a router `NAME/1` and one bucket model per length, `NAME_<length>/<version>`)
+and builds its files there: the graph (a Hugging Face folder is exported to ONNX and checked
+against PyTorch; an ONNX file is linked as it is) with a MANIFEST.json, and the tokenizer. No
+other model's files are touched. With --version, the model gets another version from the new
+file, with no traffic until `python -m tools rollout NAME --to VERSION` moves it.
+
+Nothing is half-written: a model that cannot be served as described (inputs that are not a
+text model's, a fixed batch axis, a pooling the output does not allow, a missing tokenizer)
+is refused with one line naming the file, and the spec and the repository stay as they were.
+Next: `python -m tools profile --model NAME`, then `python -m tools gen-config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+
+from python_backends.embed.kinds import ModelKind
+from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
+from tools.repository.add_model import (
+    AddModelError,
+    complete,
+    describe_hf,
+    describe_onnx,
+    relative_to,
+    spec_with_model,
+    spec_with_version,
+)
+from tools.repository.build import BuildError, build_bucketed, find_targets, install_tokenizer
+from tools.repository.configs import SHIM
+from tools.repository.sources import SourceError, served_graph, tokenizer_path
+from tools.spec.serving import SpecError, load_spec, parse_spec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="the model's name: what clients call (its bucket models are NAME_<length>)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--onnx", type=Path, metavar="FILE", help="an ONNX graph with a dynamic batch axis")
+    source.add_argument("--hf-dir", type=Path, metavar="DIR",
+                        help="a Hugging Face folder: config.json, *.safetensors, tokenizer.json")
+    parser.add_argument("--version", type=int, default=None,
+                        help="add this version to a model the spec has (no traffic until a rollout)")
+    parser.add_argument("--kind", choices=[k.value for k in ModelKind], default=None,
+                        help="text-encoder or text-classifier (default: read from the model)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="tokenizer.json for an ONNX file (default: one beside the file)")
+    parser.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
+                        help="how a per-token output becomes one vector per row (default: mean, printed to check)")
+    parser.add_argument("--output", default=None, help="the graph output to serve when it has several")
+    parser.add_argument("--labels", default=None, help="classifier label names by logit index, comma-separated")
+    parser.add_argument("--pairs", action="store_true", help="classifier rows are text pairs (a cross-encoder)")
+    parser.add_argument("--query-prefix", default=None, help='put before each query text, e.g. "query: "')
+    parser.add_argument("--document-prefix", default=None, help='put before each document text, e.g. "passage: "')
+    parser.add_argument("--buckets", default=None, help="bucket lengths in tokens, comma-separated (default: "
+                                                        "powers of two to the model's length, at most 256)")
+    parser.add_argument("--slo-ms", type=float, default=None, help="p95 latency target (default: 200)")
+    parser.add_argument("--expected-rps", type=float, default=None, help="normal requests/s (default: 20)")
+    parser.add_argument("--peak-rps", type=float, default=None, help="peak requests/s (default: 50)")
+    parser.add_argument("--workload", type=Path, default=None,
+                        help="length mix of the requests (default: loadtest/workloads/embed_mix.toml)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="where the model's folders go (default: %(default)s)")
+
+
+def overrides(args: argparse.Namespace, root: Path) -> dict[str, object]:
+    """The spec keys the command line sets."""
+    table: dict[str, object] = {}
+    for option, key in (("slo_ms", "slo_p95_ms"), ("expected_rps", "expected_rps"), ("peak_rps", "peak_rps"),
+                        ("query_prefix", "query_prefix"), ("document_prefix", "document_prefix")):
+        if getattr(args, option) is not None:
+            table[key] = getattr(args, option)
+    if args.workload is not None:
+        table["workload"] = relative_to(args.workload, root)
+    if args.labels:
+        table["labels"] = [label.strip() for label in args.labels.split(",")]
+    if args.pairs:
+        table["pairs"] = True
+    return table
+
+
+def new_spec_text(args: argparse.Namespace, spec_path: Path) -> tuple[str, list[str], list[str]]:
+    """The spec with the model (or its new version), and the notes to print."""
+    root = spec_path.parent
+    text = spec_path.read_text()
+    artifact = (args.onnx or args.hf_dir).resolve()
+    if not artifact.exists():
+        raise AddModelError(f"{artifact} does not exist")
+    source = relative_to(artifact, root)
+    if args.version is not None:
+        return spec_with_version(text, args.name, args.version, source), [f"version {args.version}: {source}"], []
+    if args.onnx is not None:
+        described = describe_onnx(artifact, kind=args.kind, pooling=args.pooling, output=args.output)
+        tokenizer = args.tokenizer or artifact.with_name("tokenizer.json")
+        if not tokenizer.is_file():
+            raise AddModelError(f"{tokenizer} not found: name the model's tokenizer.json with --tokenizer")
+    else:
+        described = describe_hf(artifact, kind=args.kind, pooling=args.pooling)
+        tokenizer = args.tokenizer
+    described.table["source"] = source
+    if args.pairs and "inputs" in described.table and "token_types" not in described.table["inputs"]:
+        raise AddModelError(f"{artifact}: --pairs needs a graph that takes token type ids")
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    complete(described, max_length=None, buckets=buckets,
+             tokenizer=Path(relative_to(tokenizer, root)) if tokenizer else None, overrides=overrides(args, root))
+    comment = f" {args.name}: added by `python -m tools add-model`; check the values it chose (see its output)"
+    return spec_with_model(text, args.name, described.table, comment), described.inferred, described.guessed
+
+
+def make_folders(repository: Path, name: str, buckets: list[str], versions: tuple[int, ...]) -> list[Path]:
+    """The model's version folders with their model.py shims; the folders it made (to undo)."""
+    made = []
+    for model, model_versions, adapter in ((name, (1,), "embed_model"),
+                                           *((bucket, versions, "encoder_model") for bucket in buckets)):
+        for version in model_versions:
+            folder = repository / model / str(version)
+            if (folder / "model.py").is_file():
+                continue
+            top = repository / model
+            made.append(folder if top.exists() else top)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "model.py").write_text(SHIM.format(name=model, adapter=adapter))
+    return made
+
+
+def run(args: argparse.Namespace) -> int:
+    spec_path = args.spec.resolve()
+    repository = args.model_repository.resolve()
+    try:
+        load_spec(spec_path)  # the spec as it is must be valid before it is changed
+        text, inferred, guessed = new_spec_text(args, spec_path)
+        spec = parse_spec(tomllib.loads(text), spec_path)
+        model = next(m for m in spec.models if m.name == args.name)
+        served_graph(model)
+        tokenizer_path(model)
+    except (AddModelError, SpecError, SourceError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except tomllib.TOMLDecodeError as err:
+        print(f"error: the spec with the model is not valid TOML: {err}", file=sys.stderr)
+        return 2
+    original = spec_path.read_text()
+    versions = (args.version,) if args.version is not None else model.versions
+    made = make_folders(repository, model.name, list(model.bucket_names), versions)
+    spec_path.write_text(text)
+    try:
+        (targets,) = [t for t in find_targets(repository, load_spec(spec_path)).bucketed if t.model.name == model.name]
+        log = lambda message: print(message, flush=True)  # noqa: E731
+        install_tokenizer(targets, False, log)
+        build_bucketed(targets, False, repository, log)
+    except (BuildError, SpecError) as err:
+        spec_path.write_text(original)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"error: {err}; the spec and the repository are as they were", file=sys.stderr)
+        return 1
+    print(f"added {model.name} ({model.kind.value}) to {spec_path.name}, versions "
+          f"{', '.join(map(str, versions))}; bucket models {', '.join(model.bucket_names)}")
+    for line in inferred:
+        print(f"  read from the model: {line}")
+    for line in guessed:
+        print(f"  chosen, check it:    {line}")
+    print(f"next: python -m tools profile --model {model.name}   then   python -m tools gen-config")
+    return 0

@@ -1,0 +1,237 @@
+"""Adding a user's model to the kit: what the spec should say about it, read from its files.
+
+`describe_onnx` and `describe_hf` turn what an ONNX graph's signature or a Hugging Face
+folder's config says into the model's `[models.NAME]` table, with a note for every value that
+was read from the model (`inferred`) and every value the model does not say, chosen by a rule
+the user should check (`guessed`): `python -m tools add-model` prints both. `spec_with_model`
+writes the table into the spec's text (tomlkit keeps the file's comments), or adds a version
+to a model that is already there. Pure but for reading the model's own files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomlkit
+
+from python_backends.embed.kinds import ModelKind
+from tools.repository.graph import Graph, GraphError, read_graph
+from tools.repository.hf_export import HfExportError, inspect_hf_dir
+
+# Graph input names that mean the kit's tensors, most specific first.
+IDS_NAMES = ("input_ids", "ids", "input_ids:0", "tokens")
+MASK_NAMES = ("attention_mask", "mask", "input_mask", "attention_mask:0")
+TYPE_NAMES = ("token_type_ids", "segment_ids", "token_types", "type_ids")
+# Graph outputs in order of preference when a graph has several.
+ENCODER_OUTPUTS = ("sentence_embedding", "embedding", "embeddings", "pooler_output", "last_hidden_state")
+CLASSIFIER_OUTPUTS = ("logits", "scores", "score")
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_TABLE = {  # what a new model's service gets until the user says otherwise
+    "slo_p95_ms": 200,
+    "expected_rps": 20,
+    "peak_rps": 50,
+    "workload": "loadtest/workloads/embed_mix.toml",
+    "max_request_rows": 64,
+    "max_router_instances": 8,
+    "max_text_bytes": 65536,
+}
+
+
+class AddModelError(ValueError):
+    """The model cannot be added as asked; the message names the file or the option."""
+
+
+@dataclass
+class Described:
+    """A model's spec table and how each value was found."""
+
+    table: dict[str, object]  # the [models.NAME] keys
+    inferred: list[str] = field(default_factory=list)  # "key = value: read from ..."
+    guessed: list[str] = field(default_factory=list)  # "key = value: a default; ..."
+
+
+def _pick(names: Sequence[str], candidates: Sequence[str]) -> str | None:
+    lowered = {name.lower(): name for name in names}
+    return next((lowered[c] for c in candidates if c in lowered), None)
+
+
+def buckets_up_to(max_length: int | None) -> list[int]:
+    """Powers of two from 16 up to the model's length (256 at most: longer inputs are rare and
+    slow; the user adds buckets the traffic needs)."""
+    limit = min(max_length or 256, 256)
+    buckets = [b for b in DEFAULT_BUCKETS if b <= limit]
+    return buckets or [limit]
+
+
+def describe_onnx(path: Path, *, kind: str | None = None, pooling: str | None = None,
+                  output: str | None = None) -> Described:
+    """The spec table of an ONNX text model: input names matched to the kit's tensors, the
+    output, the kind and pooling from the output's shape (a per-token output is pooled)."""
+    try:
+        graph: Graph = read_graph(path)
+        graph.verify_batchable()
+    except GraphError as err:
+        raise AddModelError(str(err)) from None
+    names = [t.name for t in graph.inputs]
+    ids, mask, types = _pick(names, IDS_NAMES), _pick(names, MASK_NAMES), _pick(names, TYPE_NAMES)
+    unknown = sorted(set(names) - {ids, mask, types})
+    if ids is None or mask is None or unknown:
+        raise AddModelError(f"{path}: inputs {names} are not a text model's (token ids and an attention mask"
+                            f"{', and token type ids' if types else ''}); a model with other inputs is a tensor "
+                            "model, which add-model does not add yet")
+    outputs = [t.name for t in graph.outputs]
+    if output is not None:
+        try:
+            chosen = graph.output(output)
+        except GraphError as err:
+            raise AddModelError(str(err)) from None
+    else:
+        name = _pick(outputs, CLASSIFIER_OUTPUTS if kind == ModelKind.TEXT_CLASSIFIER else
+                     (*ENCODER_OUTPUTS, *CLASSIFIER_OUTPUTS)) or (outputs[0] if len(outputs) == 1 else None)
+        if name is None:
+            raise AddModelError(f"{path}: outputs {outputs}; say which to serve with --output")
+        chosen = graph.output(name)
+    described = Described(table={})
+    table = described.table
+    per_token = len(chosen.shape) == 3
+    if kind is None:
+        kind = ModelKind.TEXT_CLASSIFIER if chosen.name.lower() in CLASSIFIER_OUTPUTS else ModelKind.TEXT_ENCODER
+        described.guessed.append(f"kind = {kind.value!r}: from the output's name {chosen.name!r} "
+                                 "(--kind to choose)")
+    else:
+        kind = ModelKind.parse(kind)
+    table["kind"] = kind.value
+    table["source"] = str(path)
+    inputs = {"ids": ids, "mask": mask, **({"token_types": types} if types else {})}
+    table["inputs"] = inputs
+    described.inferred.append(f"inputs = {inputs}: the graph's inputs")
+    if len(outputs) > 1 or output is not None:
+        table["output"] = chosen.name
+    described.inferred.append(f"output {chosen.name!r} {list(chosen.shape)}: the graph's")
+    if kind is ModelKind.TEXT_ENCODER:
+        if per_token:
+            table["pooling"] = pooling or "mean"
+            if pooling is None:
+                described.guessed.append("pooling = 'mean': the graph answers one vector per token; the model card "
+                                         "says which pooling it was trained with (--pooling mean, cls or last)")
+        elif pooling not in (None, "none"):
+            raise AddModelError(f"{path}: --pooling {pooling} needs a per-token output; {chosen.name!r} is "
+                                f"{list(chosen.shape)}, pooled already")
+    elif per_token:
+        raise AddModelError(f"{path}: a text-classifier answers logits [rows, labels]; {chosen.name!r} is "
+                            f"{list(chosen.shape)}")
+    return described
+
+
+def describe_hf(path: Path, *, kind: str | None = None, pooling: str | None = None) -> Described:
+    """The spec table of a Hugging Face folder, from its config.json (build-models exports it)."""
+    try:
+        info = inspect_hf_dir(path)
+    except HfExportError as err:
+        raise AddModelError(str(err)) from None
+    described = Described(table={})
+    table = described.table
+    found = ModelKind.parse(info.kind)
+    if kind is not None and ModelKind.parse(kind) is not found:
+        raise AddModelError(f"{path}: its architecture {', '.join(info.architectures)} is a {found.value}, "
+                            f"not a {kind}")
+    table["kind"] = found.value
+    table["source"] = str(path)
+    described.inferred.append(f"kind = {found.value!r}: its architecture {', '.join(info.architectures)}")
+    if found is ModelKind.TEXT_ENCODER:
+        table["pooling"] = pooling or "mean"
+        table["normalize"] = True
+        if pooling is None:
+            described.guessed.append("pooling = 'mean', normalize = true: sentence-transformers' usual; the model "
+                                     "card says which (--pooling mean, cls or last)")
+    elif info.labels:
+        table["labels"] = list(info.labels)
+        described.inferred.append(f"labels = {list(info.labels)}: its id2label")
+    if found is ModelKind.TEXT_CLASSIFIER and info.uses_token_types:
+        table["pairs"] = True
+        table["inputs"] = {"token_types": "token_type_ids"}
+        described.inferred.append("pairs = true: it has token types to tell a pair's members apart "
+                                  "(a cross-encoder)")
+    if info.max_length:
+        table["max_length"] = info.max_length
+        described.inferred.append(f"max_length = {info.max_length}: its position embeddings")
+    return described
+
+
+def complete(described: Described, *, max_length: int | None, buckets: Sequence[int] | None,
+             tokenizer: Path | None, overrides: dict[str, object]) -> Described:
+    """The service keys the model does not say: buckets, SLO and rates, the workload (defaults
+    the user should check, each noted), then what the command line gave."""
+    table = described.table
+    chosen = list(buckets) if buckets else buckets_up_to(max_length or table.get("max_length"))  # type: ignore[arg-type]
+    table["buckets"] = chosen
+    if not buckets:
+        described.guessed.append(f"buckets = {chosen}: powers of two to the model's length (at most 256); "
+                                 "fit them to your traffic (--buckets)")
+    if tokenizer is not None:
+        table["tokenizer"] = str(tokenizer)
+    for key, value in DEFAULT_TABLE.items():
+        if key not in overrides:
+            table[key] = value
+            described.guessed.append(f"{key} = {value!r}: a default; set your own")
+    table.update(overrides)
+    return described
+
+
+def relative_to(path: Path, root: Path) -> str:
+    """`path` as the spec should write it: relative to the spec's folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def spec_with_model(spec_text: str, name: str, table: dict[str, object], comment: str) -> str:
+    """The spec text with `[models.NAME]` added after the other models (comments kept)."""
+    document = tomlkit.parse(spec_text)
+    models = document.get("models")
+    if models is None:
+        models = tomlkit.table(is_super_table=True)
+        document["models"] = models
+    if name in models or name in document.get("llm_models", {}):
+        raise AddModelError(f"a model named {name!r} is in the spec already; add a version with --version, or "
+                            "choose another name")
+    new = tomlkit.table()
+    new.add(tomlkit.comment(comment))
+    for key, value in table.items():
+        if isinstance(value, dict):
+            inline = tomlkit.inline_table()
+            inline.update(value)
+            new.add(key, inline)
+        else:
+            new.add(key, value)
+    models[name] = new
+    return tomlkit.dumps(document)
+
+
+def spec_with_version(spec_text: str, name: str, version: int, source: str) -> str:
+    """The spec text with `version` of model `name` served from `source` (not yet given traffic:
+    `tools rollout` moves it)."""
+    document = tomlkit.parse(spec_text)
+    models = document.get("models", {})
+    if name not in models:
+        raise AddModelError(f"the spec has no model {name!r} to add version {version} to; its models are "
+                            f"{sorted(models)}")
+    model = models[name]
+    versions = [int(v) for v in model.get("versions", [1])]
+    if version in versions:
+        raise AddModelError(f"model {name!r} already has version {version}; its versions are {versions}")
+    old = model["source"]
+    sources = {str(v): str(old) for v in versions} if isinstance(old, str) else {str(k): v for k, v in old.items()}
+    sources[str(version)] = source
+    inline = tomlkit.inline_table()
+    inline.update(sources)
+    model["source"] = inline
+    model["versions"] = [*versions, version]
+    if "traffic" not in model:  # keep the split where it is: all on the first version until a rollout
+        traffic = tomlkit.inline_table()
+        traffic.update({str(versions[0]): 100})
+        model["traffic"] = traffic
+    return tomlkit.dumps(document)
