@@ -1,0 +1,207 @@
+"""The user's own text models on a real tritonserver, from files to a canary rollout.
+
+Two models the kit was not written around, built from installed packages (random weights,
+real architectures): a sentence encoder exported as it comes out of Hugging Face (its graph
+answers `last_hidden_state`: the backend pools by CLS, with a query prefix), and a
+cross-encoder scoring text pairs (a Hugging Face folder the kit exports). Each is added with
+`add-model`, profiled with `profile --model`, configured by `gen-config` and served; answers
+match the same models run in PyTorch. The encoder then gets a second version and is rolled
+out to it with the real `rollout` command under steady load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.user_models import (
+    CROSS_ENCODER_LABELS,
+    cross_encoder_dir,
+    minilm_tokenizer,
+    raw_sentence_encoder_onnx,
+)
+from tools.server.admin_key import ADMIN_KEY_ENV
+from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
+
+from .conftest import LOG_DIR, REPO
+
+pytestmark = pytest.mark.integration
+
+ADMIN_KEY = secrets.token_urlsafe(32)
+SPEC = '''# The user's spec: their models only.
+profile = "cpu.json"
+
+[hardware.cpu]
+max_instances = 2
+intra_op_threads = 1
+ort_spinning = false
+
+[tenants.auth]
+mode = "off"
+'''
+QUERIES = ["how do I rotate a key", "Triton batches requests by length", "a", "what does the router do " * 6]
+PASSAGES = ["keys rotate without a restart", "buckets keep short inputs fast", "unrelated words here",
+            "the router tokenizes and picks the smallest bucket " * 4]
+
+
+def tools(*args: str, folder: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A tools command run in the user's folder, on its spec and repository."""
+    where = ("--spec", "serving.toml", "--model-repository", "model_repository")
+    done = subprocess.run([sys.executable, "-m", "tools", *args, *where], cwd=folder, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, ADMIN_KEY_ENV: ADMIN_KEY,
+                                                "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """A folder as a user would have it: a spec, a repository, their models added, profiled,
+    configured; and a server serving them."""
+    folder = tmp_path_factory.mktemp("user-kit")
+    models = folder / "models"
+    encoder_onnx = raw_sentence_encoder_onnx(models)
+    cross_dir = cross_encoder_dir(models)
+    shutil.copy2(REPO / "loadtest/workloads/embed_mix.toml", folder / "workload.toml")
+    (folder / "serving.toml").write_text(SPEC)
+    (folder / "model_repository").mkdir()
+    common = ("--workload", "workload.toml", "--slo-ms", "300", "--expected-rps", "8", "--peak-rps", "20")
+    added = tools("add-model", "search", "--onnx", str(encoder_onnx), "--tokenizer", str(minilm_tokenizer()),
+                  "--pooling", "cls", "--query-prefix", "query: ", "--buckets", "16,32,64", *common, folder=folder)
+    assert "chosen, check it" in added.stdout
+    tools("add-model", "rerank", "--hf-dir", str(cross_dir), "--buckets", "32,64", *common, folder=folder)
+    second = models / "sentence-encoder-v2.onnx"
+    shutil.copy2(encoder_onnx, second)  # the next release: the same graph, as a retrained copy would be
+    tools("add-model", "search", "--version", "2", "--onnx", str(second), folder=folder)
+    tools("profile", "--model", "search", "--model", "rerank", "--out", "cpu.json", "--time-per-point", "0.2",
+          "--overhead-requests", "10", folder=folder)
+    tools("gen-config", folder=folder)
+    names = ("search", "search_16", "search_32", "search_64", "rerank", "rerank_32", "rerank_64")
+    config = ServerConfig(model_repository=folder / "model_repository", http_port=free_port(),
+                          grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
+                          model_control_mode=ModelControlMode.EXPLICIT, load_models=names, admin_key=ADMIN_KEY)
+    server = TritonServer(config, log_path=LOG_DIR / "tritonserver-user-models.log")
+    server.start()
+    try:
+        server.wait_ready(timeout_s=300)
+        yield {"folder": folder, "server": server, "encoder_dir": models / "sentence-encoder", "cross_dir": cross_dir}
+    finally:
+        server.stop()
+
+
+def infer(server: TritonServer, model: str, inputs: dict[str, list[str]], **parameters):
+    client = httpclient.InferenceServerClient(server.http_url)
+    tensors = []
+    for name, rows in inputs.items():
+        array = np.array([row.encode() for row in rows], dtype=object).reshape(-1, 1)
+        tensors.append(httpclient.InferInput(name, list(array.shape), "BYTES"))
+        tensors[-1].set_data_from_numpy(array)
+    try:
+        return client.infer(model, tensors, parameters=parameters or None)
+    finally:
+        client.close()
+
+
+def torch_tokenizer():
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast(tokenizer_file=str(minilm_tokenizer()))
+
+
+def test_the_encoder_answers_what_pytorch_answers_with_its_pooling_and_prefix(kit):
+    import torch
+    from transformers import AutoModel
+
+    served = infer(kit["server"], "search", {"TEXT": QUERIES}).as_numpy("EMBEDDING")
+    as_documents = infer(kit["server"], "search", {"TEXT": QUERIES}, input_type="document").as_numpy("EMBEDDING")
+    model = AutoModel.from_pretrained(str(kit["encoder_dir"])).eval()
+    tokenizer = torch_tokenizer()
+    for texts, got in (([f"query: {q}" for q in QUERIES], served), (QUERIES, as_documents)):
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            expected = model(**batch).last_hidden_state[:, 0].numpy()  # CLS pooling, not normalised
+        cosines = np.sum(got * expected, axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+        assert got.shape == (len(QUERIES), 128)
+        assert cosines.min() >= 0.999, cosines
+    assert not np.allclose(served, as_documents)  # the prefix is part of what a query means
+
+
+def test_the_cross_encoder_scores_pairs_as_pytorch_does_and_names_the_label(kit):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    result = infer(kit["server"], "rerank", {"TEXT": QUERIES, "TEXT_PAIR": PASSAGES})
+    logits = result.as_numpy("LOGITS")
+    model = AutoModelForSequenceClassification.from_pretrained(str(kit["cross_dir"])).eval()
+    batch = torch_tokenizer()(QUERIES, PASSAGES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**batch).logits.numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-3)
+    labels = [label.decode() for label in result.as_numpy("LABEL").reshape(-1)]
+    assert labels == [CROSS_ENCODER_LABELS[i] for i in expected.argmax(axis=1)]
+
+
+@pytest.mark.parametrize(("model", "inputs", "message"), [
+    ("search", {"TEXT": ["a"], "TEXT_PAIR": ["b"]}, "expected 1 inputs but got 2 inputs for model 'search'"),
+    ("rerank", {"TEXT": ["a", "b"], "TEXT_PAIR": ["c"]}, "input 'TEXT' batch size does not match other inputs"),
+    ("rerank", {"TEXT": [" "]}, "TEXT row 0 is empty"),
+])
+def test_bad_input_gets_a_400_naming_the_input_and_the_server_stays_up(kit, model, inputs, message):
+    with pytest.raises(InferenceServerException) as info:
+        infer(kit["server"], model, inputs)
+    assert info.value.status() == "400", info.value
+    assert message in str(info.value)
+    assert infer(kit["server"], "rerank", {"TEXT": ["q"], "TEXT_PAIR": ["p"]}).as_numpy("LOGITS").shape == (1, 2)
+
+
+def test_the_encoder_rolls_out_to_version_2_under_load(kit):
+    server, folder = kit["server"], kit["folder"]
+    answers: list[str] = []
+    stop = threading.Event()
+
+    def load():
+        client = httpclient.InferenceServerClient(server.http_url)
+        while not stop.is_set():
+            array = np.array([[b"steady traffic on the user's encoder"]], dtype=object)
+            tensor = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(array)
+            try:
+                answers.append(str(client.infer("search", [tensor]).as_numpy("VERSION")[0, 0]))
+            except InferenceServerException as err:
+                answers.append(f"error: {err}")
+            time.sleep(0.05)
+        client.close()
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1)
+        done = subprocess.run(
+            [sys.executable, "-m", "tools", "rollout", "search", "--to", "2", "--steps", "50,100",
+             "--step-seconds", "3", "--max-step-seconds", "60", "--min-requests", "10", "--min-shadow-samples", "5",
+             "--shadow-rate", "0.5", "--drain-timeout", "60", "--url", f"127.0.0.1:{server.config.http_port}",
+             "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics",
+             "--spec", "serving.toml", "--model-repository", "model_repository", "--records", "rollouts"],
+            cwd=folder, capture_output=True, text=True, timeout=600,
+            env={**os.environ, ADMIN_KEY_ENV: ADMIN_KEY, "PYTHONPATH": str(REPO)})
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "mean cosine" in done.stdout  # an encoder's drift gate
+    assert not [a for a in answers if a.startswith("error")], [a for a in answers if a.startswith("error")][:3]
+    assert answers[-1] == "2"
+    state = json.loads((folder / "rollouts" / "search.state.json").read_text())
+    assert state["status"] == "promoted", state
