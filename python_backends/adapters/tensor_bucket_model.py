@@ -1,0 +1,35 @@
+"""Triton adapter for a bucket model of a `tensor` model (`<prefix><len>` or `<prefix>fixed`);
+the logic lives in `python_backends.tensor.bucket`."""
+
+import json
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from python_backends.common.artifacts import verify_artifacts
+from python_backends.embed.encoder import BATCH_ROWS_HISTOGRAM, batch_rows_buckets
+from python_backends.tensor.bucket import OnnxTensorModel, parse_tensor_bucket_config
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = parse_tensor_bucket_config(json.loads(args["model_config"]))
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        verify_artifacts(version_dir, args["model_name"], required=["model.onnx"])
+        self.model = OnnxTensorModel(version_dir / "model.onnx", config)
+        # A MetricFamily must outlive its Metrics: keep it on the instance.
+        name, text = BATCH_ROWS_HISTOGRAM
+        self.batch_family = pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.HISTOGRAM)
+        self.batch_rows = self.batch_family.Metric(
+            labels={"model": args["model_name"], "version": args["model_version"]},
+            buckets=batch_rows_buckets(config.max_batch_size))
+
+    def execute(self, requests):
+        # Triton formed this batch from requests of one shape: stack, run once, split back.
+        names = self.model.config.input_names
+        inputs = [{name: pb_utils.get_input_tensor_by_name(r, name).as_numpy() for name in names} for r in requests]
+        answers = self.model.run_requests(inputs)
+        self.batch_rows.observe(float(sum(len(tensors[names[0]]) for tensors in inputs)))
+        return [pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, array) for name, array in answer.items()])
+                for answer in answers]
