@@ -10,6 +10,10 @@ by kind is what a row is and what comes back:
 - `text-classifier`: a row is one text or a text pair (cross-encoder rerankers); the bucket
   answers the graph's logits per row (`LOGITS`), and the router adds the label names
   (`LABEL`) when the spec gives them.
+- `tensor`: any graph with a dynamic batch axis; a row is the graph's own input tensors, padded
+  along one declared variable axis (an audio length, an image width) to the bucket's length,
+  or passed as they are into one bucket model when the model has no such axis
+  (`python_backends.tensor`).
 
 The bucket models' tensor names are the kit's own (the spec maps them to the graph's input
 names), so the router, the profiler and gen-config agree without reading the graph. Pure.
@@ -31,6 +35,7 @@ TOKEN_TYPE_IDS = "TOKEN_TYPE_IDS"
 class ModelKind(enum.StrEnum):
     TEXT_ENCODER = "text-encoder"  # text -> one vector per row
     TEXT_CLASSIFIER = "text-classifier"  # text or text pair -> logits (and a label) per row
+    TENSOR = "tensor"  # the graph's own tensors in and out, bucketed along one variable axis
 
     @classmethod
     def parse(cls, name: str) -> ModelKind:
@@ -40,15 +45,23 @@ class ModelKind(enum.StrEnum):
             raise ValueError(f"unknown model kind {name!r}; one of: {', '.join(k.value for k in cls)}") from None
 
     @property
+    def is_text(self) -> bool:
+        return self is not ModelKind.TENSOR
+
+    @property
     def output(self) -> str:
-        """The bucket models' (and the router's) output tensor."""
+        """A text model's bucket (and router) output tensor; a tensor model answers its graph's own."""
+        if self is ModelKind.TENSOR:
+            raise ValueError("a tensor model answers its graph's own outputs")
         return "EMBEDDING" if self is ModelKind.TEXT_ENCODER else "LOGITS"
 
     @property
     def drift(self) -> DriftMeasure:
         """How a canary's outputs are compared with the baseline's: cosine of embeddings, top-1
-        agreement and largest logit difference of a classifier's logits."""
-        return DriftMeasure.COSINE if self is ModelKind.TEXT_ENCODER else DriftMeasure.TOP1
+        agreement and largest logit difference of a classifier's logits, the largest absolute
+        difference of a tensor model's outputs (within its declared tolerance)."""
+        return {ModelKind.TEXT_ENCODER: DriftMeasure.COSINE, ModelKind.TEXT_CLASSIFIER: DriftMeasure.TOP1,
+                ModelKind.TENSOR: DriftMeasure.ABS_DIFF}[self]
 
 
 def bucket_inputs(token_types: bool) -> tuple[str, ...]:

@@ -53,6 +53,52 @@ from python_backends.embed.routing import RoutingSource, RoutingTable
 MAX_SHADOWS_IN_FLIGHT = 2  # per instance: shadowing must never pile extra load on a busy server
 
 
+class TextCodec:
+    """What a text model's rows are and what its answer carries: TEXT (and TEXT_PAIR) rows in,
+    tokenized by the router; the bucket models' one output back, with TOKENS and, for a
+    classifier with label names, LABEL. A tensor model has its own (`python_backends.tensor`):
+    the service calls only these methods."""
+
+    def __init__(self, router: EmbedRouter):
+        self.router = router
+        self.config = router.config
+        self.output_names = (router.config.output,)
+        self.drift = router.config.kind.drift
+
+    def prepare(self, pb, request, options) -> PreparedRequest:
+        text = pb.get_input_tensor_by_name(request, "TEXT").as_numpy()
+        pair = pb.get_input_tensor_by_name(request, "TEXT_PAIR")
+        pairs = pair.as_numpy().reshape(-1).tolist() if pair is not None else None
+        return self.router.prepare(text.reshape(-1).tolist(), None, options, pairs)
+
+    def reassemble(self, prepared: PreparedRequest, chunk_outputs: list[dict[str, np.ndarray]]) -> dict:
+        output = self.config.output
+        return {output: reassemble(len(prepared.token_counts), prepared.chunk_plan,
+                                   [outputs[output] for outputs in chunk_outputs])}
+
+    def answer(self, prepared: PreparedRequest, outputs: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+        served = outputs[self.config.output]
+        tensors = [(self.config.output, served), ("TOKENS", prepared.token_counts.reshape(-1, 1))]
+        if self.config.labels:
+            tensors.append(("LABEL", labels_of(served, self.config.labels)))
+        return tensors
+
+    def compared(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        """What a shadow compares between versions: the output, row by row."""
+        return outputs[self.config.output]
+
+    @staticmethod
+    def padded(prepared_chunk) -> int:
+        return int(prepared_chunk.input_ids.size)
+
+
+def text_codec(model: str, parameters: Mapping[str, str], version_dir: Path) -> tuple[RouterConfig, TextCodec]:
+    """A text model's router config and codec, from its parameters and its version folder's tokenizer."""
+    config = parse_router_config(model, parameters)
+    verify_artifacts(version_dir, model, required=["tokenizer.json"])
+    return config, TextCodec(EmbedRouter(config, TextTokenizer.from_file(version_dir / "tokenizer.json")))
+
+
 def string_parameters(model_config: Mapping) -> dict[str, str]:
     """The `parameters` of a model config in Triton's JSON form, as plain strings."""
     return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
@@ -77,12 +123,13 @@ class Accepted:
 class EmbedService:
     """One instance of the `embed` router."""
 
-    def __init__(self, pb, config: RouterConfig, tokenizer: TextTokenizer, *, model: str, instance_name: str,
+    def __init__(self, pb, config: RouterConfig, tokenizer: TextTokenizer | None, *, model: str, instance_name: str,
                  routing: RoutingSource, quota_path: Path, work_path: Path,
-                 draw: Callable[[], float] = random.random):
+                 draw: Callable[[], float] = random.random, codec=None):
         self.pb = pb
         self.model = model
-        self.router = EmbedRouter(config, tokenizer)
+        # What a row is: texts through the tokenizer, or a tensor model's own tensors (`codec`).
+        self.codec = codec if codec is not None else TextCodec(EmbedRouter(config, tokenizer))
         self.routing = routing
         self.logger = pb.Logger
         self.draw = draw  # uniform [0, 1): the version a request is routed to, and whether it is shadowed
@@ -111,19 +158,20 @@ class EmbedService:
         self.metrics.start()
 
     @classmethod
-    def from_args(cls, pb, args: Mapping[str, str]) -> EmbedService:
-        """The service of the model instance Triton describes in `initialize(args)`.
+    def from_args(cls, pb, args: Mapping[str, str], make_codec=text_codec) -> EmbedService:
+        """The service of the model instance Triton describes in `initialize(args)`;
+        `make_codec(model, parameters, version folder)` gives the router config and the codec of
+        the model's kind (text by default).
 
         The shared files are named for the server run (the stub's parent), so that no later
         server inherits them (see `python_backends.common.shared_files`).
         """
         model = args["model_name"]
-        config = parse_router_config(model, string_parameters(json.loads(args["model_config"])))
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        verify_artifacts(version_dir, model, required=["tokenizer.json"])
+        config, codec = make_codec(model, string_parameters(json.loads(args["model_config"])), version_dir)
         directory, run = shared_dir(), server_run(os.getppid())
         sweep_stale(directory)
-        service = cls(pb, config, TextTokenizer.from_file(version_dir / "tokenizer.json"), model=model,
+        service = cls(pb, config, None, codec=codec, model=model,
                       instance_name=args["model_instance_name"],
                       routing=RoutingSource(Path(args["model_repository"]) / config.routing_file,
                                             config.default_routing),
@@ -227,10 +275,7 @@ class EmbedService:
 
     def _admit(self, request, options, started):
         try:
-            text = self.pb.get_input_tensor_by_name(request, "TEXT").as_numpy()
-            pair = self.pb.get_input_tensor_by_name(request, "TEXT_PAIR")
-            pairs = pair.as_numpy().reshape(-1).tolist() if pair is not None else None
-            prepared = self.router.prepare(text.reshape(-1).tolist(), None, options, pairs)
+            prepared = self.codec.prepare(self.pb, request, options)
         except InvalidInput as err:
             return self._error(str(err), self.pb.TritonError.INVALID_ARG)
         table = self.routing.current(on_error=self.logger.log_warn)
@@ -276,10 +321,10 @@ class EmbedService:
     def _run_chunks(self, prepared: PreparedRequest, version: int):
         """Send every chunk to `version` of its bucket model.
 
-        Returns ((model name, error) of the first failure, None), or (None, the reassembled output).
+        Returns ((model name, error) of the first failure, None), or (None, the reassembled outputs).
         """
         pb = self.pb
-        output = self.router.config.output
+        names = list(self.codec.output_names)
         responses = [None] * len(prepared.chunks)
 
         def run_lane(lane):
@@ -289,7 +334,7 @@ class EmbedService:
                     model_name=chunk.model_name,
                     model_version=version,
                     inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
-                    requested_output_names=[output],
+                    requested_output_names=names,
                 ).exec()
                 if responses[index].has_error():
                     return
@@ -303,14 +348,14 @@ class EmbedService:
         for chunk, response in zip(prepared.chunks, responses, strict=True):
             if response is not None and response.has_error():
                 return (chunk.model_name, response.error()), None
-        outputs = [pb.get_output_tensor_by_name(r, output).as_numpy() for r in responses]
-        return None, reassemble(len(prepared.token_counts), prepared.chunk_plan, outputs)
+        outputs = [{name: pb.get_output_tensor_by_name(r, name).as_numpy() for name in names} for r in responses]
+        return None, self.codec.reassemble(prepared, outputs)
 
     def _serve_admitted(self, accepted: Accepted):
         prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
         outcomes, latency, inflight = self.metrics.of_version(version)
         try:
-            failure, embedding = self._run_chunks(prepared, version)
+            failure, outputs = self._run_chunks(prepared, version)
         finally:
             inflight.increment(-1)
             self.work.add({bucket: -ms for bucket, ms in accepted.own_work.items()})
@@ -327,31 +372,26 @@ class EmbedService:
         baseline = accepted.table.shadows(version, self.draw()) if pinned is None else None
         if baseline is not None and self.shadow_slots.acquire(blocking=False):
             # Repeat the request on the baseline after answering: the client never waits for it.
-            self.shadow_pool.submit(self._shadow, prepared, embedding, baseline, version)
+            self.shadow_pool.submit(self._shadow, prepared, outputs, baseline, version)
         for chunk in prepared.chunks:
             rows, real, padded = self.metrics.buckets[chunk.chunk.bucket_len]
             rows.increment(len(chunk.chunk.row_indices))
             real.increment(chunk.num_real_tokens)
-            padded.increment(chunk.input_ids.size)
+            padded.increment(self.codec.padded(chunk))
         if prepared.num_truncated:
             self.metrics.truncated.increment(prepared.num_truncated)
         num_rows = len(prepared.token_counts)
-        config = self.router.config
-        tensors = [
-            self.pb.Tensor(config.output, embedding),
-            self.pb.Tensor("TOKENS", prepared.token_counts.reshape(-1, 1)),
-            self.pb.Tensor("VERSION", np.full((num_rows, 1), version, dtype=np.int32)),
-        ]
-        if config.labels:
-            tensors.append(self.pb.Tensor("LABEL", labels_of(embedding, config.labels)))
+        tensors = [self.pb.Tensor(name, array) for name, array in self.codec.answer(prepared, outputs)]
+        tensors.append(self.pb.Tensor("VERSION", np.full((num_rows, 1), version, dtype=np.int32)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
-    def _shadow(self, prepared: PreparedRequest, served: np.ndarray, baseline: int, candidate: int) -> None:
+    def _shadow(self, prepared: PreparedRequest, served: dict, baseline: int, candidate: int) -> None:
         try:
             failure, reference = self._run_chunks(prepared, baseline)
             if failure is not None:
                 return  # the baseline was busy or is going away: no sample
-            for series, values in drift_rows(self.router.config.kind.drift, served, reference).items():
+            codec = self.codec
+            for series, values in drift_rows(codec.drift, codec.compared(served), codec.compared(reference)).items():
                 metric = self.metrics.shadow_histogram(series, baseline, candidate)
                 for value in values:
                     metric.observe(float(value))

@@ -74,7 +74,6 @@ def variant(**changes):
         (variant(models__embed__max_request_rows="many"), "'max_request_rows' must be a number"),
         (variant(hardware={}), r"at least one \[hardware"),
         (variant(hardware__cpu__instance_kind="KIND_TPU"), "KIND_CPU or KIND_GPU"),
-        (variant(models={}), r"at least one \[models"),
         (variant(models__embed__queue_timeouts="yes"), "'queue_timeouts' must be true or false"),
         ({**BASE, "tenants": {"tiers": {"a": {"priority": 1}, "b": {"priority": 3}}}}, "without gaps"),
         ({**BASE, "tenants": {"default_tier": "gold", "tiers": {"a": {"priority": 1}}}}, "default_tier 'gold'"),

@@ -5,6 +5,7 @@ per-kind drift of shadowed rows), through the fake `pb_utils`."""
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -60,13 +61,22 @@ def test_a_source_table_gives_each_version_its_own_file():
 
 
 @pytest.mark.parametrize(("table", "message"), [
-    ({"kind": "image"}, r"kind must be one of \['text-encoder', 'text-classifier'\], got 'image'"),
+    ({"kind": "image"}, r"kind must be one of \['text-encoder', 'text-classifier', 'tensor'\], got 'image'"),
     ({"source": None}, "missing 'source'"),
     ({"source": ""}, "source must name an ONNX file, a Hugging Face folder or package:<module>"),
     ({"source": {"one": "a.onnx"}}, "source: key 'one' is not a version number"),
     ({"versions": [1, 2], "source": {"1": "a.onnx"}}, r"source names no model for version\(s\) \[2\]"),
     ({"labels": ["a", "b"]}, "'labels' applies to kind 'text-classifier' only; this model is 'text-encoder'"),
-    ({"kind": "text-classifier", "pooling": "mean", "normalize": None}, "pooling must be 'none'"),
+    ({"kind": "text-classifier", "pooling": "mean", "normalize": None},
+     "'pooling' applies to kind 'text-encoder' only; this model is 'text-classifier'"),
+    ({"kind": "tensor", "pooling": None, "normalize": None, "max_text_bytes": None, "variable_axis": 0},
+     "missing 'tolerance': a tensor model's rollouts compare"),
+    ({"kind": "tensor", "pooling": None, "normalize": None, "max_text_bytes": None, "tolerance": 0.01},
+     "buckets need a variable_axis: a tensor model without one has a single bucket model"),
+    ({"kind": "tensor", "pooling": None, "normalize": None, "max_text_bytes": None, "tolerance": 0.01,
+      "variable_axis": 0, "buckets": [4, 4]}, "buckets: bucket lengths must be distinct"),
+    ({"kind": "tensor", "pooling": None, "normalize": None, "tolerance": 0.01, "variable_axis": 0},
+     "'max_text_bytes' applies to kind 'text-encoder' and 'text-classifier' only"),
     ({"kind": "text-classifier", "pooling": None, "normalize": None, "pairs": True},
      r"pairs = true needs the graph's token type ids input \(\[inputs\] token_types\)"),
     ({"max_length": 20}, r"the largest bucket \(32\) is over max_length \(20\)"),
@@ -76,7 +86,7 @@ def test_a_source_table_gives_each_version_its_own_file():
 def test_each_kind_rule_names_the_model(table, message):
     error = spec_error(**table)
     assert "[models.embed" in error
-    assert __import__("re").search(message, error), error
+    assert re.search(message, error), error
 
 
 def test_bucket_model_names_must_not_collide_across_models():

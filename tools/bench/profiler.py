@@ -12,17 +12,27 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import numpy as np
 from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.embed.admission import ADMIT_ALL
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
+from python_backends.tensor.router import TensorRouterConfig
 from tools.bench.loadgen import batch_compute_ns
 from tools.planning.derivation import Admission, BatchingKnobs, RouterPlan
-from tools.repository.configs import encoder_config, router_config
-from tools.repository.sources import ServedGraph, SourceError, served_graph, tokenizer_path
+from tools.repository.configs import (
+    encoder_config,
+    router_config,
+    tensor_bucket_config,
+    tensor_layout,
+    tensor_router_config,
+)
+from tools.repository.graph import TensorInfo
+from tools.repository.sources import ServedGraph, SourceError, served_graph, served_tensors, tokenizer_path
 from tools.spec.profile import LatencyCurve, ModelProfile, Overhead
 from tools.spec.serving import BucketedModelSpec, ServingSpec, SpecError
 
@@ -45,11 +55,13 @@ def profiled_version(model: BucketedModelSpec) -> int:
 
 
 def profiling_router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
-                            graph: ServedGraph):
+                            graph: ServedGraph | None, layout: TensorRouterConfig | None = None):
     """The router as the overhead probe runs it: one instance and no admission bound, since the
     probe sends one request at a time and measures the router's own cost, not its refusals."""
-    return router_config(model, spec, bucket_max_batch, RouterPlan(instance_count=1, max_concurrent_requests=1),
-                         admission=Admission(policy=ADMIT_ALL, max_queue_size=0), graph=graph)
+    plan, admission = RouterPlan(instance_count=1, max_concurrent_requests=1), Admission(ADMIT_ALL, 0)
+    if graph is not None:
+        return router_config(model, spec, bucket_max_batch, plan, admission=admission, graph=graph)
+    return tensor_router_config(model, spec, replace(layout, bucket_max_batch=bucket_max_batch), plan, admission)
 
 
 def vocab_size(model: BucketedModelSpec) -> int:
@@ -74,18 +86,39 @@ def load_with_config(client, config, control_headers: Mapping[str, str] | None =
                       headers=dict(control_headers or {}))
 
 
-def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: float, time_budget_s: float,
-                   progress, vocab: int = 30522, token_types: bool = False) -> ModelProfile:
+def infer_inputs(arrays: Mapping[str, np.ndarray]) -> list:
+    """The HTTP client's inputs for arrays by name (BYTES for object arrays)."""
     import tritonclient.http as httpclient
+    from tritonclient.utils import np_to_triton_dtype
 
+    inputs = []
+    for name, values in arrays.items():
+        inputs.append(httpclient.InferInput(name, list(values.shape), np_to_triton_dtype(values.dtype)))
+        inputs[-1].set_data_from_numpy(values)
+    return inputs
+
+
+def tensor_rows(layout: TensorRouterConfig, bucket_len: int, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A batch of random rows of a tensor model's inputs at one bucket (`tools.bench.inputs`)."""
+    from tools.bench.inputs import make_inputs
+
+    infos = [TensorInfo(spec.name, mc.DataType.Value(spec.type_name),
+                        (None, *(size if size > 0 else None for size in layout.bucket_dims(spec, bucket_len))))
+             for spec in layout.inputs]
+    return make_inputs(infos, batch, seed=seed)
+
+
+def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: float, time_budget_s: float,
+                   progress, vocab: int = 30522, token_types: bool = False,
+                   make_rows: Callable[[int], dict[str, np.ndarray]] | None = None) -> ModelProfile:
+    """c(b) of one bucket model; `make_rows(batch)` gives a tensor model's inputs (text models:
+    random token ids the tokenizer can make)."""
     rng = np.random.default_rng(seq_len)
     compute_ms: dict[int, float] = {}
     executions: dict[int, int] = {}
     for batch in sizes:
-        inputs = []
-        for tensor, values in probe_rows(rng, batch, seq_len, vocab, token_types).items():
-            inputs.append(httpclient.InferInput(tensor, list(values.shape), "INT64"))
-            inputs[-1].set_data_from_numpy(values)
+        inputs = infer_inputs(make_rows(batch) if make_rows is not None else
+                              probe_rows(rng, batch, seq_len, vocab, token_types))
         for _ in range(WARMUP_EXECUTIONS):
             client.infer(name, inputs)
 
@@ -113,16 +146,15 @@ def measure_bucket(client, name: str, seq_len: int, sizes: list[int], stop_ms: f
 
 
 def measure_overhead(client, model: BucketedModelSpec, bucket: str, c1_ms: float, num_requests: int,
-                     cpu_seconds=None) -> Overhead:
-    """Router-path latency outside the bucket's compute, from single-row requests; with
-    `cpu_seconds` (the server's CPU so far) also the CPU each request costs outside the
-    bucket model: the router stub, tokenization, BLS and Triton's own request handling."""
-    import tritonclient.http as httpclient
-
-    text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[b"a short query to time the router path"]], dtype=object))
+                     cpu_seconds=None, request: Mapping[str, np.ndarray] | None = None) -> Overhead:
+    """Router-path latency outside the bucket's compute, from single-row requests (`request`,
+    else a short text); with `cpu_seconds` (the server's CPU so far) also the CPU each request
+    costs outside the bucket model: the router stub, its checks (tokenization for text), BLS and
+    Triton's own request handling."""
+    request = request or {"TEXT": np.array([[b"a short query to time the router path"]], dtype=object)}
+    text = infer_inputs(request)
     for _ in range(5):
-        client.infer(model.name, [text])
+        client.infer(model.name, text)
 
     def bucket_compute_ns() -> int:
         return batch_compute_ns(client.get_inference_statistics(bucket)["model_stats"][0])[0]
@@ -132,7 +164,7 @@ def measure_overhead(client, model: BucketedModelSpec, bucket: str, c1_ms: float
     latencies = []
     for _ in range(num_requests):
         started = time.perf_counter()
-        client.infer(model.name, [text])
+        client.infer(model.name, text)
         latencies.append((time.perf_counter() - started) * 1000.0)
     cpu_ms = None
     if cpu_seconds:
@@ -169,7 +201,12 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
     with tqdm(total=total, desc="profiling", unit="point", file=sys.stderr, dynamic_ncols=True) as progress:
         for model in chosen:
             try:
-                graph, vocab = served_graph(model), vocab_size(model)
+                if model.kind.is_text:
+                    graph, vocab, layout = served_graph(model), vocab_size(model), None
+                else:
+                    graph, vocab = None, 0
+                    probe_limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
+                    layout = tensor_layout(model, served_tensors(model), probe_limits)
             except SourceError as err:
                 raise SpecError(f"{spec.path}: {err}") from None
             # Beyond half the SLO a batch can never be used (o + 2·c(b) <= S); one point past it is enough.
@@ -177,17 +214,23 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
             for bucket_len in model.bucket_lens:
                 name = model.encoder_name(bucket_len)
                 # One version loaded, so that requests and statistics are both that version's.
-                config = encoder_config(name, bucket_len, probe_knobs(name, MAX_PROBE_BATCH), hardware,
-                                        (profiled_version(model),), graph, model.kind)
+                knobs, versions = probe_knobs(name, MAX_PROBE_BATCH), (profiled_version(model),)
+                config = (encoder_config(name, bucket_len, knobs, hardware, versions, graph, model.kind)
+                          if graph is not None else tensor_bucket_config(name, bucket_len, knobs, hardware, versions,
+                                                                         layout))
                 config.ClearField("dynamic_batching")  # one request = one execution of exactly b rows
                 load_with_config(client, config, control_headers)
-                models[name] = measure_bucket(client, name, bucket_len, sizes, stop_ms, time_budget_s, progress,
-                                              vocab, TOKEN_TYPE_IDS in graph.onnx_inputs)
+                models[name] = measure_bucket(
+                    client, name, bucket_len, sizes, stop_ms, time_budget_s, progress, vocab,
+                    graph is not None and TOKEN_TYPE_IDS in graph.onnx_inputs,
+                    make_rows=None if layout is None else
+                    (lambda batch, length=bucket_len, layout=layout: tensor_rows(layout, length, batch, seed=length)))
             limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
-            load_with_config(client, profiling_router_config(model, spec, limits, graph), control_headers)
+            load_with_config(client, profiling_router_config(model, spec, limits, graph, layout), control_headers)
             first = model.encoder_name(model.bucket_lens[0])
             overhead = measure_overhead(client, model, first, models[first].curve.at(1), overhead_requests,
-                                        cpu_seconds)
+                                        cpu_seconds, None if layout is None else
+                                        tensor_rows(layout, model.bucket_lens[0], 1))
             overheads[model.name] = overhead
             log(f"{model.name}: router overhead p50 {overhead.p50_ms:.2f} ms, p95 {overhead.p95_ms:.2f} ms"
                 + (f", {overhead.cpu_ms:.2f} CPU ms per request" if overhead.cpu_ms is not None else

@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from python_backends.common.artifacts import MANIFEST, file_sha256, write_manifest
-from tools.repository.sources import ServedGraph, SourceError, is_hf_folder, resolve, served_graph, tokenizer_path
+from tools.repository.sources import (
+    ServedGraph,
+    SourceError,
+    is_hf_folder,
+    resolve,
+    served_graph,
+    served_tensors,
+    tokenizer_path,
+)
 from tools.spec.serving import BucketedModelSpec, ServingSpec
 
 # Bump when what the build makes of a source changes (graph, opset, names), to force a rebuild.
@@ -302,6 +310,8 @@ def install_tokenizer(targets: ModelTargets, force: bool, log: Callable[[str], N
     """Copy the model's tokenizer into its router's version folder when stale (or with `force`),
     unless a tokenizer of someone else's is there."""
     model = targets.model
+    if not model.kind.is_text:
+        return  # a tensor model's router checks tensors; it has no tokenizer
     try:
         source = tokenizer_path(model)
     except SourceError as err:
@@ -317,12 +327,12 @@ def install_tokenizer(targets: ModelTargets, force: bool, log: Callable[[str], N
     log(f"      {model.name}: tokenizer {len(stale)} installed, {len(targets.router_dirs) - len(stale)} up to date")
 
 
-def make_graph(model: BucketedModelSpec, version: int, graph: ServedGraph, workdir: Path,
+def make_graph(model: BucketedModelSpec, version: int, graph: ServedGraph | None, workdir: Path,
                log: Callable[[str], None]) -> Path:
     """The fp32 graph of one version in `workdir`: exported from the Hugging Face folder and
     checked against PyTorch, or the user's ONNX file as it is."""
     path = resolve(model.source_of(version), model.root)
-    if not graph.exported:
+    if graph is None or not graph.exported:
         return path
     from tools.repository.hf_export import HfExportError, export_hf
 
@@ -343,9 +353,14 @@ def build_bucketed(targets: ModelTargets, force: bool, repository: Path, log: Ca
     it into every bucket model folder of that version."""
     model = targets.model
     try:
-        graph = served_graph(model)
+        graph = served_graph(model) if model.kind.is_text else None
+        if graph is None:
+            served_tensors(model)
     except SourceError as err:
         raise BuildError(str(err)) from None
+    if graph is None and any(model.precision_of(v) != "fp32" for v in targets.bucket_dirs):
+        raise BuildError(f"[models.{model.name}]: precision int8 is made for text models only; quantize a tensor "
+                         "model yourself and give it as the version's source")
     fingerprints = {version: source_fingerprint(model, version) for version in targets.bucket_dirs}
     stale = {version: to_build(folders, "model.onnx", lambda _, v=version: fingerprints[v], force, log)
              for version, folders in targets.bucket_dirs.items()}

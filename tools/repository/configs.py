@@ -23,6 +23,8 @@ from python_backends.embed.encoder import EncoderParameters
 from python_backends.embed.kinds import TOKEN_TYPE_IDS, ModelKind, bucket_inputs
 from python_backends.embed.router import RouterParameters
 from python_backends.llm.config import LLMInferParameters, LLMParameters
+from python_backends.tensor.bucket import TensorBucketParameters
+from python_backends.tensor.router import TensorRouterConfig, TensorRouterParameters
 from tools.paths import REPO_ROOT
 from tools.planning.derivation import (
     Admission,
@@ -38,7 +40,7 @@ from tools.planning.derivation import (
     plan_shared_batches,
     preferred_batch,
 )
-from tools.repository.sources import ServedGraph, SourceError, served_graph
+from tools.repository.sources import ServedGraph, SourceError, TensorGraph, served_graph, served_tensors
 from tools.spec.profile import LatencyProfile
 from tools.spec.serving import BucketedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
 from tools.spec.workload import load_workload
@@ -125,17 +127,7 @@ def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: Hard
     for tensor in inputs:
         _tensor(config.input, tensor, mc.TYPE_INT64, [seq_len])
     _tensor(config.output, kind.output, mc.TYPE_FP32, [graph.output_dim])
-    batching = config.dynamic_batching
-    if knobs.preferred_batch_size > 1:
-        batching.preferred_batch_size.append(knobs.preferred_batch_size)
-    batching.max_queue_delay_microseconds = knobs.max_queue_delay_us
-    policy = batching.default_queue_policy
-    policy.timeout_action = mc.ModelQueuePolicy.REJECT
-    policy.default_timeout_microseconds = knobs.default_timeout_us  # 0: no timeout
-    policy.max_queue_size = knobs.max_queue_size
-    group = config.instance_group.add()
-    group.count = knobs.instance_count
-    group.kind = mc.ModelInstanceGroup.Kind.Value(hardware.instance_kind)
+    _batching(config, knobs, hardware)
     add_encoder_warmup(config, seq_len, inputs)
     parameters = EncoderParameters(intra_op_threads=hardware.intra_op_threads, allow_spinning=hardware.ort_spinning,
                                    onnx_inputs=graph.onnx_inputs, onnx_output=graph.onnx_output,
@@ -158,22 +150,60 @@ def add_encoder_warmup(config: mc.ModelConfig, seq_len: int, inputs: tuple[str, 
             warmup.inputs[name].zero_data = True
 
 
+def _batching(config: mc.ModelConfig, knobs: BatchingKnobs, hardware: HardwareLimits) -> None:
+    """A bucket model's derived dynamic batching, queue policy and instances."""
+    batching = config.dynamic_batching
+    if knobs.preferred_batch_size > 1:
+        batching.preferred_batch_size.append(knobs.preferred_batch_size)
+    batching.max_queue_delay_microseconds = knobs.max_queue_delay_us
+    policy = batching.default_queue_policy
+    policy.timeout_action = mc.ModelQueuePolicy.REJECT
+    policy.default_timeout_microseconds = knobs.default_timeout_us  # 0: no timeout
+    policy.max_queue_size = knobs.max_queue_size
+    group = config.instance_group.add()
+    group.count = knobs.instance_count
+    group.kind = mc.ModelInstanceGroup.Kind.Value(hardware.instance_kind)
+
+
+def tensor_layout(model: BucketedModelSpec, tensors: TensorGraph, bucket_max_batch: dict[int, int]
+                  ) -> TensorRouterConfig:
+    """The tensor router's view of the model (what checks a request and sizes each bucket's inputs)."""
+    return TensorRouterConfig(inputs=tensors.inputs, outputs=tensors.outputs, variable_axis=model.variable_axis,
+                              bucket_lens=model.bucket_lens, bucket_max_batch=bucket_max_batch,
+                              encoder_prefix=model.encoder_prefix)
+
+
+def tensor_bucket_config(name: str, bucket_len: int, knobs: BatchingKnobs, hardware: HardwareLimits,
+                         versions: tuple[int, ...], layout: TensorRouterConfig) -> mc.ModelConfig:
+    """A tensor model's bucket model: the graph's own tensors, the variable axis fixed to the bucket."""
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=knobs.max_batch_size)
+    config.version_policy.specific.versions.extend(versions)
+    for spec in layout.inputs:
+        _tensor(config.input, spec.name, mc.DataType.Value(spec.type_name), list(layout.bucket_dims(spec, bucket_len)))
+    for spec in layout.outputs:
+        _tensor(config.output, spec.name, mc.DataType.Value(spec.type_name), list(spec.dims))
+    _batching(config, knobs, hardware)
+    for batch_size in sorted({1, config.max_batch_size}):
+        warmup = config.model_warmup.add(name=f"zeros_batch_{batch_size}", batch_size=batch_size, count=1)
+        for spec in layout.inputs:
+            warmup.inputs[spec.name].data_type = mc.DataType.Value(spec.type_name)
+            warmup.inputs[spec.name].dims.extend(layout.bucket_dims(spec, bucket_len))
+            warmup.inputs[spec.name].zero_data = True
+    parameters = TensorBucketParameters(intra_op_threads=hardware.intra_op_threads,
+                                        allow_spinning=hardware.ort_spinning)
+    for key, text in parameters.to_parameters().items():
+        config.parameters[key].string_value = text
+    return config
+
+
 ROUTER_VERSIONS = (1,)  # the router itself has one version; the encoder versions are what roll out
 
 
-def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
-                  router: RouterPlan, admission: Admission, graph: ServedGraph) -> mc.ModelConfig:
+def _router_base(model: BucketedModelSpec, spec: ServingSpec, router: RouterPlan,
+                 admission: Admission) -> mc.ModelConfig:
+    """What every router's config has: its queue by tenant tier, instances, one version."""
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=model.max_request_rows)
     config.version_policy.specific.versions.extend(ROUTER_VERSIONS)
-    _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
-    if model.pairs:
-        _tensor(config.input, "TEXT_PAIR", mc.TYPE_STRING, [1])  # a pair's second text, when the rows are pairs
-        config.input[-1].optional = True
-    _tensor(config.output, model.kind.output, mc.TYPE_FP32, [graph.output_dim])
-    _tensor(config.output, "TOKENS", mc.TYPE_INT32, [1])
-    _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])  # the model version that served the row
-    if model.labels:
-        _tensor(config.output, "LABEL", mc.TYPE_STRING, [1])  # the name of the row's largest logit
     batching = config.dynamic_batching
     # The router's queue orders requests by tenant tier and hands each to an instance as it
     # comes (a preferred size of 1, no linger): the instance passes it to a worker at once,
@@ -186,7 +216,45 @@ def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch:
     batching.default_queue_policy.max_queue_size = admission.max_queue_size
     group = config.instance_group.add()
     group.count = router.instance_count
-    group.kind = mc.ModelInstanceGroup.KIND_CPU  # tokenization is CPU work on every node
+    group.kind = mc.ModelInstanceGroup.KIND_CPU  # the router's checks are CPU work on every node
+    return config
+
+
+def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: TensorRouterConfig,
+                         router: RouterPlan, admission: Admission) -> mc.ModelConfig:
+    """A tensor model's router: the graph's inputs (the variable axis free) in, its outputs back."""
+    config = _router_base(model, spec, router, admission)
+    for tensor in layout.inputs:
+        _tensor(config.input, tensor.name, mc.DataType.Value(tensor.type_name), list(tensor.dims))
+    for tensor in layout.outputs:
+        _tensor(config.output, tensor.name, mc.DataType.Value(tensor.type_name), list(tensor.dims))
+    _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])
+    parameters = TensorRouterParameters(
+        inputs=layout.inputs, outputs=layout.outputs,
+        **({"variable_axis": model.variable_axis, "bucket_lens": model.bucket_lens}
+           if model.variable_axis is not None else {}),
+        bucket_max_batch=layout.bucket_max_batch, encoder_prefix=model.encoder_prefix,
+        version_weights=model.traffic, routing_file=ROUTING_FILE, tenants=spec.tenant_policy(),
+        admission=admission.policy, tenant_auth=spec.auth_config(),
+        max_concurrent_requests=router.max_concurrent_requests)
+    for key, text in parameters.to_parameters().items():
+        config.parameters[key].string_value = text
+    return config
+
+
+def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
+                  router: RouterPlan, admission: Admission, graph: ServedGraph) -> mc.ModelConfig:
+    """A text model's router: TEXT (and TEXT_PAIR) in; the bucket output, TOKENS, VERSION (and LABEL) back."""
+    config = _router_base(model, spec, router, admission)
+    _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
+    if model.pairs:
+        _tensor(config.input, "TEXT_PAIR", mc.TYPE_STRING, [1])  # a pair's second text, when the rows are pairs
+        config.input[-1].optional = True
+    _tensor(config.output, model.kind.output, mc.TYPE_FP32, [graph.output_dim])
+    _tensor(config.output, "TOKENS", mc.TYPE_INT32, [1])
+    _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])  # the model version that served the row
+    if model.labels:
+        _tensor(config.output, "LABEL", mc.TYPE_STRING, [1])  # the name of the row's largest logit
     # Through the schema the router reads them back with, so neither side can drift.
     parameters = RouterParameters(
         bucket_lens=model.bucket_lens, encoder_prefix=model.encoder_prefix, bucket_max_batch=bucket_max_batch,
@@ -279,6 +347,34 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
                            header=infer_header, adapter="llm_infer_model", versions=(1,))]
 
 
+def bucket_intro(model: BucketedModelSpec, bucket_len: int, share: float) -> tuple[str, ...]:
+    """The first lines of a bucket model's header: what its inputs are and its traffic share."""
+    if model.kind.is_text:
+        what = (f"Length bucket {bucket_len} of `{model.name}`: inputs padded to exactly {bucket_len} tokens, so every",
+                "batch holds rows of one shape.")
+    elif model.variable_axis is not None:
+        what = (f"Bucket {bucket_len} of `{model.name}`: inputs padded to exactly {bucket_len} on axis "
+                f"{model.variable_axis} (after the batch axis),", "so every batch holds rows of one shape.")
+    else:
+        return (f"The bucket model of `{model.name}`: every input has a fixed shape, so every request batches "
+                "with every other;", "all its traffic.")
+    return (*what[:-1], f"{what[-1]} Traffic share from the workload {_relative(model.workload)}: {share:.1%},")
+
+
+def router_intro(model: BucketedModelSpec) -> tuple[str, ...]:
+    if model.kind.is_text:
+        return (f"`{model.name}`: the public entry point. Tokenizes, picks the smallest bucket per row and calls",
+                "that bucket's model over BLS. No linger here: batches form at the bucket models.")
+    return (f"`{model.name}`: the public entry point. Checks each input's type and shape (a 400 naming the input",
+            "otherwise), pads to the smallest bucket that holds the request and calls it over BLS. No linger here.")
+
+
+def tensors_text(tensors: TensorGraph) -> str:
+    described = ", ".join(f"{s.name} {s.type_name} {list(s.dims)}" + (f" pad {s.pad_value:g}" if s.pad_value is not None
+                                                                        else "") for s in tensors.inputs)
+    return f"the model's own ONNX graph (inputs {described}; outputs {', '.join(s.name for s in tensors.outputs)})"
+
+
 def graph_text(graph: ServedGraph) -> str:
     """What a bucket model runs, in a header line."""
     origin = ("the graph build-models exported from the Hugging Face folder" if graph.exported
@@ -310,13 +406,13 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
                         f"but profile {where} was measured with {measured_threads} thread(s) per instance, so "
                         "its c(b) does not hold; re-run `python -m tools profile`")
     try:
-        graph = served_graph(model)
+        graph, tensors = (served_graph(model), None) if model.kind.is_text else (None, served_tensors(model))
     except SourceError as err:
         raise SpecError(f"{spec.path}: {err}") from None
-    workload = load_workload(model.workload)
-    shares = workload.bucket_shares(model.bucket_lens)
+    workload = load_workload(model.workload) if model.workload is not None else None
+    shares = workload.bucket_shares(model.bucket_lens) if workload is not None else {model.bucket_lens[0]: 1.0}
     overhead = profile.overhead_for(model.name)
-    rows = workload.rows_per_request
+    rows = workload.rows_per_request if workload is not None else 1
     lanes = hardware.lanes(profile.hardware.cpu_count)
     generated: list[GeneratedModel] = []
     bucket_max_batch: dict[int, int] = {}
@@ -362,16 +458,14 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         header = (
             *provenance(spec, profile),
             "",
-            f"Length bucket {bucket_len} of `{model.name}`: inputs padded to exactly {bucket_len} tokens, so every",
-            "batch holds rows of one shape. Traffic share from the workload "
-            f"{_relative(model.workload)}: {shares[bucket_len]:.1%},",
+            *bucket_intro(model, bucket_len, shares[bucket_len]),
             f"expected {demand.expected_rps:.2f} rows/s, peak {demand.peak_rps:.2f} rows/s; "
             f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95). The buckets share",
             f"the device ({device_text}): at peak, with the planned batches, it is "
             f"{utilization:.0%} busy{router_share}.",
             f"Versions {', '.join(f'{v} ({model.precision_of(v)})' for v in model.versions)}: each has its own "
             "instances and batcher, so versions never share a batch.",
-            f"{model.kind.value}: {graph_text(graph)}.",
+            f"{model.kind.value}: {graph_text(graph) if graph is not None else tensors_text(tensors)}.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",
@@ -379,9 +473,12 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         )
         generated.append(GeneratedModel(
             name=name,
-            config=encoder_config(name, bucket_len, knobs, hardware, model.versions, graph, model.kind),
+            config=(encoder_config(name, bucket_len, knobs, hardware, model.versions, graph, model.kind)
+                    if graph is not None else
+                    tensor_bucket_config(name, bucket_len, knobs, hardware, model.versions,
+                                         tensor_layout(model, tensors, {b: 1 for b in model.bucket_lens}))),
             header=header,
-            adapter="encoder_model",
+            adapter="encoder_model" if graph is not None else "tensor_bucket_model",
             versions=model.versions,
             knobs=knobs,
         ))
@@ -398,8 +495,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     router_header = (
         *provenance(spec, profile),
         "",
-        f"`{model.name}`: the public entry point. Tokenizes, picks the smallest bucket per row and calls",
-        "that bucket's encoder over BLS. No linger here: batches form at the bucket models.",
+        *router_intro(model),
         f"Priority levels = tenant tiers: {', '.join(f'{t.name}={t.priority}' for t in spec.tiers)} "
         f"(default {spec.default_tier}).",
         "tenants: each tenant's quota by tier (" + "; ".join(
@@ -418,9 +514,10 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     )
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=router_config(model, spec, bucket_max_batch, router, admission, graph),
+        config=(router_config(model, spec, bucket_max_batch, router, admission, graph) if graph is not None else
+                tensor_router_config(model, spec, tensor_layout(model, tensors, bucket_max_batch), router, admission)),
         header=router_header,
-        adapter="embed_model",
+        adapter="embed_model" if graph is not None else "tensor_router_model",
         versions=ROUTER_VERSIONS,
     ))
     return generated

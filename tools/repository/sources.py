@@ -12,6 +12,10 @@ run and what they answer, from the spec and the source, without loading weights:
   spec's input names are checked against it, and a per-token output ([rows, tokens, width])
   is pooled by the backend with the spec's pooling.
 
+A tensor model's source is an ONNX file; `served_tensors` reads its inputs and outputs (types,
+dims after the batch axis with -1 where free) and checks them against the declared variable
+axis and padding values.
+
 Every version of a model must agree on that (the bucket models' parameters hold for all their
 versions). Errors are `SourceError`, one line naming the spec's model and the file or field.
 Reads files; decides nothing about batching.
@@ -27,7 +31,8 @@ from pathlib import Path
 
 from python_backends.embed.kinds import INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
 from python_backends.embed.pooling import Pooling
-from tools.repository.graph import GraphError, read_graph
+from python_backends.tensor.router import TensorSpec
+from tools.repository.graph import GraphError, TensorInfo, read_graph
 from tools.spec.serving import PACKAGE_SOURCE, BucketedModelSpec
 
 HF_OUTPUTS = {ModelKind.TEXT_ENCODER: "embedding", ModelKind.TEXT_CLASSIFIER: "logits"}  # the kit's exports
@@ -158,4 +163,73 @@ def served_graph(model: BucketedModelSpec) -> ServedGraph:
     if model.kind is ModelKind.TEXT_CLASSIFIER and model.labels and len(model.labels) != first.output_dim:
         raise SourceError(f"[models.{model.name}]: {len(model.labels)} labels for a graph with "
                           f"{first.output_dim} logits")
+    return first
+
+
+@dataclass(frozen=True)
+class TensorGraph:
+    """What a tensor model's router takes and its bucket models answer (the graph's own tensors)."""
+
+    inputs: tuple[TensorSpec, ...]  # dims after the batch axis, -1 where free; pad values declared
+    outputs: tuple[TensorSpec, ...]
+
+
+def _spec(tensor: TensorInfo, pad: float | None = None) -> TensorSpec:
+    dims = tuple(-1 if size is None else int(size) for size in tensor.shape[1:])
+    return TensorSpec(tensor.name, tensor.type_name, dims, pad)
+
+
+def _tensor_graph(model: BucketedModelSpec, path: Path) -> TensorGraph:
+    where = f"[models.{model.name}]"
+    if not path.is_file() or path.suffix != ".onnx":
+        raise SourceError(f"{where}: a tensor model's source is an ONNX file; {path} is not one")
+    try:
+        graph = read_graph(path)
+        graph.verify_batchable()
+    except GraphError as err:
+        raise SourceError(f"{where}: {err}") from None
+    axis = model.variable_axis
+    unknown = sorted(set(model.pad) - {t.name for t in graph.inputs})
+    if unknown:
+        raise SourceError(f"{where}: pad names inputs {unknown} that {path.name} does not have "
+                          f"(its inputs: {[t.name for t in graph.inputs]})")
+    inputs = []
+    for tensor in graph.inputs:
+        spec = _spec(tensor)
+        free = [i for i, size in enumerate(spec.dims) if size == -1]
+        carries = axis is not None and axis in free
+        if [i for i in free if i != axis]:
+            raise SourceError(f"{where}: input {tensor.name!r} of {path.name} has free axes {free} (after the batch "
+                              f"axis){'' if axis is None else f' besides the variable axis {axis}'}; requests of "
+                              "different shapes never batch: declare it as variable_axis, or export the graph "
+                              "with a fixed size there")
+        if carries and tensor.name not in model.pad:
+            raise SourceError(f"{where}: input {tensor.name!r} carries the variable axis {axis}; give its padding "
+                              f"value in pad (e.g. pad = {{ {tensor.name} = 0.0 }})")
+        if not carries and tensor.name in model.pad:
+            raise SourceError(f"{where}: pad gives a value for {tensor.name!r}, which has no free axis "
+                              f"{axis} to pad")
+        try:
+            inputs.append(_spec(tensor, model.pad.get(tensor.name)) if carries else spec)
+        except ValueError as err:
+            raise SourceError(f"{where}: input {tensor.name!r}: {err}") from None
+    if axis is not None and not any(spec.has_axis(axis) for spec in inputs):
+        raise SourceError(f"{where}: no input of {path.name} has a free axis {axis} (after the batch axis) to "
+                          f"bucket: {', '.join(f'{t.name} {list(t.shape)}' for t in graph.inputs)}")
+    try:
+        outputs = tuple(_spec(tensor) for tensor in graph.outputs)
+    except ValueError as err:
+        raise SourceError(f"{where}: {path.name}: {err}") from None
+    return TensorGraph(tuple(inputs), outputs)
+
+
+def served_tensors(model: BucketedModelSpec) -> TensorGraph:
+    """A tensor model's inputs and outputs (one answer for all its versions)."""
+    graphs = {version: _tensor_graph(model, resolve(model.source_of(version), model.root))
+              for version in model.versions}
+    first = graphs[model.versions[0]]
+    for version, graph in graphs.items():
+        if graph != first:
+            raise SourceError(f"[models.{model.name}]: version {version} takes or answers other tensors than version "
+                              f"{model.versions[0]}; every version of a model must have the same signature")
     return first

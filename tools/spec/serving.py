@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator,
     Field,
     StrictBool,
     ValidationError,
@@ -38,6 +37,7 @@ from python_backends.embed.buckets import validate_buckets
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
 from python_backends.embed.pooling import Pooling
 from python_backends.llm.scheduler import BatchingPolicy
+from python_backends.tensor.router import FIXED_BUCKET, bucket_model_name, validate_axis_buckets
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
 from tools.spec.schema import ClosedTable, Table, describe, table_error
 
@@ -112,8 +112,8 @@ class BucketedModelSpec:
     slo_p95_ms: float  # end-to-end p95 latency target of one request
     expected_rps: float  # requests per second in normal traffic
     peak_rps: float  # requests per second at peak
-    workload: Path  # length mix of requests (loadtest workload TOML)
-    bucket_lens: tuple[int, ...]  # bucket sequence lengths, ascending
+    workload: Path | None  # length mix of requests (loadtest workload TOML); None: a tensor model without buckets
+    bucket_lens: tuple[int, ...]  # bucket lengths, ascending; (0,): a tensor model's one fixed-shape bucket
     encoder_prefix: str  # bucket model name = prefix + length
     max_request_rows: int  # rows one client request may carry (the router's max_batch_size)
     max_router_instances: int  # cap on router instances (one per host core is derived)
@@ -134,12 +134,15 @@ class BucketedModelSpec:
     document_prefix: str = ""  # put before each text of a document (input_type = "document")
     labels: tuple[str, ...] = ()  # classifier label names by logit index; empty: no LABEL output
     pairs: bool = False  # classifier rows may be text pairs (TEXT_PAIR input)
+    variable_axis: int | None = None  # tensor: the row axis bucketed like token length; None: one fixed bucket
+    pad: dict[str, float] = field(default_factory=dict)  # tensor: input -> its padding value on that axis
+    tolerance: float | None = None  # tensor: largest absolute output difference a rollout allows
 
     def precision_of(self, version: int) -> str:
         return self.precision.get(version, "fp32")
 
     def encoder_name(self, bucket_len: int) -> str:
-        return f"{self.encoder_prefix}{bucket_len}"
+        return bucket_model_name(self.encoder_prefix, bucket_len)
 
     @property
     def bucket_names(self) -> tuple[str, ...]:
@@ -224,13 +227,6 @@ def _versions(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[int
     if len(set(versions)) != len(versions):
         raise ValueError(f"versions {list(versions)} repeat a version")
     return versions
-
-
-def _buckets(value: tuple[int, ...]) -> tuple[int, ...]:
-    try:
-        return validate_buckets(value)
-    except ValueError as err:
-        raise ValueError(f"buckets: {err}") from None
 
 
 Versions = Annotated[tuple[int, ...], WrapValidator(_versions)]  # distinct, each >= 1
@@ -423,12 +419,22 @@ class TextInputsTable(ClosedTable):
         return names
 
 
-KIND_KEYS = {  # keys that mean something for one kind only
-    "labels": ModelKind.TEXT_CLASSIFIER,
-    "pairs": ModelKind.TEXT_CLASSIFIER,
-    "normalize": ModelKind.TEXT_ENCODER,
-    "query_prefix": ModelKind.TEXT_ENCODER,
-    "document_prefix": ModelKind.TEXT_ENCODER,
+TEXT_KINDS = (ModelKind.TEXT_ENCODER, ModelKind.TEXT_CLASSIFIER)
+KIND_KEYS = {  # keys that mean something for some kinds only
+    "labels": (ModelKind.TEXT_CLASSIFIER,),
+    "pairs": (ModelKind.TEXT_CLASSIFIER,),
+    "normalize": (ModelKind.TEXT_ENCODER,),
+    "query_prefix": (ModelKind.TEXT_ENCODER,),
+    "document_prefix": (ModelKind.TEXT_ENCODER,),
+    "tokenizer": TEXT_KINDS,
+    "inputs": TEXT_KINDS,
+    "pooling": (ModelKind.TEXT_ENCODER,),
+    "output": TEXT_KINDS,
+    "max_length": TEXT_KINDS,
+    "max_text_bytes": TEXT_KINDS,
+    "variable_axis": (ModelKind.TENSOR,),
+    "pad": (ModelKind.TENSOR,),
+    "tolerance": (ModelKind.TENSOR,),
 }
 
 
@@ -437,8 +443,9 @@ class BucketedModelTable(Table):
     one bucket model per length running the model's graph."""
 
     kind: ModelKind = ModelKind.TEXT_ENCODER
-    """What the model is: "text-encoder" (text -> one vector per row) or "text-classifier" (text or
-    text pair -> logits per row, and label names)."""
+    """What the model is: "text-encoder" (text -> one vector per row), "text-classifier" (text or
+    text pair -> logits per row, and label names), or "tensor" (any ONNX graph with a dynamic batch
+    axis: its own tensors in and out)."""
     source: str | dict[int, str]
     """Where the model comes from, for every version or as a table of version = source: an ONNX
     file, a Hugging Face folder (config.json, safetensors, tokenizer.json) that build-models exports,
@@ -465,6 +472,16 @@ class BucketedModelTable(Table):
     """Rows may be text pairs, sent as TEXT and TEXT_PAIR (text-classifier: cross-encoder rerankers)."""
     max_length: int | None = Field(None, gt=1)
     """Most tokens the model takes (its position embeddings); the largest bucket must not exceed it."""
+    variable_axis: int | None = Field(None, ge=0)
+    """Tensor models: the axis of a row (0 = the first after the batch axis) whose length varies
+    (frames, pixels of width): requests are bucketed by it as texts are by tokens. None: every
+    input has a fixed shape and the model has one bucket model, `<prefix>fixed`."""
+    pad: dict[str, float] = {}
+    """Tensor models: input name -> the value that pads it along the variable axis (every input
+    that has the axis needs one; the graph must ignore it, e.g. under a mask)."""
+    tolerance: float | None = Field(None, gt=0)
+    """Tensor models: the largest absolute output difference a new version may show against the
+    old on the same inputs before a rollout rolls back (the output-drift gate)."""
     versions: Versions = (1,)
     """Model versions loaded at start; every bucket model serves each of them."""
     precision: dict[int, Literal["fp32", "int8"]] = {}
@@ -477,24 +494,28 @@ class BucketedModelTable(Table):
     """Requests per second in normal traffic."""
     peak_rps: float = Field(gt=0)
     """Requests per second at peak (what one node must carry); >= expected_rps."""
-    workload: Path
-    """Length mix of requests (a loadtest workload TOML), relative to the spec."""
-    buckets: Annotated[tuple[int, ...], AfterValidator(_buckets)]
-    """Bucket sequence lengths, distinct, each >= 2; read in ascending order."""
+    workload: Path | None = None
+    """Length mix of requests (a loadtest workload TOML: tokens, or positions on a tensor model's
+    variable axis), relative to the spec; not needed by a tensor model without a variable axis."""
+    buckets: tuple[int, ...] = ()
+    """Bucket lengths (tokens, or positions on the variable axis), distinct; read in ascending
+    order. Text buckets are >= 2 (room for the tokenizer's special tokens)."""
     encoder_prefix: str | None = None
     """Bucket model name = prefix + length; default: the model's name and `_`."""
     max_request_rows: int = Field(gt=0)
     """Rows one client request may carry (the router's max_batch_size)."""
     max_router_instances: int = Field(gt=0)
     """Cap on router instances (one per host core is derived)."""
-    max_text_bytes: int = Field(gt=0)
-    """Longest row accepted, in UTF-8 bytes."""
+    max_text_bytes: int | None = Field(None, gt=0)
+    """Longest text row accepted, in UTF-8 bytes (text kinds)."""
     queue_timeouts: StrictBool = False
     """Write default_timeout_microseconds on bucket models (see serving.toml for why not by default)."""
 
     @field_validator("workload")
     @classmethod
-    def _workload_exists(cls, path: Path, info: ValidationInfo) -> Path:
+    def _workload_exists(cls, path: Path | None, info: ValidationInfo) -> Path | None:
+        if path is None:
+            return None
         path = _root(info) / path
         if not path.is_file():
             raise ValueError(f"workload file {path} not found")
@@ -550,11 +571,11 @@ class BucketedModelTable(Table):
 
     @model_validator(mode="after")
     def _consistent(self) -> BucketedModelTable:
-        for key, kind in KIND_KEYS.items():
-            if key in self.model_fields_set and kind is not self.kind:
-                raise table_error(f"'{key}' applies to kind {kind.value!r} only; this model is {self.kind.value!r}")
-        if self.kind is ModelKind.TEXT_CLASSIFIER and self.pooling != "none":
-            raise table_error("a text-classifier answers its graph's logits: pooling must be 'none'")
+        for key, kinds in KIND_KEYS.items():
+            if key in self.model_fields_set and self.kind not in kinds:
+                raise table_error(f"'{key}' applies to kind {' and '.join(repr(k.value) for k in kinds)} only; "
+                                  f"this model is {self.kind.value!r}")
+        self._buckets_and_workload()
         if self.pairs and not self.inputs.token_types:
             raise table_error("pairs = true needs the graph's token type ids input ([inputs] token_types), so "
                               "the model can tell a pair's members apart")
@@ -575,6 +596,26 @@ class BucketedModelTable(Table):
         if self.traffic and sum(self.traffic.values()) <= 0:
             raise table_error("traffic needs a weight > 0 on at least one version")
         return self
+
+    def _buckets_and_workload(self) -> None:
+        """What each kind needs of buckets, workload and text limits."""
+        bucketed = self.kind.is_text or self.variable_axis is not None
+        for key in ("buckets", "workload") if bucketed else ():
+            if key not in self.model_fields_set:
+                raise table_error(f"missing '{key}'" + ("" if self.kind.is_text else
+                                                        " (a tensor model with a variable_axis is bucketed by it)"))
+        if not bucketed and self.buckets:
+            raise table_error("buckets need a variable_axis: a tensor model without one has a single bucket model")
+        if self.kind.is_text and self.max_text_bytes is None:
+            raise table_error("missing 'max_text_bytes'")
+        if bucketed:
+            try:
+                (validate_buckets if self.kind.is_text else validate_axis_buckets)(self.buckets)
+            except ValueError as err:
+                raise table_error(f"buckets: {err}") from None
+        if self.kind is ModelKind.TENSOR and self.tolerance is None:
+            raise table_error("missing 'tolerance': a tensor model's rollouts compare a new version's outputs with "
+                              "the old's within it (the largest absolute difference allowed)")
 
     def model(self, name: str, root: Path) -> BucketedModelSpec:
         sources = (dict(self.source) if isinstance(self.source, dict)
@@ -601,11 +642,14 @@ class BucketedModelTable(Table):
             expected_rps=self.expected_rps,
             peak_rps=self.peak_rps,
             workload=self.workload,
-            bucket_lens=self.buckets,
+            bucket_lens=tuple(sorted(self.buckets)) or (FIXED_BUCKET,),
+            variable_axis=self.variable_axis,
+            pad=dict(self.pad),
+            tolerance=self.tolerance,
             encoder_prefix=self.encoder_prefix if self.encoder_prefix is not None else f"{name}_",
             max_request_rows=self.max_request_rows,
             max_router_instances=self.max_router_instances,
-            max_text_bytes=self.max_text_bytes,
+            max_text_bytes=self.max_text_bytes or 0,
             queue_timeouts=self.queue_timeouts,
         )
 
@@ -680,8 +724,8 @@ class ServingFile(Table):
         owners: dict[str, str] = {name: name for name in [*self.models, *self.llm_models]}
         for name, table in self.models.items():
             prefix = table.encoder_prefix if table.encoder_prefix is not None else f"{name}_"
-            for length in table.buckets:
-                bucket = f"{prefix}{length}"
+            for length in table.buckets or (FIXED_BUCKET,):
+                bucket = bucket_model_name(prefix, length)
                 if bucket in owners:
                     raise table_error(f"[models.{name}]: bucket model {bucket!r} is also a model of "
                                       f"{owners[bucket]!r}; give the model another encoder_prefix")
