@@ -22,7 +22,7 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    assert report["slo_ms"] == 200
+    assert report["model"] == "embed" and report["slo_ms"] == 200
     assert report["load_generator"] == {"protocol": "http", "on_the_measured_machine": True}
     assert report["hardware"]["cpu_count"] >= 1 and report["hardware"]["description"]
     setup = report["setups"]["slo_bucketed"]
@@ -60,3 +60,11 @@ def test_zero_rounds_are_refused():
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--repeats must be >= 1, got 0" in result.stderr
+
+
+def test_a_model_the_spec_does_not_have_is_refused_with_the_specs_models():
+    result = subprocess.run([sys.executable, "-m", "tools", "bench", "goodput", "--model", "rerank"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "no model 'rerank'; the spec's text models: embed" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

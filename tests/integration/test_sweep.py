@@ -131,6 +131,36 @@ def test_over_http_refusals_are_rejections_and_bad_input_is_an_error_with_the_se
     assert all(sample.startswith("400: ") and "70000 bytes" in sample for sample in result.error_samples)
 
 
+def test_a_model_that_takes_no_texts_is_swept_with_inputs_made_from_its_metadata(triton, tmp_path):
+    """A bucket model takes token ids, not texts: random INT64 ids of its declared shape
+    ([rows, 16]), as perf_analyzer would make them; its own stats are the ones read."""
+    out = tmp_path / "bucket.json"
+    done = sweep_cli("--url", triton.grpc_url, "--http-url", triton.http_url, "--model", "encoder_16", "--rates", "5",
+                     "--duration", "1", "--warmup", "0", "--rows", "2", "--slo-ms", "1000", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sweeping encoder_16" in done.stdout and "random" in done.stdout
+    document = json.loads(out.read_text())
+    assert document["workload"] == "random"
+    [step] = document["steps"]
+    assert step["num_sent"] > 0 and step["num_ok"] == step["num_sent"], step["error_samples"]
+    assert set(step["server"]) == {"encoder_16"}
+    assert step["server"]["encoder_16"]["inference_count"] == 2 * step["num_ok"]
+
+
+def test_a_sample_file_gives_the_routers_texts(triton, tmp_path):
+    """perf_analyzer's --input-data JSON form, over gRPC: each sample one row of TEXT."""
+    samples = tmp_path / "texts.json"
+    samples.write_text(json.dumps({"data": [{"TEXT": ["a short text"]}, {"TEXT": ["another, somewhat longer text"]}]}))
+    out = tmp_path / "file.json"
+    done = sweep_cli("--url", triton.grpc_url, "--input-data", str(samples), "--rates", "5", "--duration", "1",
+                     "--warmup", "0", "--slo-ms", "1000", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    [step] = json.loads(out.read_text())["steps"]
+    assert step["num_ok"] == step["num_sent"] > 0, step["error_samples"]
+    assert step["server"]["embed"]["num_requests"] == step["num_ok"]
+    assert any(name.startswith("encoder_") for name in step["server"])  # the router's buckets, from its config
+
+
 def test_an_unreachable_http_endpoint_is_one_line_and_exit_code_2(triton):
     done = sweep_cli("--url", triton.grpc_url, "--http-url", f"127.0.0.1:{free_port()}", "--duration", "1")
     assert done.returncode == 2
@@ -158,5 +188,6 @@ def test_help_lists_sweep_and_its_options():
     done = sweep_cli("--help")
     assert done.returncode == 0
     for option in ("--url", "--http-url", "--model", "--mode", "--rates", "--concurrency", "--duration", "--warmup",
-                   "--workload", "--slo-ms", "--out", "--plot", "--parameters", "--search"):
+                   "--workload", "--slo-ms", "--out", "--plot", "--parameters", "--search", "--spec", "--input-data",
+                   "--variable-len", "--rows"):
         assert option in done.stdout

@@ -1,27 +1,52 @@
-"""The goodput benchmark: its setups (generated configs, quotas taken out) and where each step's CPU went."""
+"""The goodput benchmark: its setups (generated configs, quotas taken out), where each step's
+CPU went, and the ceiling's rows, for the built-in `embed` and for a text-pair classifier."""
 
+import dataclasses
+import shutil
+import tomllib
+from pathlib import Path
+
+import numpy as np
 import pytest
 
+from python_backends.common.tokenization import TextTokenizer
+from python_backends.embed.buckets import choose_bucket, pad_rows, truncate_tokens
+from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
+from python_backends.embed.router import EmbedRouter
+from tests import user_models
 from tools.bench.goodput import (
+    bucket_configs,
+    bucket_rows,
     cpu_breakdown,
-    embed_plan,
     goodput_options,
+    measure_ceiling,
     median_index,
     median_ratio,
+    model_plan,
     padded_only_plan,
     round_ratios,
+    router_of,
+    served_version,
+    stack_rows,
 )
 from tools.bench.harness import without_tenant_quotas
 from tools.bench.loadgen import summarize_step
+from tools.bench.payloads import TextPayload, find_model, model_texts
+from tools.cli.bench import goodput_results
+from tools.paths import DEFAULT_SPEC
 from tools.spec.profile import load_profile
-from tools.spec.serving import load_spec
+from tools.spec.serving import load_spec, parse_spec
+from tools.spec.workload import load_workload
+
+RERANK_BUCKETS = (32, 128)
 
 
 def plans():
     spec = load_spec()
     profile = load_profile(spec.profile)
-    return spec, {"slo_bucketed": embed_plan(spec, profile),
-                  "default_batching": padded_only_plan(spec, profile, batching=True)}
+    model = find_model(spec, "embed")
+    return spec, {"slo_bucketed": model_plan(spec, profile, model),
+                  "default_batching": padded_only_plan(spec, profile, model, batching=True)}
 
 
 def test_the_router_loses_its_tenant_quotas_and_keeps_everything_else():
@@ -98,3 +123,112 @@ def test_the_short_form_is_one_round_of_short_steps_unless_rounds_are_asked_for(
     full = goodput_options(quick=False, step_s=10.0, start_rps=4.0, max_steps=11, repeats=None, protocol="grpc")
     assert (full.step_s, full.max_steps, full.num_texts, full.ceiling_rows, full.repeats) == (10.0, 11, 2000, 1000, 3)
     assert full.protocol == "grpc"
+
+
+def test_goodput_results_of_embed_stay_where_the_other_benchmarks_read_them():
+    assert goodput_results("embed") == Path("results/goodput.json")
+    assert goodput_results("rerank") == Path("results/goodput_rerank.json")
+
+
+def test_the_ceiling_runs_the_version_that_takes_the_traffic():
+    embed = find_model(load_spec(), "embed")
+    assert served_version(embed) == 1  # traffic = { 1 = 100 }
+    assert served_version(dataclasses.replace(embed, traffic={1: 10.0, 2: 90.0})) == 2
+    assert served_version(dataclasses.replace(embed, traffic={1: 50.0, 2: 50.0})) == 1  # a tie: the first
+
+
+def test_the_ceiling_feeds_embed_the_rows_it_always_did():
+    # The router's code makes the ceiling's rows: for embed, the same tensors as tokenizing,
+    # truncating to the largest bucket and padding each row to its bucket.
+    spec = load_spec()
+    profile = load_profile(spec.profile)
+    embed = find_model(spec, "embed")
+    plan = model_plan(spec, profile, embed)
+    payload = model_texts(embed, load_workload(embed.workload), 60)
+    tokenizer = TextTokenizer.from_file(user_models.minilm_tokenizer())
+    rows = bucket_rows(payload, EmbedRouter(router_of(plan, embed), tokenizer))
+    expected: dict[int, list[list[int]]] = {}
+    for ids in tokenizer.encode(payload.texts):
+        ids = truncate_tokens(ids, embed.bucket_lens[-1])
+        expected.setdefault(choose_bucket(len(ids), embed.bucket_lens), []).append(ids)
+    assert sorted(rows) == sorted(expected) and sum(map(len, rows.values())) == 60
+    for length, bucket in rows.items():
+        batch = stack_rows(bucket)
+        assert set(batch) == {INPUT_IDS, ATTENTION_MASK}
+        ids, mask = pad_rows(expected[length], length, tokenizer.pad_id)
+        np.testing.assert_array_equal(batch[INPUT_IDS], ids)
+        np.testing.assert_array_equal(batch[ATTENTION_MASK], mask)
+    config = bucket_configs(plan, embed)[16]
+    assert (config.inputs, config.output, config.onnx_output) == ((INPUT_IDS, ATTENTION_MASK), "EMBEDDING", "embedding")
+
+
+# --------------------------------------------------------------------------- a text-pair classifier
+
+
+@pytest.fixture(scope="module")
+def rerank(tmp_path_factory):
+    """The repo's spec with a second model, `rerank`: the suite's cross-encoder over text pairs,
+    two buckets; its profile borrows embed's curves for them (the plan needs a curve per bucket)."""
+    folder = tmp_path_factory.mktemp("rerank")
+    onnx = user_models.cross_encoder_onnx(folder)
+    data = tomllib.loads(DEFAULT_SPEC.read_text())
+    data["models"]["rerank"] = {
+        "kind": "text-classifier", "source": str(onnx), "tokenizer": str(user_models.minilm_tokenizer()),
+        "inputs": {"token_types": "token_type_ids"}, "pairs": True, "labels": list(user_models.CROSS_ENCODER_LABELS),
+        "slo_p95_ms": 200, "expected_rps": 10, "peak_rps": 20, "workload": "loadtest/workloads/embed_mix.toml",
+        "buckets": list(RERANK_BUCKETS), "max_request_rows": 16, "max_router_instances": 2, "max_text_bytes": 65536}
+    spec = parse_spec(data, DEFAULT_SPEC)
+    profile = load_profile(spec.profile)
+    profile = dataclasses.replace(
+        profile, models={**profile.models, **{f"rerank_{n}": profile.models[f"encoder_{n}"] for n in RERANK_BUCKETS}},
+        overhead={**profile.overhead, "rerank": profile.overhead["embed"]})
+    return spec, profile, find_model(spec, "rerank"), onnx
+
+
+def test_a_second_models_setups_hold_its_own_router_and_buckets(rerank):
+    spec, profile, model, _ = rerank
+    plan = model_plan(spec, profile, model)
+    assert [m.name for m in plan] == ["rerank", "rerank_32", "rerank_128"]
+    padded = {m.name: m for m in padded_only_plan(spec, profile, model, batching=True)}
+    assert set(padded) == {"rerank", "rerank_128"}
+    assert padded["rerank"].config.parameters["bucket_lens"].string_value == "128"
+    assert padded["rerank_128"].config.max_batch_size == 32 and "admission" not in padded["rerank"].config.parameters
+    router = router_of(plan, model)
+    assert router.pairs and router.token_types and router.encoder_prefix == "rerank_"
+    config = bucket_configs(plan, model)[32]
+    assert config.inputs == (INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS) and config.output == "LOGITS"
+    stripped = {m.name: m for m in without_tenant_quotas(plan, "rerank")}
+    assert "tenants" not in stripped["rerank"].config.parameters
+
+
+def test_pairs_reach_the_ceiling_as_the_router_makes_them_with_token_types(rerank):
+    spec, profile, model, _ = rerank
+    workload = load_workload(model.workload)
+    payload = model_texts(model, workload, 40)
+    assert len(payload.pair_texts) == 40
+    tokenizer = TextTokenizer.from_file(user_models.minilm_tokenizer())
+    rows = bucket_rows(payload, EmbedRouter(router_of(model_plan(spec, profile, model), model), tokenizer))
+    assert set(rows) <= set(RERANK_BUCKETS) and sum(map(len, rows.values())) == 40
+    lengths = [min(n, RERANK_BUCKETS[-1]) for n in workload.sample_lengths(40)]
+    # Each row, bucketed as its length in the mix says: the pair's tokens add up to the drawn length.
+    assert sorted(len(rows.get(b, [])) for b in RERANK_BUCKETS) == sorted(
+        sum(1 for n in lengths if choose_bucket(n, RERANK_BUCKETS) == b) for b in RERANK_BUCKETS)
+    row = rows[RERANK_BUCKETS[0]][0]
+    assert set(row) == {INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS}
+    types, mask = row[TOKEN_TYPE_IDS][0], row[ATTENTION_MASK][0]
+    assert types[0] == 0 and types.max() == 1 and not types[mask == 0].any()  # the passage is type 1, padding 0
+
+
+def test_the_ceiling_of_a_pair_classifier_runs_its_installed_graph(rerank, tmp_path):
+    spec, profile, model, onnx = rerank
+    for name in ("rerank_32", "rerank_128"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        shutil.copyfile(onnx, tmp_path / name / "1" / "model.onnx")
+    (tmp_path / "rerank" / "1").mkdir(parents=True)
+    shutil.copyfile(user_models.minilm_tokenizer(), tmp_path / "rerank" / "1" / "tokenizer.json")
+    payload = model_texts(model, load_workload(model.workload), 24)
+    ceiling = measure_ceiling(TextPayload(payload.texts, payload.pair_texts), profile, model,
+                              model_plan(spec, profile, model), repository=tmp_path)
+    assert ceiling["rows"] == 24 and ceiling["rows_per_s"] > 0
+    assert set(ceiling["buckets"]) <= {"32", "128"}
+    assert sum(bucket["rows"] for bucket in ceiling["buckets"].values()) == 24

@@ -12,7 +12,9 @@ from tools.clients.http_infer import (
     HttpInferClient,
     ProtocolError,
     ResponseHead,
+    WireTensor,
     bytes_tensor,
+    encode_infer_request,
     error_message,
     infer_request,
     parse_response_head,
@@ -51,6 +53,20 @@ def test_an_infer_request_carries_its_rows_as_binary_data_and_asks_for_binary_ou
 def test_an_infer_request_without_rows_is_refused():
     with pytest.raises(ValueError, match="at least one row"):
         infer_request("localhost", "embed", "TEXT", [])
+
+
+def test_a_request_of_several_inputs_carries_each_one_binary_in_order():
+    first, second = bytes_tensor([b"query"]), bytes_tensor([b"a passage"])
+    ids = struct.pack("<2q", 101, 102)
+    _, header, data = split_request(encode_infer_request("localhost", "rerank", [
+        WireTensor("TEXT", "BYTES", (1, 1), first), WireTensor("TEXT_PAIR", "BYTES", (1, 1), second),
+        WireTensor("IDS", "INT64", (1, 2), ids)]))
+    sent = [(t["name"], t["shape"], t["datatype"], t["parameters"]["binary_data_size"]) for t in header["inputs"]]
+    assert sent == [("TEXT", [1, 1], "BYTES", len(first)), ("TEXT_PAIR", [1, 1], "BYTES", len(second)),
+                    ("IDS", [1, 2], "INT64", 16)]
+    assert data == first + second + ids
+    with pytest.raises(ValueError, match="at least one input"):
+        encode_infer_request("localhost", "rerank", [])
 
 
 @pytest.mark.parametrize(("head", "expected"), [

@@ -3,30 +3,38 @@ deltas from Triton's statistics JSON, the goodput search; and the sweep's argume
 
 import argparse
 import itertools
+import json
 import random
 import statistics
 
+import numpy as np
 import pytest
 
 from tools.bench import sweep
+from tools.bench.inputs import Fill
 from tools.bench.loadgen import (
     LoadTarget,
     RateSearch,
     ServerTimes,
     StepResult,
+    called_models,
     default_stats_models,
     flatten_step,
     http_parameters,
     percentile,
     plot_sweep,
     poisson_arrival_times,
+    request_inputs,
+    request_pair_rows,
     request_rows,
     server_times_delta,
     split_host_port,
     step_to_dict,
     summarize_step,
+    wire_tensor,
 )
 from tools.cli import sweep as sweep_cli
+from tools.clients.http_infer import bytes_tensor
 
 # --------------------------------------------------------------------------- arrivals
 
@@ -200,11 +208,31 @@ def test_server_times_delta_sums_versions_of_one_model():
     assert times.inference_count == 43 * 2 - 3
 
 
+def router_config(lens: str, prefix: str | None = None) -> dict:
+    """A router's config as `get_model_config(as_json=True)["config"]` gives it."""
+    parameters = {"bucket_lens": {"string_value": lens}, "kind": {"string_value": "text-classifier"}}
+    if prefix is not None:
+        parameters["encoder_prefix"] = {"string_value": prefix}
+    return {"name": "router", "backend": "python", "parameters": parameters}
+
+
+def test_a_router_calls_the_bucket_models_its_config_names():
+    assert called_models(router_config("16,32,64,128,256", "encoder_")) == (
+        "encoder_16", "encoder_32", "encoder_64", "encoder_128", "encoder_256")
+    assert called_models(router_config("32, 128", "rerank_")) == ("rerank_32", "rerank_128")
+    assert called_models(router_config("16")) == ("encoder_16",)  # the router's default prefix
+    assert called_models({"name": "encoder_16", "parameters": {"pooling": {"string_value": "none"}}}) == ()
+    assert called_models({"name": "llm"}) == ()  # a model without parameters calls nothing
+
+
 def test_default_stats_models_add_the_routers_ready_buckets():
     index = [{"name": "embed", "state": "READY"}, {"name": "encoder_32", "state": "READY"},
              {"name": "encoder_16", "state": "READY"}, {"name": "encoder_64", "state": "UNAVAILABLE"},
-             {"name": "llm", "state": "READY"}]
-    assert default_stats_models("embed", index) == ["embed", "encoder_16", "encoder_32"]
+             {"name": "llm", "state": "READY"}, {"name": "rerank_32", "state": "READY"}]
+    embed_calls = called_models(router_config("16,32,64", "encoder_"))
+    assert default_stats_models("embed", index, embed_calls) == ["embed", "encoder_16", "encoder_32"]
+    # Another router's buckets, by its own prefix; the other router's buckets are not its own.
+    assert default_stats_models("rerank", index, ("rerank_32", "rerank_128")) == ["rerank", "rerank_32"]
     assert default_stats_models("llm", index) == ["llm"]
 
 
@@ -300,6 +328,13 @@ def test_search_rejects_bad_settings(kwargs):
 def test_load_target_validates_its_fields():
     with pytest.raises(ValueError, match="payload"):
         LoadTarget(grpc_url="x:1", model="embed", texts=(), slo_ms=10)
+    with pytest.raises(ValueError, match="payload"):
+        LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=10, tensors=({"X": np.zeros((1, 2))},))
+    with pytest.raises(ValueError, match="pair each of the 2 texts, got 1"):
+        LoadTarget(grpc_url="x:1", model="rerank", texts=("a", "b"), pair_texts=("c",), slo_ms=10)
+    with pytest.raises(ValueError, match=r"tensors\[1\] must give every input the same number of rows"):
+        LoadTarget(grpc_url="x:1", model="m", texts=(), slo_ms=10,
+                   tensors=({"X": np.zeros((2, 3))}, {"X": np.zeros((2, 3)), "Y": np.zeros((1, 3))}))
     with pytest.raises(ValueError, match="slo_ms"):
         LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=0)
     with pytest.raises(ValueError, match="rows_per_request"):
@@ -327,6 +362,36 @@ def test_requests_take_consecutive_texts_as_rows_and_cycle_through_all_of_them()
     assert request_rows(target) == [[b"a", b"b"], [b"c", b"d"]]
     one_text = LoadTarget(grpc_url="x:1", model="embed", texts=("a",), slo_ms=1, rows_per_request=3)
     assert request_rows(one_text) == [[b"a", b"a", b"a"]]
+
+
+def test_pairs_cycle_row_for_row_beside_their_texts():
+    target = LoadTarget(grpc_url="x:1", model="rerank", texts=("q1", "q2", "q3"), pair_texts=("p1", "p2", "p3"),
+                        slo_ms=1, rows_per_request=2)
+    assert request_rows(target) == [[b"q1", b"q2"]]
+    assert request_pair_rows(target) == [[b"p1", b"p2"]]
+    wraps = LoadTarget(grpc_url="x:1", model="rerank", texts=("q1", "q2", "q3"), pair_texts=("p1", "p2", "p3"),
+                       slo_ms=1, rows_per_request=4)
+    assert request_rows(wraps) == [[b"q1", b"q2", b"q3", b"q1"]]
+    assert request_pair_rows(wraps) == [[b"p1", b"p2", b"p3", b"p1"]]  # each text keeps its partner
+    [inputs] = request_inputs(wraps)
+    assert set(inputs) == {"TEXT", "TEXT_PAIR"}
+    assert inputs["TEXT"].shape == inputs["TEXT_PAIR"].shape == (4, 1)
+    assert inputs["TEXT_PAIR"][:, 0].tolist() == [b"p1", b"p2", b"p3", b"p1"]
+    singles = LoadTarget(grpc_url="x:1", model="embed", texts=("a", "b"), slo_ms=1, input_name="QUERY")
+    assert request_pair_rows(singles) == []
+    assert [list(inputs) for inputs in request_inputs(singles)] == [["QUERY"], ["QUERY"]]
+
+
+def test_tensor_payloads_are_sent_as_given_and_encoded_little_endian():
+    requests = ({"IMAGE": np.ones((2, 3), dtype=np.float32), "MASK": np.array([[1], [0]], dtype=np.int64)},)
+    target = LoadTarget(grpc_url="x:1", model="vision", texts=(), slo_ms=1, tensors=requests)
+    [inputs] = request_inputs(target)
+    assert inputs.keys() == requests[0].keys() and inputs["IMAGE"] is requests[0]["IMAGE"]
+    image = wire_tensor("IMAGE", requests[0]["IMAGE"])
+    assert (image.datatype, image.shape, image.data) == ("FP32", (2, 3), np.ones(6, dtype="<f4").tobytes())
+    assert wire_tensor("MASK", np.array([[1], [0]], dtype=">i8")).data == np.array([1, 0], dtype="<i8").tobytes()
+    text = wire_tensor("TEXT", np.array([[b"a"], [b"bc"]], dtype=object))
+    assert (text.datatype, text.shape, text.data) == ("BYTES", (2, 1), bytes_tensor([b"a", b"bc"]))
 
 
 def test_http_requests_carry_tritons_priority_and_timeout_among_their_parameters():
@@ -384,12 +449,69 @@ def test_sweep_rejects_options_of_the_other_mode(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_pick_text_input_from_model_metadata():
-    embed = {"name": "embed", "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": ["-1", "1"]}]}
-    assert sweep.pick_text_input(embed) == "TEXT"
-    encoder = {"name": "encoder_16", "inputs": [{"name": "INPUT_IDS", "datatype": "INT64", "shape": ["-1", "16"]}]}
-    with pytest.raises(sweep.SweepError, match="exactly one BYTES input"):
-        sweep.pick_text_input(encoder)
+def metadata(name: str, *inputs: tuple[str, str, list[int]]) -> dict:
+    """A model's metadata as `get_model_metadata(as_json=True)` gives it (int64 dims as strings)."""
+    return {"name": name, "inputs": [{"name": n, "datatype": t, "shape": [str(d) for d in shape]}
+                                     for n, t, shape in inputs]}
+
+
+def test_pick_inputs_finds_the_text_input_in_model_metadata():
+    embed = sweep.pick_inputs(metadata("embed", ("TEXT", "BYTES", [-1, 1])))
+    assert (embed.text, embed.pair) == ("TEXT", None)
+    query = sweep.pick_inputs(metadata("search", ("QUERY", "BYTES", [-1, 1]), ("TOP_K", "INT32", [-1, 1])))
+    assert (query.text, query.pair) == ("QUERY", None)
+    with pytest.raises(sweep.SweepError, match=r"several texts .*A, B.*--input"):
+        sweep.pick_inputs(metadata("two", ("A", "BYTES", [-1, 1]), ("B", "BYTES", [-1, 1])))
+    assert sweep.pick_inputs(metadata("two", ("A", "BYTES", [-1, 1]), ("B", "BYTES", [-1, 1])), "B").text == "B"
+
+
+def test_a_model_with_text_and_text_pair_is_sent_pairs_unless_an_input_is_named():
+    rerank = metadata("rerank", ("TEXT", "BYTES", [-1, 1]), ("TEXT_PAIR", "BYTES", [-1, 1]))
+    assert (sweep.pick_inputs(rerank).text, sweep.pick_inputs(rerank).pair) == ("TEXT", "TEXT_PAIR")
+    assert (sweep.pick_inputs(rerank, "TEXT").text, sweep.pick_inputs(rerank, "TEXT").pair) == ("TEXT", None)
+    with pytest.raises(sweep.SweepError, match=r"--input QUERY: model 'rerank' has no BYTES input QUERY .*"
+                                               r"it takes TEXT \(BYTES \[-1, 1\]\), TEXT_PAIR"):
+        sweep.pick_inputs(rerank, "QUERY")
+
+
+def test_a_model_that_takes_no_texts_is_sent_tensors_of_its_declared_types_and_shapes():
+    encoder = sweep.pick_inputs(metadata("encoder_16", ("INPUT_IDS", "INT64", [-1, 16]),
+                                         ("ATTENTION_MASK", "INT64", [-1, 16])))
+    assert encoder.text is None and encoder.pair is None
+    assert [(t.name, t.type_name, t.shape) for t in encoder.tensors] == [
+        ("INPUT_IDS", "TYPE_INT64", (None, 16)), ("ATTENTION_MASK", "TYPE_INT64", (None, 16))]
+    requests = sweep.tensor_requests(encoder, Fill.RANDOM, rows=3, seed=1)
+    assert len(requests) == sweep.NUM_TENSOR_REQUESTS
+    assert {name: (a.shape, a.dtype) for name, a in requests[0].items()} == {
+        "INPUT_IDS": ((3, 16), np.int64), "ATTENTION_MASK": ((3, 16), np.int64)}
+    assert not np.array_equal(requests[0]["INPUT_IDS"], requests[1]["INPUT_IDS"])  # distinct requests
+    [zeros] = sweep.tensor_requests(encoder, Fill.ZEROS, rows=2)
+    assert not zeros["INPUT_IDS"].any()
+    with pytest.raises(sweep.SweepError, match="data type 'COMPLEX'"):
+        sweep.pick_inputs(metadata("odd", ("X", "COMPLEX", [-1, 2])))
+    with pytest.raises(sweep.SweepError, match="declares no inputs"):
+        sweep.pick_inputs(metadata("empty"))
+
+
+def test_tensor_requests_size_free_axes_or_say_how(tmp_path):
+    audio = sweep.pick_inputs(metadata("audio", ("FRAMES", "FP32", [-1, -1, 40])))
+    [request, *_] = sweep.tensor_requests(audio, Fill.RANDOM, rows=2, variable_len=50)
+    assert request["FRAMES"].shape == (2, 50, 40) and request["FRAMES"].dtype == np.float32
+    with pytest.raises(sweep.SweepError, match=r"FRAMES: axis 1 .* is free.*--variable-len N"):
+        sweep.tensor_requests(audio, Fill.RANDOM, rows=2)
+
+
+def test_tensor_requests_take_a_sample_files_rows_in_turn(tmp_path):
+    rerank = sweep.pick_inputs(metadata("rerank", ("TEXT", "BYTES", [-1, 1]), ("TEXT_PAIR", "BYTES", [-1, 1])))
+    samples = tmp_path / "pairs.json"
+    samples.write_text(json.dumps({"data": [{"TEXT": [f"q{i}"], "TEXT_PAIR": [f"p{i}"]} for i in (1, 2, 3)]}))
+    requests = sweep.tensor_requests(rerank, samples, rows=1)
+    assert [r["TEXT_PAIR"].tolist() for r in requests] == [[[b"p1"]], [[b"p2"]], [[b"p3"]]]
+    [both] = sweep.tensor_requests(rerank, samples, rows=2)
+    assert both["TEXT"].tolist() == [[b"q1"], [b"q2"]]
+    with pytest.raises(sweep.SweepError, match=r"pairs.json: data\[0\]: no tensor TEXT_PAIR"):
+        samples.write_text(json.dumps({"data": [{"TEXT": ["q1"]}]}))
+        sweep.tensor_requests(rerank, samples, rows=1)
 
 
 def test_format_step_shows_latency_errors_and_server_queue_vs_compute():

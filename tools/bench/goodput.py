@@ -1,12 +1,16 @@
-"""The goodput benchmark: three setups of the embedding service against the machine's ceiling.
+"""The goodput benchmark: three setups of one text model of the spec against the machine's ceiling.
 
-`run_benchmark` builds a model repository per setup (`no_batching`, `default_batching`:
-one 256-token bucket, `slo_bucketed`: the generated configs) under build/bench/, starts a
-tritonserver on each in turn and searches for the highest open-loop rate that meets the
-SLO (`search_goodput`), then runs the same texts through ONNX Runtime in-process for the
-ceiling (`measure_ceiling`), in rounds; it returns the report that `python -m tools bench
-goodput` writes to results/goodput.json (its --help says what each figure means). The
-round medians, paired ratios and the per-step CPU breakdown are pure.
+`run_benchmark` builds a model repository per setup of the model (`no_batching`,
+`default_batching`: one bucket of the largest length, `slo_bucketed`: the generated configs)
+under build/bench/, starts a tritonserver on each in turn and searches for the highest
+open-loop rate that meets the SLO (`search_goodput`), then runs the same rows through ONNX
+Runtime in-process for the ceiling (`measure_ceiling`: the installed bucket graphs, fed the
+tensors the model's own router makes, run as its bucket configs say), in rounds; it returns
+the report that `python -m tools bench goodput` writes to results/goodput.json for `embed`
+(its --help says what each figure means). The texts follow the model's workload, in its
+tokenizer's tokens, as text pairs for a model that takes pairs (`tools.bench.payloads`).
+The round medians, paired ratios, the rows' bucket tensors and the per-step CPU breakdown
+are pure.
 """
 
 from __future__ import annotations
@@ -16,20 +20,25 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from google.protobuf.json_format import MessageToDict
 from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.embed.encoder import EncoderConfig, parse_encoder_config
+from python_backends.embed.router import EmbedRouter, RouterConfig, parse_router_config
 from tools.bench.harness import BENCH_DIR, build_repository, detect_hardware, hardware_report, without_tenant_quotas
 from tools.bench.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
+from tools.bench.payloads import TextPayload, model_texts
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
-from tools.repository.configs import LLM_INFER_SUFFIX, ROUTER_VERSIONS, GeneratedModel, plan_all
+from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
 from tools.spec.profile import LatencyProfile
-from tools.spec.serving import ServingSpec
-from tools.spec.workload import TextFactory, Workload
+from tools.spec.serving import BucketedModelSpec, ServingSpec
+from tools.spec.workload import Workload
 
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
@@ -71,16 +80,17 @@ def median_ratio(ours: Sequence[float], reference: Sequence[float]) -> float:
     return float(statistics.median(round_ratios(ours, reference)))
 
 
-def embed_plan(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
-    """The generated configs of the embedding service alone (the LLM is benchmarked by `bench llm`)."""
-    llm_names = {m.name for m in spec.llm_models} | {f"{m.name}{LLM_INFER_SUFFIX}" for m in spec.llm_models}
-    return [m for m in plan_all(spec, profile) if m.name not in llm_names]
+def model_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec) -> list[GeneratedModel]:
+    """The generated configs of one text model alone, its router first, then its bucket models
+    (the spec's other models, and the LLM, are benchmarked on their own)."""
+    return plan_embed_model(model, spec, profile)
 
 
-def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool) -> list[GeneratedModel]:
-    """The baselines: the router with a single 256-token bucket, so every input is padded to 256."""
-    plan = {m.name: m for m in embed_plan(spec, profile)}
-    model = spec.models[0]
+def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec,
+                     batching: bool) -> list[GeneratedModel]:
+    """The baselines: the router with a single bucket of the largest length, so every input is
+    padded to it (256 tokens for `embed`)."""
+    plan = {m.name: m for m in model_plan(spec, profile, model)}
     largest = model.bucket_lens[-1]
     router = mc.ModelConfig()
     router.CopyFrom(plan[model.name].config)
@@ -104,13 +114,13 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, batching: bool)
     ]
 
 
-def _run_batches(encoders: list, batches: list[tuple]) -> float:
+def _run_batches(encoders: list, batches: list[dict[str, np.ndarray]]) -> float:
     """Seconds to run `batches` through `encoders` side by side (batch i on encoder i mod n)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def lane(index: int) -> None:
-        for ids, mask in batches[index::len(encoders)]:
-            encoders[index].embed(ids, mask)
+        for batch in batches[index::len(encoders)]:
+            encoders[index].run(batch)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(len(encoders)) as pool:  # ONNX Runtime releases the GIL while it runs
@@ -118,46 +128,86 @@ def _run_batches(encoders: list, batches: list[tuple]) -> float:
     return time.perf_counter() - started
 
 
-def measure_ceiling(texts: list[str], profile: LatencyProfile, bucket_lens: tuple[int, ...], prefix: str) -> dict:
+def router_of(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> RouterConfig:
+    """The model's router settings as its generated config gives them to the served router."""
+    router = next(m for m in plan if m.name == model.name)
+    return parse_router_config(model.name, {key: value.string_value for key, value in router.config.parameters.items()})
+
+
+def bucket_configs(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> dict[int, EncoderConfig]:
+    """Each bucket model's settings as the served backend reads them from its generated config
+    (`parse_encoder_config` on Triton's JSON form of the config)."""
+    configs = {m.name: m.config for m in plan}
+    return {length: parse_encoder_config(MessageToDict(configs[model.encoder_name(length)],
+                                                       preserving_proto_field_name=True))
+            for length in model.bucket_lens}
+
+
+def bucket_rows(payload: TextPayload, router: EmbedRouter) -> dict[int, list[dict[str, np.ndarray]]]:
+    """Every row's bucket tensors (each int64 [1, bucket length]) as the model's router makes
+    them for a request of that one row, pair or query prefix included, by bucket length."""
+    pairs = payload.pair_texts or (None,) * len(payload.texts)
+    rows: dict[int, list[dict[str, np.ndarray]]] = {}
+    for text, pair in zip(payload.texts, pairs, strict=True):
+        prepared = router.prepare([text], None, raw_pairs=None if pair is None else [pair])
+        for chunk in prepared.chunks:
+            rows.setdefault(chunk.chunk.bucket_len, []).append(chunk.tensors)
+    return rows
+
+
+def stack_rows(rows: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One batch of bucket rows: each tensor's rows stacked in order."""
+    return {name: np.concatenate([row[name] for row in rows]) for name in rows[0]}
+
+
+def served_version(model: BucketedModelSpec) -> int:
+    """The version that takes most of the unpinned traffic at start (the spec's `traffic`)."""
+    return max(model.traffic, key=lambda version: (model.traffic[version], -version))
+
+
+def measure_ceiling(payload: TextPayload, profile: LatencyProfile, model: BucketedModelSpec,
+                    plan: Sequence[GeneratedModel], repository: Path = DEFAULT_MODEL_REPOSITORY) -> dict:
     """Rows/s of the mix run in-process through ONNX Runtime, ideally bucketed, at the best batch sizes.
 
-    Each bucket runs the better of two ways to use every core: one session whose thread
-    pool spans all cores, or one single-threaded session per core run side by side.
+    The rows are tokenized and bucketed by the model's own router code (`bucket_rows`, with the
+    router's installed tokenizer), and run through the installed `model.onnx` of each bucket
+    model in `repository` (of the version that serves the traffic) with its generated config's
+    graph settings (inputs, output, pooling). Each bucket runs the better of two ways to use
+    every core: one session whose thread pool spans all cores, or one single-threaded session
+    per core run side by side; idle threads may spin (the ceiling has the machine to itself).
     """
     from python_backends.common.tokenization import TextTokenizer
-    from python_backends.embed.buckets import choose_bucket, pad_rows, truncate_tokens
-    from python_backends.embed.encoder import EncoderConfig, OnnxEncoder
+    from python_backends.embed.encoder import OnnxEncoder
 
-    tokenizer = TextTokenizer.from_file(DEFAULT_MODEL_REPOSITORY / "embed" / "1" / "tokenizer.json")
-    rows_by_bucket: dict[int, list[list[int]]] = {}
-    for ids in tokenizer.encode(texts):
-        ids = truncate_tokens(ids, bucket_lens[-1])
-        rows_by_bucket.setdefault(choose_bucket(len(ids), bucket_lens), []).append(ids)
-    onnx_path = DEFAULT_MODEL_REPOSITORY / f"{prefix}{bucket_lens[0]}" / "1" / "model.onnx"
+    tokenizer = TextTokenizer.from_file(repository / model.name / str(ROUTER_VERSIONS[0]) / "tokenizer.json")
+    rows_by_bucket = bucket_rows(payload, EmbedRouter(router_of(plan, model), tokenizer))
+    configs = bucket_configs(plan, model)
+    version = served_version(model)
     cores = os.cpu_count() or 1
     per_bucket = {}
     total_s = 0.0
     for bucket_len, rows in sorted(rows_by_bucket.items()):
-        name = f"{prefix}{bucket_len}"
+        name = model.encoder_name(bucket_len)
+        onnx_path = repository / name / str(version) / "model.onnx"
         curve = profile.curve(name)
         best = max(curve.sizes, key=curve.throughput_rps)
-        batches = [pad_rows(rows[start:start + best], bucket_len, tokenizer.pad_id)
-                   for start in range(0, len(rows), best)]
-        ways = {"one_session_all_cores": [OnnxEncoder(onnx_path, EncoderConfig(name, bucket_len, best))],
-                "one_thread_per_core": [OnnxEncoder(onnx_path, EncoderConfig(name, bucket_len, best,
-                                                                               intra_op_threads=1))
+        batches = [stack_rows(rows[start:start + best]) for start in range(0, len(rows), best)]
+        config = replace(configs[bucket_len], max_batch_size=best, allow_spinning=True)
+        ways = {"one_session_all_cores": [OnnxEncoder(onnx_path, replace(config, intra_op_threads=0))],
+                "one_thread_per_core": [OnnxEncoder(onnx_path, replace(config, intra_op_threads=1))
                                         for _ in range(cores)]}
         seconds = {}
         for way, encoders in ways.items():
             for encoder in encoders:  # warm-up
-                encoder.embed(*batches[0])
+                encoder.run(batches[0])
             seconds[way] = _run_batches(encoders, batches)
         fastest = min(seconds, key=seconds.get)
         total_s += seconds[fastest]
         per_bucket[str(bucket_len)] = {"rows": len(rows), "batch_size": best, "way": fastest,
                                        "seconds": round(seconds[fastest], 3),
                                        "seconds_by_way": {way: round(t, 3) for way, t in seconds.items()}}
-    return {"rows_per_s": len(texts) / total_s, "rows": len(texts), "buckets": per_bucket}
+    num_rows = sum(len(rows) for rows in rows_by_bucket.values())
+    return {"rows_per_s": num_rows / total_s, "rows": num_rows, "buckets": per_bucket}
 
 
 def cpu_breakdown(before: Mapping[str, float], after: Mapping[str, float], result: StepResult,
@@ -204,13 +254,14 @@ async def search_goodput(target: LoadTarget, options: GoodputOptions, log,
     return search.best_rate, steps, breakdowns
 
 
-def run_setup(setup: str, repository: Path, texts: list[str], slo_ms: float, options: GoodputOptions,
-              log) -> dict:
+def run_setup(setup: str, repository: Path, model: str, payload: TextPayload, rows_per_request: int, slo_ms: float,
+              options: GoodputOptions, log) -> dict:
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1")
     log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
     with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
-        target = LoadTarget(grpc_url=server.grpc_url, model="embed", texts=tuple(texts), slo_ms=slo_ms,
+        target = LoadTarget(grpc_url=server.grpc_url, model=model, texts=payload.texts, pair_texts=payload.pair_texts,
+                            rows_per_request=rows_per_request, slo_ms=slo_ms,
                             http_url=server.http_url if options.protocol == "http" else None)
         goodput, steps, breakdowns = asyncio.run(search_goodput(target, options, log, server.cpu_seconds_by_part))
     log(f"  {setup}: goodput {goodput:.1f} rps")
@@ -241,8 +292,8 @@ def plot_goodput(report: dict, path: Path) -> None:
                label=f"ceiling (in-process ONNX Runtime, {median}{report['ceiling_rps']:.1f})")
     ax.set_ylabel("goodput, requests/s (p95 within SLO, no errors)" + (f", median of {rounds} rounds"
                                                                           if rounds > 1 else ""), fontsize=8)
-    ax.set_title(f"{report['workload']} mix, SLO p95 {report['slo_ms']:.0f} ms, {report['hardware']['description']}",
-                 fontsize=9)
+    ax.set_title(f"{report.get('model', 'embed')}, {report['workload']} mix, SLO p95 {report['slo_ms']:.0f} ms, "
+                 f"{report['hardware']['description']}", fontsize=9)
     ax.set_ylim(0, max([report["ceiling_rps"], *values]) * 1.3)  # room for the legend above the ceiling
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -264,16 +315,20 @@ def goodput_options(quick: bool, step_s: float, start_rps: float, max_steps: int
                           ceiling_rows=1000, repeats=repeats, protocol=protocol)
 
 
-def run_benchmark(spec: ServingSpec, profile: LatencyProfile, workload: Workload, setups: Sequence[str],
-                  options: GoodputOptions, command: str, log: Callable[[str], None]) -> dict:
-    """Every setup's goodput search and the ceiling, `options.repeats` rounds; the report.
-    Raises `ServerError` when a server does not start or fails."""
-    model = spec.models[0]
+def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile, workload: Workload,
+                  setups: Sequence[str], options: GoodputOptions, command: str, log: Callable[[str], None]) -> dict:
+    """Every setup's goodput search of `model` and the ceiling, `options.repeats` rounds; the
+    report. Raises `ServerError` when a server does not start or fails; `SpecError` (or
+    `ProfileError`) when the model's configs cannot be generated."""
     hardware = detect_hardware(None)
-    log(f"goodput benchmark on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms; workload {workload.name}")
-    factory = TextFactory()
-    texts = factory.texts_for(workload, options.num_texts)
+    log(f"goodput benchmark of {model.name} on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms; "
+        f"workload {workload.name}" + (" as text pairs" if model.pairs else ""))
+    payload = model_texts(model, workload, options.num_texts)
+    plans = {setup: (model_plan(spec, profile, model) if setup == "slo_bucketed"
+                     else padded_only_plan(spec, profile, model, setup == "default_batching"))
+             for setup in dict.fromkeys((*setups, "slo_bucketed"))}  # the ceiling runs as the generated configs say
     report: dict = {
+        "model": model.name,
         "hardware": hardware_report(hardware, details=True),
         "slo_ms": model.slo_p95_ms,
         "workload": workload.name,
@@ -284,21 +339,19 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, workload: Workload
         "load_generator": {"protocol": options.protocol, "on_the_measured_machine": True},
         "setups": {},
     }
-    repositories = {}
-    for setup in setups:
-        plan = (embed_plan(spec, profile) if setup == "slo_bucketed"
-                else padded_only_plan(spec, profile, setup == "default_batching"))
-        repositories[setup] = build_repository(setup, without_tenant_quotas(plan, model.name))
+    repositories = {setup: build_repository(setup, without_tenant_quotas(plans[setup], model.name))
+                    for setup in setups}
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}
     ceilings: list[dict] = []
     for round_index in range(options.repeats):
         if options.repeats > 1:
             log(f"round {round_index + 1} of {options.repeats}")
         for setup in setups:
-            runs[setup].append(run_setup(setup, repositories[setup], texts, model.slo_p95_ms, options, log))
+            runs[setup].append(run_setup(setup, repositories[setup], model.name, payload,
+                                         workload.rows_per_request, model.slo_p95_ms, options, log))
         log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
-        ceilings.append(measure_ceiling(texts[: options.ceiling_rows], profile, model.bucket_lens,
-                                        model.encoder_prefix))
+        ceiling_rows = TextPayload(payload.texts[: options.ceiling_rows], payload.pair_texts[: options.ceiling_rows])
+        ceilings.append(measure_ceiling(ceiling_rows, profile, model, plans["slo_bucketed"]))
         log(f"  ceiling: {ceilings[-1]['rows_per_s'] / workload.rows_per_request:.1f} rps")
     ceiling_by_round = [c["rows_per_s"] / workload.rows_per_request for c in ceilings]
     for setup, setup_runs in runs.items():

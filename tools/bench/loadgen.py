@@ -1,8 +1,10 @@
 """Load generation against a Triton model: open loop (Poisson arrivals) and closed loop.
 
 The pure part decides and summarises: arrival times, percentiles, one step's result, the
-per-model server-side deltas from Triton's statistics API, and the goodput search
-(`RateSearch`: propose a rate, take its measured result back, decide whether it is done).
+per-model server-side deltas from Triton's statistics API, the models a router calls (read
+from its config, so any bucketed model's bucket models are measured with it), each distinct
+request's inputs (texts, text pairs, or tensors), and the goodput search (`RateSearch`:
+propose a rate, take its measured result back, decide whether it is done).
 The async runners only send requests and record what happened, on one event loop: over
 `tritonclient.grpc.aio` (one channel), or, with `LoadTarget.http_url`, over Triton's HTTP
 endpoint with the lean keep-alive client of `tools.clients.http_infer`, which takes about half
@@ -28,15 +30,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tools.clients.http_infer import HttpInferClient, ProtocolError, error_message, infer_request
+import numpy as np
+
+from tools.clients.http_infer import (
+    HttpInferClient,
+    ProtocolError,
+    WireTensor,
+    bytes_tensor,
+    encode_infer_request,
+    error_message,
+)
 from tools.clients.retrying import Outcome, classify
 from tools.clients.tls import client_tls_kwargs
 
 Mode = Literal["open", "closed"]
 
-# Router models whose work happens in other models (BLS): their stats are collected too.
-# model -> name prefix of the models it calls.
-COMPOSED_MODELS = {"embed": "encoder_"}
+# A router's config parameters that name the bucket models it calls over BLS (RouterParameters).
+BUCKET_LENS_PARAMETER, PREFIX_PARAMETER = "bucket_lens", "encoder_prefix"
+DEFAULT_PREFIX = "encoder_"  # RouterParameters' default, when a config leaves it out
 MAX_ERROR_SAMPLES = 5
 MAX_ERROR_CHARS = 300
 
@@ -265,15 +276,22 @@ def server_times_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> d
     return times
 
 
-def default_stats_models(model: str, repository_index: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The model itself plus, for a router, the ready models it calls (from the
-    repository index JSON: [{"name":..., "state": "READY"}, ...])."""
-    models = [model]
-    prefix = COMPOSED_MODELS.get(model)
-    if prefix:
-        models += sorted({entry["name"] for entry in repository_index
-                          if entry.get("state") == "READY" and entry["name"].startswith(prefix)})
-    return models
+def called_models(model_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The bucket models a router model calls over BLS, from its config (Triton's JSON form,
+    `get_model_config(as_json=True)["config"]`): `encoder_prefix` + each of `bucket_lens`.
+    Empty for a model without `bucket_lens` (it does its work itself)."""
+    parameters = model_config.get("parameters") or {}
+    lens = (parameters.get(BUCKET_LENS_PARAMETER) or {}).get("string_value", "")
+    prefix = (parameters.get(PREFIX_PARAMETER) or {}).get("string_value") or DEFAULT_PREFIX
+    return tuple(f"{prefix}{length.strip()}" for length in lens.split(",") if length.strip())
+
+
+def default_stats_models(model: str, repository_index: Sequence[Mapping[str, Any]],
+                         called: Sequence[str] = ()) -> list[str]:
+    """The model itself plus the ready ones among the models it calls (`called_models`), from
+    the repository index JSON: [{"name":..., "state": "READY"}, ...]."""
+    ready = {entry["name"] for entry in repository_index if entry.get("state") == "READY"}
+    return [model, *sorted(ready & set(called))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -364,14 +382,23 @@ class RateSearch:
 
 @dataclass(frozen=True)
 class LoadTarget:
-    """What to send where, and how to judge it."""
+    """What to send where, and how to judge it.
+
+    A request carries texts (rows of one BYTES input), text pairs (`pair_texts` beside
+    `texts`, a second BYTES input with the same rows), or, for a model that does not take
+    texts, `tensors`: each distinct request's inputs as arrays.
+    """
 
     grpc_url: str  # host:port of Triton's gRPC endpoint
     model: str  # model to call
-    texts: tuple[str, ...]  # payload texts, cycled in order
+    texts: tuple[str, ...]  # payload texts, cycled in order; empty with `tensors`
     slo_ms: float  # latency SLO a successful request must meet to count as goodput
     input_name: str = "TEXT"  # the model's BYTES input, shape [rows, 1]
     rows_per_request: int = 1  # consecutive texts sent as the rows of one request
+    pair_texts: tuple[str, ...] = ()  # each text's pair partner (same index), sent as `pair_input_name`; () = none
+    pair_input_name: str = "TEXT_PAIR"  # the model's second BYTES input, shape [rows, 1], when pairs are sent
+    # Instead of texts: each distinct request's inputs by name, batch axis first, cycled in order.
+    tensors: tuple[Mapping[str, np.ndarray], ...] = field(default=(), compare=False)
     parameters: Mapping[str, str | int | float | bool] = field(default_factory=dict)  # KServe request parameters
     priority: int = 0  # Triton request priority (0 = the model's default level)
     timeout_us: int | None = None  # Triton request queue timeout, microseconds
@@ -382,8 +409,15 @@ class LoadTarget:
     http_url: str | None = None  # host:port of Triton's HTTP endpoint: send the requests there; None = over gRPC
 
     def __post_init__(self) -> None:
-        if not self.texts:
-            raise ValueError("LoadTarget needs at least one payload text")
+        if bool(self.texts) == bool(self.tensors):
+            raise ValueError("LoadTarget needs one kind of payload: at least one text, or tensors (not both)")
+        if self.pair_texts and len(self.pair_texts) != len(self.texts):
+            raise ValueError(f"pair_texts must pair each of the {len(self.texts)} texts, got {len(self.pair_texts)}")
+        for index, inputs in enumerate(self.tensors):
+            rows = {name: array.shape[0] if array.ndim else None for name, array in inputs.items()}
+            if not rows or len(set(rows.values())) != 1 or None in rows.values() or 0 in rows.values():
+                raise ValueError(f"tensors[{index}] must give every input the same number of rows >= 1 on "
+                                 f"axis 0, got {rows}")
         if self.rows_per_request < 1:
             raise ValueError(f"rows_per_request must be >= 1, got {self.rows_per_request}")
         if not self.slo_ms > 0:
@@ -404,12 +438,45 @@ def split_host_port(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _cycled_rows(texts: Sequence[str], rows: int) -> list[list[bytes]]:
+    return [[texts[(index * rows + row) % len(texts)].encode() for row in range(rows)]
+            for index in range(max(1, len(texts) // rows))]
+
+
 def request_rows(target: LoadTarget) -> list[list[bytes]]:
     """The rows of each distinct request: consecutive texts, `rows_per_request` at a time,
     cycling until every text has been sent once (at least one request)."""
-    rows, texts = target.rows_per_request, target.texts
-    return [[texts[(index * rows + row) % len(texts)].encode() for row in range(rows)]
-            for index in range(max(1, len(texts) // rows))]
+    return _cycled_rows(target.texts, target.rows_per_request)
+
+
+def request_pair_rows(target: LoadTarget) -> list[list[bytes]]:
+    """The second members of each request's pairs, row for row beside `request_rows` (the
+    text at the same index of `pair_texts`); empty when the target sends no pairs."""
+    return _cycled_rows(target.pair_texts, target.rows_per_request) if target.pair_texts else []
+
+
+def request_inputs(target: LoadTarget) -> list[dict[str, np.ndarray]]:
+    """Each distinct request's inputs by name: texts (and their pairs) as BYTES [rows, 1]
+    (numpy object arrays of bytes), or the target's tensors."""
+    if target.tensors:
+        return [dict(inputs) for inputs in target.tensors]
+    requests = [{target.input_name: np.array(rows, dtype=object).reshape(len(rows), 1)}
+                for rows in request_rows(target)]
+    for inputs, rows in zip(requests, request_pair_rows(target), strict=False):
+        inputs[target.pair_input_name] = np.array(rows, dtype=object).reshape(len(rows), 1)
+    return requests
+
+
+def wire_tensor(name: str, array: np.ndarray) -> WireTensor:
+    """An input array as the HTTP binary tensor extension sends it."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    datatype = np_to_triton_dtype(array.dtype)
+    if datatype == "BYTES":
+        data = bytes_tensor([item if isinstance(item, bytes) else str(item).encode() for item in array.ravel()])
+    else:
+        data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    return WireTensor(name, datatype, tuple(array.shape), data)
 
 
 def http_parameters(target: LoadTarget) -> dict[str, object]:
@@ -425,14 +492,17 @@ def http_parameters(target: LoadTarget) -> dict[str, object]:
 
 def _build_inputs(target: LoadTarget) -> list[list[Any]]:
     """One prepared gRPC input list per distinct request (serialised once, reused)."""
-    import numpy as np
     import tritonclient.grpc.aio as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
 
     prepared = []
-    for batch in request_rows(target):
-        tensor = grpcclient.InferInput(target.input_name, [len(batch), 1], "BYTES")
-        tensor.set_data_from_numpy(np.array(batch, dtype=object).reshape(len(batch), 1))
-        prepared.append([tensor])
+    for inputs in request_inputs(target):
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        prepared.append(tensors)
     return prepared
 
 
@@ -450,8 +520,10 @@ class _Sender:
             self.inputs: list[Any] = _build_inputs(target)
         else:
             parameters = http_parameters(target)
-            self.inputs = [infer_request(http.host, target.model, target.input_name, rows, parameters)
-                           for rows in request_rows(target)]
+            self.inputs = [encode_infer_request(http.host, target.model,
+                                                [wire_tensor(name, array) for name, array in inputs.items()],
+                                                parameters)
+                           for inputs in request_inputs(target)]
         self.next_index = 0
         self.latencies_ms: list[float] = []
         self.errors: list[str] = []
@@ -515,10 +587,23 @@ async def ready_models_index(client: Any) -> list[dict[str, str]]:
     return [{"name": entry["name"], "state": "READY"} for entry in stats.get("model_stats", [])]
 
 
+async def router_calls(client: Any, model: str) -> tuple[str, ...]:
+    """The models `model` calls (`called_models` of its config, read from the server); none
+    when the server has no such model (its requests then fail, and count as errors)."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        config = await client.get_model_config(model, as_json=True)
+    except InferenceServerException:
+        return ()
+    return called_models(config.get("config", config))
+
+
 async def resolve_stats_models(client: Any, target: LoadTarget) -> list[str]:
     if target.stats_models:
         return list(target.stats_models)
-    return default_stats_models(target.model, await ready_models_index(client))
+    return default_stats_models(target.model, await ready_models_index(client),
+                                await router_calls(client, target.model))
 
 
 async def _measure(target: LoadTarget, mode: Mode, load: float, drive) -> StepResult:

@@ -4,9 +4,11 @@
 flight in the closed one) or the rates a `RateSearch` proposes, through the load generator
 (`tools.bench.loadgen`), which also reads Triton's statistics API for queue and compute
 time per step. `check_server` checks the server over gRPC (and HTTP) before the sweep;
-`write_results` writes the steps as JSON or CSV. The rest is pure: the request
-parameters split into Triton request fields, the text input found in model metadata, the
-progress lines and the results document. `python -m tools sweep` drives it.
+`write_results` writes the steps as JSON or CSV; `tensor_requests` reads a sample file
+when given one. The rest is pure: the request parameters split into Triton request fields,
+what to send found in the model's metadata (`pick_inputs`: its text input, a text pair's
+two inputs, or, for a model that does not take texts, every input with its type and shape),
+the progress lines and the results document. `python -m tools sweep` drives it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tools.bench.inputs import Fill, InputDataError, batch_inputs, load_input_data, make_inputs, wire_type
 from tools.bench.loadgen import (
     LoadTarget,
     RateSearch,
@@ -25,16 +31,20 @@ from tools.bench.loadgen import (
     default_stats_models,
     flatten_step,
     ready_models_index,
+    router_calls,
     run_closed_loop,
     run_open_loop,
     split_host_port,
     step_to_dict,
 )
 from tools.clients.tls import client_tls_kwargs
+from tools.repository.graph import TensorInfo
 
 DEFAULT_RATES = (5.0, 10.0, 20.0)
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 NUM_TEXTS = 1000  # distinct payloads per sweep, cycled
+NUM_TENSOR_REQUESTS = 16  # distinct random tensor requests per sweep, cycled (each is encoded once)
+TEXT_INPUT, PAIR_INPUT = "TEXT", "TEXT_PAIR"  # a text-pair classifier's inputs (the kit's router)
 CONNECT_TIMEOUT_S = 5.0
 # Request parameters that are fields of a Triton request rather than KServe parameters.
 PRIORITY_KEY, TIMEOUT_KEY = "priority", "timeout"
@@ -54,15 +64,76 @@ def split_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, Any], int
     return rest, int(parameters.get(PRIORITY_KEY, 0)), parameters.get(TIMEOUT_KEY)
 
 
-def pick_text_input(metadata: Mapping[str, Any]) -> str:
-    """The name of the model's one BYTES input of shape [-1, 1] (from model metadata JSON)."""
-    candidates = [entry["name"] for entry in metadata.get("inputs", [])
-                  if entry.get("datatype") == "BYTES" and [int(d) for d in entry.get("shape", [])] == [-1, 1]]
-    if len(candidates) != 1:
-        found = [(e.get("name"), e.get("datatype"), e.get("shape")) for e in metadata.get("inputs", [])]
-        raise SweepError(f"model {metadata.get('name')!r} needs exactly one BYTES input of shape [-1, 1] to sweep; "
-                         f"it has {found} (if one of them takes text, name it with --input)")
-    return candidates[0]
+@dataclass(frozen=True)
+class ModelInputs:
+    """What the sweep sends a model, from its metadata."""
+
+    text: str | None  # the BYTES [-1, 1] input texts go to; None: the model does not take texts
+    pair: str | None  # the BYTES [-1, 1] input of each text's pair partner; None: single texts
+    tensors: tuple[TensorInfo, ...]  # every input as declared (batch axis first), for sample files and tensors
+
+
+def metadata_tensors(metadata: Mapping[str, Any]) -> tuple[TensorInfo, ...]:
+    """The model's inputs from its metadata JSON (`get_model_metadata(as_json=True)`): a free
+    axis (-1) is None, BYTES is the config's TYPE_STRING."""
+    tensors = []
+    for entry in metadata.get("inputs", []):
+        datatype = entry.get("datatype", "")
+        try:
+            data_type = mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+        except ValueError:
+            raise SweepError(f"model {metadata.get('name')!r}: input {entry.get('name')!r} has data type "
+                             f"{datatype!r}, which the sweep cannot make") from None
+        shape = tuple(None if int(size) < 0 else int(size) for size in entry.get("shape", []))
+        tensors.append(TensorInfo(entry["name"], data_type, shape))
+    return tuple(tensors)
+
+
+def _describe(tensor: TensorInfo) -> str:
+    shape = ", ".join("-1" if size is None else str(size) for size in tensor.shape)
+    return f"{tensor.name} ({wire_type(tensor)} [{shape}])"
+
+
+def pick_inputs(metadata: Mapping[str, Any], text_input: str | None = None) -> ModelInputs:
+    """What to send: texts to the model's one BYTES input of shape [-1, 1] (or `text_input`),
+    pairs to a model with both TEXT and TEXT_PAIR, else tensors made from every input."""
+    tensors = metadata_tensors(metadata)
+    texts = [t.name for t in tensors if t.type_name == "TYPE_STRING" and t.shape == (None, 1)]
+    name = metadata.get("name")
+    if text_input is not None:
+        if text_input not in texts:
+            raise SweepError(f"--input {text_input}: model {name!r} has no BYTES input {text_input} of shape [-1, 1]; "
+                             f"it takes {', '.join(map(_describe, tensors)) or 'no inputs'}")
+        return ModelInputs(text_input, None, tensors)
+    if TEXT_INPUT in texts and PAIR_INPUT in texts:
+        return ModelInputs(TEXT_INPUT, PAIR_INPUT, tensors)
+    if len(texts) == 1:
+        return ModelInputs(texts[0], None, tensors)
+    if texts:
+        raise SweepError(f"model {name!r} takes several texts ({', '.join(texts)}); name the one to send with --input")
+    if not tensors:
+        raise SweepError(f"model {name!r} declares no inputs in its metadata; the sweep has nothing to send")
+    return ModelInputs(None, None, tensors)
+
+
+def tensor_requests(inputs: ModelInputs, fill: Fill | Path, rows: int, *, variable_len: int | None = None,
+                    num_requests: int = NUM_TENSOR_REQUESTS, seed: int = 0) -> tuple[dict[str, np.ndarray], ...]:
+    """The distinct requests of a tensor sweep, `rows` rows each: random or zero tensors of the
+    declared types and shapes (every free axis after the batch axis `variable_len` long), or the
+    samples of a file in perf_analyzer's `--input-data` JSON form, taken in turn. A SweepError
+    says why the inputs cannot be made."""
+    try:
+        if isinstance(fill, Path):
+            samples = load_input_data(fill, inputs.tensors, variable_len=variable_len)
+            count = max(1, min(num_requests, len(samples) // rows))
+            return tuple(batch_inputs(samples, rows, start=index * rows) for index in range(count))
+        rng = np.random.default_rng(seed)
+        count = num_requests if fill is Fill.RANDOM else 1  # zeros are all alike
+        return tuple(make_inputs(inputs.tensors, rows, fill=fill, variable_len=variable_len, seed=rng)
+                     for _ in range(count))
+    except InputDataError as err:
+        hint = " (--variable-len N sizes every free axis)" if "is free" in str(err) else ""
+        raise SweepError(f"{err}{hint}") from None
 
 
 def step_label(result: StepResult) -> str:
@@ -122,27 +193,28 @@ def write_results(path: Path, document: Mapping[str, Any], results: Sequence[Ste
 # ------------------------------------------------------------------ running
 
 
-async def check_server(target: LoadTarget, input_name: str | None) -> LoadTarget:
-    """Reachable server, ready model, its text input and the models to read stats of."""
+async def check_server(grpc_url: str, model: str, *, input_name: str | None = None, tls_ca: Path | None = None,
+                       http_url: str | None = None) -> tuple[ModelInputs, tuple[str, ...]]:
+    """Reachable server and ready model; what to send it (`pick_inputs` of its metadata) and
+    the models to read stats of (the model and, for a router, the ready models it calls)."""
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    async with grpcclient.InferenceServerClient(target.grpc_url, **client_tls_kwargs(target.tls_ca)) as client:
+    async with grpcclient.InferenceServerClient(grpc_url, **client_tls_kwargs(tls_ca)) as client:
         try:
             await client.is_server_live(client_timeout=CONNECT_TIMEOUT_S)
         except InferenceServerException as err:
-            raise SweepError(f"cannot reach tritonserver over gRPC at {target.grpc_url} ({err.message()}); "
+            raise SweepError(f"cannot reach tritonserver over gRPC at {grpc_url} ({err.message()}); "
                              "is it running (python -m tools serve) and is --url its gRPC port?") from None
         index = await ready_models_index(client)
-        if not await client.is_model_ready(target.model):
+        if not await client.is_model_ready(model):
             ready = sorted({e["name"] for e in index})
-            raise SweepError(f"model {target.model!r} is not ready on {target.grpc_url} (ready: {ready})")
-        if input_name is None:
-            input_name = pick_text_input(await client.get_model_metadata(target.model, as_json=True))
-    if target.http_url is not None:
-        check_http(target.http_url)
-    return replace(target, input_name=input_name,
-                   stats_models=target.stats_models or tuple(default_stats_models(target.model, index)))
+            raise SweepError(f"model {model!r} is not ready on {grpc_url} (ready: {ready})")
+        inputs = pick_inputs(await client.get_model_metadata(model, as_json=True), input_name)
+        stats_models = default_stats_models(model, index, await router_calls(client, model))
+    if http_url is not None:
+        check_http(http_url)
+    return inputs, tuple(stats_models)
 
 
 def check_http(url: str) -> None:

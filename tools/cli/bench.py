@@ -1,13 +1,17 @@
 """Benchmarks against a real tritonserver, each with its baselines in the same run.
 
 `goodput`: the highest offered request rate (open loop, Poisson arrivals) at which at
-least 95% of requests finish within the SLO and none fail, for three setups of the same
-embedding model on one length mix:
-  no_batching       one model, every input padded to 256 tokens, no dynamic batching
-  default_batching  one model, inputs padded to 256, Triton's dynamic batching with default knobs
+least 95% of requests finish within the SLO and none fail, for three setups of one text
+model of the serving spec (`--model`, default `embed`; a text encoder or classifier) on its
+workload's length mix (text pairs for a model that takes pairs):
+  no_batching       one bucket model, every input padded to the largest bucket (256 tokens
+                    for embed), no dynamic batching
+  default_batching  one bucket model, inputs padded to the largest bucket, Triton's dynamic
+                    batching with default knobs
   slo_bucketed      this project's length buckets with SLO-derived configs
 plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
 bucketed at the best measured batch sizes (what this hardware can do at all).
+The model must be installed in model_repository/ (build-models, add-model) and profiled.
 The machine's speed drifts while the searches run (shared hosts), so the full run repeats
 the setups and the ceiling in rounds (`--repeats`, default 3), each round's ceiling measured
 right after its searches, and reports medians: each setup's median goodput, the median
@@ -39,8 +43,11 @@ from tools.bench import llm as bench_llm
 from tools.bench import overload as bench_overload
 from tools.bench import signals as bench_signals
 from tools.bench.harness import measured_goodput, write_json, write_report
+from tools.bench.payloads import find_model
 from tools.clients.tenant_token import KeysError, tenant_parameters
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
+from tools.planning.derivation import InfeasibleSLO
+from tools.repository.sources import SourceError
 from tools.server.triton_server import ServerError
 from tools.spec.profile import ProfileError, load_profile
 from tools.spec.serving import SpecError, load_spec
@@ -78,11 +85,15 @@ def run(args: argparse.Namespace) -> int:
 
 def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
     setups = bench_goodput.SETUPS
-    parser.add_argument("--out", type=Path, default=Path("results/goodput.json"),
-                        help="result JSON; a PNG plot is written beside it (default: %(default)s)")
+    parser.add_argument("--model", default="embed",
+                        help="the spec's text model to benchmark, by name (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON; a PNG plot is written beside it (default: results/goodput.json for "
+                             "embed, results/goodput_NAME.json for another model)")
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
     parser.add_argument("--profile", type=Path, default=None, help="latency profile (default: the spec's)")
-    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="length mix (default: %(default)s)")
+    parser.add_argument("--workload", type=Path, default=None,
+                        help="length mix (default: the model's workload in the spec)")
     parser.add_argument("--setups", default=",".join(setups),
                         help=f"comma-separated subset of {', '.join(setups)} (default: all)")
     parser.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
@@ -113,18 +124,30 @@ def run_goodput(args: argparse.Namespace) -> int:
         return 2
     try:
         spec = load_spec(args.spec)
+        model = find_model(spec, args.model)
         profile = load_profile(args.profile or spec.profile)
-        workload = load_workload(args.workload)
+        workload = load_workload(args.workload or model.workload)
     except (SpecError, ProfileError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    out = args.out or goodput_results(model.name)
     try:
-        report = bench_goodput.run_benchmark(spec, profile, workload, setups, options, command_line("goodput"), log)
+        report = bench_goodput.run_benchmark(spec, model, profile, workload, setups, options, command_line("goodput"),
+                                             log)
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    write_report(report, args.out, bench_goodput.plot_goodput, log)
+    except (SpecError, ProfileError, SourceError, InfeasibleSLO) as err:  # its configs or texts cannot be made
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    write_report(report, out, bench_goodput.plot_goodput, log)
     return 0
+
+
+def goodput_results(model: str) -> Path:
+    """Where a model's goodput report goes by default: results/goodput.json for the built-in
+    `embed` (what `bench overload` and `bench signals` read), results/goodput_<model>.json else."""
+    return Path("results/goodput.json") if model == "embed" else Path(f"results/goodput_{model}.json")
 
 
 # ------------------------------------------------------------------ llm

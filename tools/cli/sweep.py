@@ -4,9 +4,16 @@ Open loop (`--mode open`) sends requests at Poisson arrival times for each rate 
 `--rates`, never waiting for earlier answers, and measures latency from each request's
 scheduled send time; `--search START` instead looks for the highest rate that meets the
 SLO (doubling, then bisection). Closed loop (`--mode closed`) keeps each `--concurrency`
-level of requests in flight. Texts follow a workload's length mix. Every step also reads
+level of requests in flight.
+
+What a request carries is read from the model's metadata, as perf_analyzer does: texts for a
+model with one BYTES input of shape [-1, 1], text pairs for one with TEXT and TEXT_PAIR (a
+reranker), following the length mix of the model's workload in the serving spec (else
+`--workload`), written in the model's own tokens; for any other model, its inputs made from
+their declared types and shapes (`--input-data random`, `zeros`, or a sample file in
+perf_analyzer's `--input-data` JSON form, which also gives texts). Every step also reads
 Triton's statistics API, so queue time (waiting to be batched) and compute time per
-execution are shown for the model and, for `embed`, its bucket encoders.
+execution are shown for the model and, for a bucketed model's router, its bucket models.
 
 Example:
   python -m tools sweep --mode open --rates 10,20,40,80 --duration 10 --slo-ms 100 --out build/sweep.json
@@ -23,22 +30,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tools.bench.inputs import Fill, parse_fill
 from tools.bench.loadgen import LoadTarget, RateSearch, plot_sweep, split_host_port
+from tools.bench.payloads import model_factory, texts_for
 from tools.bench.sweep import (
     DEFAULT_CONCURRENCY,
     DEFAULT_RATES,
     NUM_TEXTS,
     PRIORITY_KEY,
     TIMEOUT_KEY,
+    ModelInputs,
     SweepError,
     check_server,
     results_document,
     split_parameters,
     sweep,
+    tensor_requests,
     write_results,
 )
 from tools.clients.tls import TlsConfigError, add_ca_argument, check_pem
-from tools.spec.workload import DEFAULT_WORKLOAD, TextFactory, load_workload
+from tools.paths import DEFAULT_SPEC
+from tools.repository.sources import SourceError
+from tools.spec.serving import BucketedModelSpec, SpecError, load_spec
+from tools.spec.workload import DEFAULT_WORKLOAD, Workload, load_workload
 
 
 def log(message: str) -> None:
@@ -136,9 +150,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the requests to Triton's HTTP endpoint instead, with a lean keep-alive client "
                              "(about half the gRPC client's CPU per request: less taken from a server on the "
                              "same machine); the server's statistics still come over gRPC (--url); plaintext only")
-    parser.add_argument("--model", default="embed", help="model to send requests to (default: %(default)s)")
+    parser.add_argument("--model", default="embed",
+                        help="model to send requests to: any model the server has (default: %(default)s)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC,
+                        help="serving spec: a model of it is sent texts of its workload's length mix, counted in "
+                             "its tokenizer's tokens (default: %(default)s)")
     parser.add_argument("--input", default=None, metavar="NAME",
-                        help="the model's BYTES input of shape [-1,1] (default: found from the model metadata)")
+                        help="send single texts to this BYTES input of shape [-1,1] (default: found from the model "
+                             "metadata: its one such input, or TEXT and TEXT_PAIR as pairs)")
+    parser.add_argument("--input-data", type=parse_fill, default=None, metavar="random|zeros|FILE",
+                        help="make the requests from the model's declared inputs instead of texts: random values, "
+                             "zeros, or the samples of FILE in perf_analyzer's --input-data JSON form "
+                             '({"data": [{"INPUT": [...]}, ...]}, which may give texts too) '
+                             "(default: texts for a model that takes them, else random)")
+    parser.add_argument("--variable-len", type=positive_int, default=None, metavar="N",
+                        help="with made inputs: the size of every free axis after the batch axis (a sequence "
+                             "length, an image width)")
+    parser.add_argument("--rows", type=positive_int, default=None, metavar="N",
+                        help="rows per request (default: the workload's rows_per_request for texts, else 1)")
     parser.add_argument("--mode", choices=("open", "closed"), default="open",
                         help="open: Poisson arrivals at fixed rates; closed: fixed requests in flight "
                              "(default: %(default)s)")
@@ -161,8 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=non_negative_float, default=3.0, metavar="SECONDS",
                         help="unmeasured load at the first step's level before measuring, 0 = none "
                              "(default: %(default)s)")
-    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD,
-                        help="workload TOML with the text length mix (default: loadtest/workloads/embed_mix.toml)")
+    parser.add_argument("--workload", type=Path, default=None,
+                        help="workload TOML with the text length mix (default: the model's workload in the spec, "
+                             "else loadtest/workloads/embed_mix.toml)")
     parser.add_argument("--slo-ms", type=positive_float, default=100.0,
                         help="latency SLO in ms; goodput counts successful requests within it (default: %(default)s)")
     parser.add_argument("--parameters", type=request_parameters, default={}, metavar="JSON",
@@ -188,10 +218,21 @@ def run(args: argparse.Namespace) -> int:
     if args.rates and args.search:
         print("error: give either --rates or --search, not both", file=sys.stderr)
         return 2
+    if args.input is not None and args.input_data is not None:
+        print("error: --input sends texts of the workload, --input-data makes every input; give one of them",
+              file=sys.stderr)
+        return 2
     try:
-        workload = load_workload(args.workload)
+        spec = load_spec(args.spec)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    spec_model = next((model for model in spec.models if model.name == args.model), None)
+    workload_path = args.workload or (spec_model.workload if spec_model is not None else DEFAULT_WORKLOAD)
+    try:
+        workload = load_workload(workload_path)
     except (OSError, ValueError) as err:
-        print(f"error: workload {args.workload}: {err}", file=sys.stderr)
+        print(f"error: workload {workload_path}: {err}", file=sys.stderr)
         return 2
     try:
         if args.grpc_tls_ca is not None:
@@ -199,20 +240,20 @@ def run(args: argparse.Namespace) -> int:
     except TlsConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    texts = TextFactory().texts_for(workload, NUM_TEXTS)
-    parameters, priority, timeout_us = split_parameters(args.parameters)
-    target = LoadTarget(grpc_url=args.url, model=args.model, texts=tuple(texts), slo_ms=args.slo_ms,
-                        rows_per_request=workload.rows_per_request, parameters=parameters, priority=priority,
-                        timeout_us=timeout_us, request_timeout_s=args.request_timeout, tls_ca=args.grpc_tls_ca,
-                        http_url=args.http_url)
     search = RateSearch(args.search, min_goodput=args.min_goodput, max_steps=args.max_steps,
                         min_rps=min(0.5, args.search)) if args.search else None
     from tritonclient.utils import InferenceServerException
 
     try:
-        target = asyncio.run(check_server(target, args.input))
+        inputs, stats_models = asyncio.run(check_server(args.url, args.model, input_name=args.input,
+                                                        tls_ca=args.grpc_tls_ca, http_url=args.http_url))
+        payload, payload_name = _payload(args, inputs, spec_model, workload)
+        parameters, priority, timeout_us = split_parameters(args.parameters)
+        target = LoadTarget(grpc_url=args.url, model=args.model, slo_ms=args.slo_ms, parameters=parameters,
+                            priority=priority, timeout_us=timeout_us, request_timeout_s=args.request_timeout,
+                            tls_ca=args.grpc_tls_ca, http_url=args.http_url, stats_models=stats_models, **payload)
         where = f"{args.http_url} over HTTP" if args.http_url else args.url
-        print(f"sweeping {args.model} at {where} ({args.mode} loop, {workload.name}, SLO {args.slo_ms:g} ms, "
+        print(f"sweeping {args.model} at {where} ({args.mode} loop, {payload_name}, SLO {args.slo_ms:g} ms, "
               f"{args.duration:g} s per step); server stats of {', '.join(target.stats_models)}", flush=True)
         levels = (args.rates or DEFAULT_RATES) if args.mode == "open" else (args.concurrency or DEFAULT_CONCURRENCY)
         results = asyncio.run(sweep(target, args.mode, levels, args.duration, args.warmup, args.seed, search, log))
@@ -227,11 +268,32 @@ def run(args: argparse.Namespace) -> int:
               f"(goodput >= {search.min_goodput:.0%}, no errors)", flush=True)
     if args.out is not None:
         document = results_document(results, command_line(), args.url, args.model, args.mode, args.slo_ms,
-                                    args.duration, args.parameters, search, workload.name)
+                                    args.duration, args.parameters, search, payload_name)
         write_results(args.out, document, results)
         print(f"results: {args.out}", flush=True)
     plot = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if plot is not None:
-        title = f"{args.model}, {args.mode} loop, {workload.name}"
+        title = f"{args.model}, {args.mode} loop, {payload_name}"
         print(f"plot: {plot_sweep(results, args.slo_ms, plot, title)}", flush=True)
     return 0
+
+
+def _payload(args: argparse.Namespace, inputs: ModelInputs, spec_model: BucketedModelSpec | None,
+             workload: Workload) -> tuple[dict[str, Any], str]:
+    """The LoadTarget fields of what the requests carry, and its name for the results: the
+    workload's texts (or pairs) for a text model, else tensors made from the declared inputs."""
+    if inputs.text is not None and args.input_data is None:
+        try:
+            factory = model_factory(spec_model)
+        except SourceError as err:
+            raise SweepError(str(err)) from None
+        texts = texts_for(factory, workload, NUM_TEXTS, pairs=inputs.pair is not None)
+        fields: dict[str, Any] = {"texts": texts.texts, "input_name": inputs.text,
+                                  "rows_per_request": args.rows or workload.rows_per_request}
+        if inputs.pair is not None:
+            fields.update(pair_texts=texts.pair_texts, pair_input_name=inputs.pair)
+        return fields, workload.name + (" pairs" if inputs.pair is not None else "")
+    fill = args.input_data if args.input_data is not None else Fill.RANDOM
+    rows = args.rows or (workload.rows_per_request if inputs.text is not None else 1)
+    tensors = tensor_requests(inputs, fill, rows, variable_len=args.variable_len, seed=args.seed)
+    return {"texts": (), "tensors": tensors}, str(fill)

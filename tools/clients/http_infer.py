@@ -44,26 +44,46 @@ def bytes_tensor(rows: Sequence[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(row)) + row for row in rows)
 
 
-def infer_request(host: str, model: str, input_name: str, rows: Sequence[bytes],
-                  parameters: Mapping[str, object] | None = None) -> bytes:
-    """The whole HTTP request (head and body) that sends `rows` as a [len(rows), 1] BYTES
-    input to `model`. Every output comes back binary (`binary_data_output`), so the server
-    never formats floats as JSON text. `parameters` go in the request's `parameters`
-    (Triton reads `priority` and `timeout` there, the rest reach the model)."""
-    if not rows:
-        raise ValueError("an inference request needs at least one row")
-    data = bytes_tensor(rows)
+@dataclass(frozen=True)
+class WireTensor:
+    """One input of a request as the binary tensor extension carries it."""
+
+    name: str  # the model's input
+    datatype: str  # Triton's protocol type: BYTES, FP32, INT64, ...
+    shape: tuple[int, ...]  # batch axis first
+    data: bytes  # the elements, row-major, little-endian (BYTES: `bytes_tensor`)
+
+
+def encode_infer_request(host: str, model: str, inputs: Sequence[WireTensor],
+                         parameters: Mapping[str, object] | None = None) -> bytes:
+    """The whole HTTP request (head and body) that sends `inputs` to `model`. Every output
+    comes back binary (`binary_data_output`), so the server never formats floats as JSON
+    text. `parameters` go in the request's `parameters` (Triton reads `priority` and
+    `timeout` there, the rest reach the model)."""
+    if not inputs:
+        raise ValueError("an inference request needs at least one input")
     header = json.dumps({
-        "inputs": [{"name": input_name, "shape": [len(rows), 1], "datatype": "BYTES",
-                    "parameters": {"binary_data_size": len(data)}}],
+        "inputs": [{"name": tensor.name, "shape": list(tensor.shape), "datatype": tensor.datatype,
+                    "parameters": {"binary_data_size": len(tensor.data)}} for tensor in inputs],
         "parameters": {**(parameters or {}), "binary_data_output": True},
     }, separators=(",", ":")).encode()
+    body_size = len(header) + sum(len(tensor.data) for tensor in inputs)
     head = (f"POST /v2/models/{model}/infer HTTP/1.1\r\n"
             f"Host: {host}\r\n"
             "Content-Type: application/octet-stream\r\n"
             f"Inference-Header-Content-Length: {len(header)}\r\n"
-            f"Content-Length: {len(header) + len(data)}\r\n\r\n")
-    return head.encode("ascii") + header + data
+            f"Content-Length: {body_size}\r\n\r\n")
+    return head.encode("ascii") + header + b"".join(tensor.data for tensor in inputs)
+
+
+def infer_request(host: str, model: str, input_name: str, rows: Sequence[bytes],
+                  parameters: Mapping[str, object] | None = None) -> bytes:
+    """The request that sends `rows` as a [len(rows), 1] BYTES input to `model`
+    (`encode_infer_request`)."""
+    if not rows:
+        raise ValueError("an inference request needs at least one row")
+    tensor = WireTensor(input_name, "BYTES", (len(rows), 1), bytes_tensor(rows))
+    return encode_infer_request(host, model, [tensor], parameters)
 
 
 @dataclass(frozen=True)
