@@ -1,11 +1,13 @@
-"""The user's own text models on a real tritonserver, from files to a canary rollout.
+"""The user's own models on a real tritonserver, from files to a canary rollout.
 
-Two models the kit was not written around, built from installed packages (random weights,
+Four models the kit was not written around, built from installed packages (random weights,
 real architectures): a sentence encoder exported as it comes out of Hugging Face (its graph
-answers `last_hidden_state`: the backend pools by CLS, with a query prefix), and a
-cross-encoder scoring text pairs (a Hugging Face folder the kit exports). Each is added with
-`add-model`, profiled with `profile --model`, configured by `gen-config` and served; answers
-match the same models run in PyTorch. The encoder then gets a second version and is rolled
+answers `last_hidden_state`: the backend pools by CLS, with a query prefix), a cross-encoder
+scoring text pairs (a Hugging Face folder the kit exports), an image classifier with a fixed
+input shape and a 1-D convolutional model over audio frames of any length (tensor models, the
+audio one bucketed by its frame count). Each is added with `add-model`, profiled with
+`profile --model`, configured by `gen-config` and served; answers match the same models run
+in PyTorch or ONNX Runtime, row by row. The encoder then gets a second version and is rolled
 out to it with the real `rollout` command under steady load.
 """
 
@@ -27,8 +29,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.user_models import (
+    AUDIO_NUM_FEATURES,
     CROSS_ENCODER_LABELS,
+    audio_conv_onnx,
     cross_encoder_dir,
+    image_classifier_onnx,
     minilm_tokenizer,
     raw_sentence_encoder_onnx,
 )
@@ -52,6 +57,20 @@ ort_spinning = false
 mode = "off"
 '''
 QUERIES = ["how do I rotate a key", "Triton batches requests by length", "a", "what does the router do " * 6]
+FRAMES_MIX = """name = "frames"
+description = "audio clips by frame count"
+rows_per_request = 1
+
+[[lengths]]
+min_tokens = 5
+max_tokens = 16
+weight = 0.6
+
+[[lengths]]
+min_tokens = 17
+max_tokens = 64
+weight = 0.4
+"""
 PASSAGES = ["keys rotate without a restart", "buckets keep short inputs fast", "unrelated words here",
             "the router tokenizes and picks the smallest bucket " * 4]
 
@@ -82,13 +101,20 @@ def kit(tmp_path_factory):
                   "--pooling", "cls", "--query-prefix", "query: ", "--buckets", "16,32,64", *common, folder=folder)
     assert "chosen, check it" in added.stdout
     tools("add-model", "rerank", "--hf-dir", str(cross_dir), "--buckets", "32,64", *common, folder=folder)
+    (folder / "frames.toml").write_text(FRAMES_MIX)
+    tensor_common = ("--slo-ms", "300", "--expected-rps", "8", "--peak-rps", "20", "--tolerance", "0.001")
+    tools("add-model", "audio", "--onnx", str(audio_conv_onnx(models)), "--buckets", "16,64", "--workload",
+          "frames.toml", *tensor_common, folder=folder)
+    tools("add-model", "image", "--onnx", str(image_classifier_onnx(models)), *tensor_common, folder=folder)
     second = models / "sentence-encoder-v2.onnx"
     shutil.copy2(encoder_onnx, second)  # the next release: the same graph, as a retrained copy would be
     tools("add-model", "search", "--version", "2", "--onnx", str(second), folder=folder)
-    tools("profile", "--model", "search", "--model", "rerank", "--out", "cpu.json", "--time-per-point", "0.2",
+    tools("profile", "--model", "search", "--model", "rerank", "--model", "audio", "--model", "image",
+          "--out", "cpu.json", "--time-per-point", "0.2",
           "--overhead-requests", "10", folder=folder)
     tools("gen-config", folder=folder)
-    names = ("search", "search_16", "search_32", "search_64", "rerank", "rerank_32", "rerank_64")
+    names = ("search", "search_16", "search_32", "search_64", "rerank", "rerank_32", "rerank_64", "audio", "audio_16",
+             "audio_64", "image", "image_fixed")
     config = ServerConfig(model_repository=folder / "model_repository", http_port=free_port(),
                           grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
                           model_control_mode=ModelControlMode.EXPLICIT, load_models=names, admin_key=ADMIN_KEY)
@@ -96,7 +122,8 @@ def kit(tmp_path_factory):
     server.start()
     try:
         server.wait_ready(timeout_s=300)
-        yield {"folder": folder, "server": server, "encoder_dir": models / "sentence-encoder", "cross_dir": cross_dir}
+        yield {"folder": folder, "server": server, "encoder_dir": models / "sentence-encoder", "cross_dir": cross_dir,
+               "models": models}
     finally:
         server.stop()
 
@@ -164,6 +191,70 @@ def test_bad_input_gets_a_400_naming_the_input_and_the_server_stays_up(kit, mode
     assert info.value.status() == "400", info.value
     assert message in str(info.value)
     assert infer(kit["server"], "rerank", {"TEXT": ["q"], "TEXT_PAIR": ["p"]}).as_numpy("LOGITS").shape == (1, 2)
+
+
+def infer_tensors(server: TritonServer, model: str, arrays: dict[str, np.ndarray]):
+    from tritonclient.utils import np_to_triton_dtype
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    tensors = []
+    for name, array in arrays.items():
+        tensors.append(httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+        tensors[-1].set_data_from_numpy(array)
+    try:
+        return client.infer(model, tensors)
+    finally:
+        client.close()
+
+
+def onnx_run(path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def clip(frames: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"features": rng.standard_normal((1, frames, AUDIO_NUM_FEATURES)).astype(np.float32),
+            "frame_mask": np.ones((1, frames), dtype=np.float32)}
+
+
+def test_audio_of_any_length_is_bucketed_and_answers_what_it_answers_alone(kit):
+    server = kit["server"]
+    graph = kit["models"] / "audio-conv.onnx"
+    for frames, seed in ((5, 1), (16, 2), (17, 3), (50, 4)):  # buckets 16, 16, 64, 64
+        request = clip(frames, seed)
+        request = {name: np.repeat(array, 3, axis=0) for name, array in request.items()}  # three rows
+        served = infer_tensors(server, "audio", request)
+        np.testing.assert_allclose(served.as_numpy("logits"), onnx_run(graph, request), atol=1e-4)
+        assert served.as_numpy("VERSION").reshape(-1).tolist() == [1, 1, 1]
+    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("audio_16")
+    assert stats["model_stats"][0]["inference_stats"]["success"]["count"] > 0  # the short clips went there
+
+
+def test_a_fixed_shape_image_model_batches_as_it_is(kit):
+    rng = np.random.default_rng(7)
+    pixels = rng.standard_normal((5, 3, 64, 64)).astype(np.float32)
+    served = infer_tensors(kit["server"], "image", {"pixel_values": pixels}).as_numpy("logits")
+    np.testing.assert_allclose(served, onnx_run(kit["models"] / "image-classifier.onnx", {"pixel_values": pixels}),
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize(("model", "arrays", "message"), [
+    ("audio", {"features": np.zeros((1, 10, AUDIO_NUM_FEATURES + 1), np.float32),
+               "frame_mask": np.ones((1, 10), np.float32)}, "input 'features'"),
+    ("audio", {"features": np.zeros((1, 65, AUDIO_NUM_FEATURES), np.float32),
+               "frame_mask": np.ones((1, 65), np.float32)}, "the limit is 64"),
+    ("audio", {"features": np.zeros((1, 10, AUDIO_NUM_FEATURES), np.float32),
+               "frame_mask": np.ones((1, 11), np.float32)}, "inputs disagree on the length of axis 1"),
+    ("image", {"pixel_values": np.zeros((1, 3, 32, 32), np.float32)}, "pixel_values"),
+])
+def test_tensors_of_the_wrong_shape_get_a_400_naming_the_input(kit, model, arrays, message):
+    with pytest.raises(InferenceServerException) as info:
+        infer_tensors(kit["server"], model, arrays)
+    assert info.value.status() == "400", info.value
+    assert message in str(info.value)
+    assert infer_tensors(kit["server"], "audio", clip(8, 0)).as_numpy("logits").shape == (1, 8)
 
 
 def test_the_encoder_rolls_out_to_version_2_under_load(kit):

@@ -13,6 +13,7 @@ import pytest
 from python_backends.common.artifacts import MANIFEST, verify_artifacts
 from tests.unit.test_gen_config import REPO
 from tests.user_models import (
+    audio_conv_onnx,
     cross_encoder_dir,
     image_classifier_onnx,
     minilm_tokenizer,
@@ -43,7 +44,8 @@ mode = "off"
 def made(tmp_path_factory):
     folder = tmp_path_factory.mktemp("user-models")
     return {"raw": raw_sentence_encoder_onnx(folder), "encoder_dir": sentence_encoder_dir(folder),
-            "cross_dir": cross_encoder_dir(folder), "image": image_classifier_onnx(folder)}
+            "cross_dir": cross_encoder_dir(folder), "image": image_classifier_onnx(folder),
+            "audio": audio_conv_onnx(folder)}
 
 
 @pytest.fixture
@@ -80,7 +82,7 @@ def test_a_hugging_face_cross_encoder_is_a_pair_classifier_with_its_labels(made)
 
 
 @pytest.mark.parametrize(("which", "options", "message"), [
-    ("image", {}, r"inputs \['pixel_values'\] are not a text model's"),
+    ("image", {"kind": "text-encoder"}, r"inputs \['pixel_values'\] are not a text model's .* --kind tensor"),
     ("raw", {"kind": "text-classifier"}, r"a text-classifier answers logits \[rows, labels\]; 'last_hidden_state' is "
                                          r"\[None, None, 128\]"),
     ("raw", {"output": "logits"}, "no output named 'logits'; the graph's outputs: last_hidden_state"),
@@ -88,6 +90,30 @@ def test_a_hugging_face_cross_encoder_is_a_pair_classifier_with_its_labels(made)
 def test_a_graph_add_model_cannot_serve_is_named(made, which, options, message):
     with pytest.raises(AddModelError, match=message):
         describe_onnx(made[which], **options)
+
+
+def test_any_other_graph_is_a_tensor_model_bucketed_along_its_free_axis(made):
+    image = describe_onnx(made["image"])
+    assert image.table == {"kind": "tensor", "source": str(made["image"]), "tolerance": 0.001}
+    assert image.guessed[0].startswith("kind = 'tensor': inputs ['pixel_values'] are not token ids and a mask")
+    audio = describe_onnx(made["audio"], pad={"features": -1.0}, tolerance=0.01)
+    assert audio.table["variable_axis"] == 0  # frames: the one free axis after the batch axis
+    assert audio.table["pad"] == {"features": -1.0, "frame_mask": 0.0}
+    assert audio.table["tolerance"] == 0.01
+    assert any(note.startswith("pad = 0.0 for ['frame_mask']") for note in audio.guessed)
+
+
+def test_a_tensor_model_gets_its_folders_and_no_tokenizer(kit, made, capsys):
+    assert add(kit, "audio", "--onnx", str(made["audio"]), "--buckets", "16,64", "--tolerance", "0.01") == 0
+    table = tomllib.loads((kit / "serving.toml").read_text())["models"]["audio"]
+    assert (table["kind"], table["variable_axis"], table["buckets"]) == ("tensor", 0, [16, 64])
+    assert "max_text_bytes" not in table
+    assert "tensor_bucket_model" in (kit / "repo" / "audio_16" / "1" / "model.py").read_text()
+    assert "tensor_router_model" in (kit / "repo" / "audio" / "1" / "model.py").read_text()
+    assert not (kit / "repo" / "audio" / "1" / "tokenizer.json").exists()
+    assert add(kit, "image", "--onnx", str(made["image"])) == 0
+    assert (kit / "repo" / "image_fixed" / "1" / "model.onnx").is_file()
+    assert "workload" not in tomllib.loads((kit / "serving.toml").read_text())["models"]["image"]
 
 
 def test_buckets_are_powers_of_two_up_to_the_model_length():
@@ -153,7 +179,10 @@ def test_a_hugging_face_folder_is_exported_into_its_folders(kit, made, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--onnx", "{image}"], "are not a text model's"),
+    (["--onnx", "{image}", "--kind", "text-classifier"], "are not a text model's"),
+    (["--onnx", "{audio}"], "needs --buckets (lengths on that axis) and --workload"),
+    (["--onnx", "{audio}", "--pad", "frames=0", "--buckets", "16"],
+     "--pad names inputs ['frames'] the graph does not have"),
     (["--onnx", "{raw}"], "tokenizer.json not found: name the model's tokenizer.json with --tokenizer"),
     (["--onnx", "{raw}", "--tokenizer", "{tokenizer}", "--pooling", "none"], "has one vector per token"),
     (["--onnx", "{missing}"], "does not exist"),

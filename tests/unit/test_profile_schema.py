@@ -41,7 +41,7 @@ def error(data: dict) -> list[str]:
      "p.json [models.encoder_16]: compute_ms: bad latency point: batch 2, -3.0 ms"),
     (lambda d: first_model(d)["compute_ms"].update({"two": 3}),
      "p.json [models.encoder_16]: 'compute_ms': key 'two' is not a number"),
-    (lambda d: first_model(d).update(seq_len=0), "p.json [models.encoder_16]: 'seq_len' must be > 0, got 0"),
+    (lambda d: first_model(d).update(seq_len=-1), "p.json [models.encoder_16]: 'seq_len' must be >= 0, got -1"),
     (lambda d: d["overhead_ms"]["embed"].update(p95="slow"),
      "p.json [overhead_ms.embed]: 'p95' must be a number, got 'slow'"),
 ])

@@ -102,7 +102,7 @@ def tensor_rows(layout: TensorRouterConfig, bucket_len: int, batch: int, seed: i
     """A batch of random rows of a tensor model's inputs at one bucket (`tools.bench.inputs`)."""
     from tools.bench.inputs import make_inputs
 
-    infos = [TensorInfo(spec.name, mc.DataType.Value(spec.type_name),
+    infos = [TensorInfo(spec.name, mc.DataType.Value(spec.data_type),
                         (None, *(size if size > 0 else None for size in layout.bucket_dims(spec, bucket_len))))
              for spec in layout.inputs]
     return make_inputs(infos, batch, seed=seed)

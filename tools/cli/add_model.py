@@ -1,9 +1,16 @@
-"""Add your own text model: an ONNX file or a Hugging Face folder, served like the built-in one.
+"""Add your own model: an ONNX file or a Hugging Face folder, served like the built-in one.
 
   python -m tools add-model rerank --hf-dir /models/my-cross-encoder
   python -m tools add-model search --onnx /models/encoder.onnx --tokenizer /models/tokenizer.json \
       --pooling cls --query-prefix "query: "
   python -m tools add-model search --version 2 --onnx /models/encoder-v2.onnx
+  python -m tools add-model audio --onnx /models/audio.onnx --variable-axis 0 --pad features=0 \
+      --pad frame_mask=0 --buckets 128,256,512 --workload frames.toml --tolerance 0.001
+
+An ONNX graph whose inputs are token ids and an attention mask is a text model (text-encoder
+or text-classifier); any other graph with a dynamic batch axis is a tensor model, bucketed
+along its one free axis (--variable-axis) with each input padded by its --pad value, or, with
+fixed shapes, served by dynamic batching alone.
 
 Reads the model (an ONNX graph's inputs and outputs, a Hugging Face folder's config.json),
 writes its `[models.NAME]` table into the serving spec (the file's comments kept) and prints
@@ -42,7 +49,7 @@ from tools.repository.add_model import (
 )
 from tools.repository.build import BuildError, build_bucketed, find_targets, install_tokenizer
 from tools.repository.configs import SHIM
-from tools.repository.sources import SourceError, served_graph, tokenizer_path
+from tools.repository.sources import SourceError, served_graph, served_tensors, tokenizer_path
 from tools.spec.serving import SpecError, load_spec, parse_spec
 
 
@@ -55,7 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", type=int, default=None,
                         help="add this version to a model the spec has (no traffic until a rollout)")
     parser.add_argument("--kind", choices=[k.value for k in ModelKind], default=None,
-                        help="text-encoder or text-classifier (default: read from the model)")
+                        help="text-encoder, text-classifier or tensor (default: read from the model)")
+    parser.add_argument("--variable-axis", type=int, default=None, metavar="AXIS",
+                        help="tensor models: the axis after the batch axis whose length varies (default: the one "
+                             "free axis, if there is one)")
+    parser.add_argument("--pad", action="append", default=[], metavar="INPUT=VALUE",
+                        help="tensor models: the value that pads INPUT along the variable axis (default 0)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="tensor models: largest output difference a new version may show (default 0.001)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer.json for an ONNX file (default: one beside the file)")
     parser.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
@@ -104,10 +118,14 @@ def new_spec_text(args: argparse.Namespace, spec_path: Path) -> tuple[str, list[
     if args.version is not None:
         return spec_with_version(text, args.name, args.version, source), [f"version {args.version}: {source}"], []
     if args.onnx is not None:
-        described = describe_onnx(artifact, kind=args.kind, pooling=args.pooling, output=args.output)
-        tokenizer = args.tokenizer or artifact.with_name("tokenizer.json")
-        if not tokenizer.is_file():
-            raise AddModelError(f"{tokenizer} not found: name the model's tokenizer.json with --tokenizer")
+        described = describe_onnx(artifact, kind=args.kind, pooling=args.pooling, output=args.output,
+                                  variable_axis=args.variable_axis, pad=parse_pads(args.pad),
+                                  tolerance=args.tolerance)
+        tokenizer = None
+        if described.table["kind"] != ModelKind.TENSOR.value:
+            tokenizer = args.tokenizer or artifact.with_name("tokenizer.json")
+            if not tokenizer.is_file():
+                raise AddModelError(f"{tokenizer} not found: name the model's tokenizer.json with --tokenizer")
     else:
         described = describe_hf(artifact, kind=args.kind, pooling=args.pooling)
         tokenizer = args.tokenizer
@@ -121,11 +139,27 @@ def new_spec_text(args: argparse.Namespace, spec_path: Path) -> tuple[str, list[
     return spec_with_model(text, args.name, described.table, comment), described.inferred, described.guessed
 
 
-def make_folders(repository: Path, name: str, buckets: list[str], versions: tuple[int, ...]) -> list[Path]:
+def parse_pads(pads: list[str]) -> dict[str, float]:
+    values = {}
+    for item in pads:
+        name, sep, value = item.partition("=")
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            raise AddModelError(f"--pad {item!r} is not INPUT=VALUE with a number") from None
+        if not sep or not name.strip():
+            raise AddModelError(f"--pad {item!r} is not INPUT=VALUE")
+    return values
+
+
+def make_folders(repository: Path, name: str, buckets: list[str], versions: tuple[int, ...],
+                 kind: ModelKind) -> list[Path]:
     """The model's version folders with their model.py shims; the folders it made (to undo)."""
     made = []
-    for model, model_versions, adapter in ((name, (1,), "embed_model"),
-                                           *((bucket, versions, "encoder_model") for bucket in buckets)):
+    router, bucket_adapter = (("embed_model", "encoder_model") if kind.is_text else
+                              ("tensor_router_model", "tensor_bucket_model"))
+    for model, model_versions, adapter in ((name, (1,), router),
+                                           *((bucket, versions, bucket_adapter) for bucket in buckets)):
         for version in model_versions:
             folder = repository / model / str(version)
             if (folder / "model.py").is_file():
@@ -145,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
         text, inferred, guessed = new_spec_text(args, spec_path)
         spec = parse_spec(tomllib.loads(text), spec_path)
         model = next(m for m in spec.models if m.name == args.name)
-        served_graph(model)
-        tokenizer_path(model)
+        if model.kind.is_text:
+            served_graph(model)
+            tokenizer_path(model)
+        else:
+            served_tensors(model)
     except (AddModelError, SpecError, SourceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -155,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     original = spec_path.read_text()
     versions = (args.version,) if args.version is not None else model.versions
-    made = make_folders(repository, model.name, list(model.bucket_names), versions)
+    made = make_folders(repository, model.name, list(model.bucket_names), versions, model.kind)
     spec_path.write_text(text)
     try:
         (targets,) = [t for t in find_targets(repository, load_spec(spec_path)).bucketed if t.model.name == model.name]

@@ -444,7 +444,8 @@ def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, f
         gates = Gates(slo_p95_ms=slo_ms or model.slo_p95_ms, max_error_rate=max_error_rate,
                       drift=drift or model.kind.drift,
                       min_cosine=min_cosine, min_top1_agreement=min_top1_agreement, max_logit_diff=max_logit_diff,
-                      tolerance=tolerance, min_requests=min_requests, min_shadow_samples=min_shadow_samples)
+                      tolerance=tolerance if tolerance is not None else model.tolerance, min_requests=min_requests,
+                      min_shadow_samples=min_shadow_samples)
         baseline = from_version or baseline_of(current_table(routing_path, model).weights, to)
     except ValueError as err:
         raise RolloutError(str(err)) from None

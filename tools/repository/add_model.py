@@ -65,10 +65,49 @@ def buckets_up_to(max_length: int | None) -> list[int]:
     return buckets or [limit]
 
 
+def describe_tensor(path: Path, graph: Graph, *, variable_axis: int | None, pad: dict[str, float],
+                    tolerance: float | None) -> Described:
+    """The spec table of a tensor model: the variable axis (declared, or the one free axis the
+    inputs share), a padding value for each input that carries it, the drift tolerance."""
+    described = Described(table={"kind": ModelKind.TENSOR.value, "source": str(path)})
+    table = described.table
+    free = {t.name: [axis - 1 for axis in t.free_axes] for t in graph.inputs}
+    unknown = sorted(set(pad) - set(free))
+    if unknown:
+        raise AddModelError(f"{path}: --pad names inputs {unknown} the graph does not have (its inputs: "
+                            f"{sorted(free)})")
+    described.inferred.append("inputs " + ", ".join(f"{t.name} {t.type_name} {t.dims}" for t in graph.inputs)
+                              + ": the graph's")
+    if variable_axis is None:
+        axes = {axis for axes in free.values() for axis in axes}
+        if len(axes) > 1:
+            raise AddModelError(f"{path}: inputs have free axes {free} (after the batch axis); say which one is "
+                                "bucketed with --variable-axis")
+        variable_axis = next(iter(axes), None)
+        if variable_axis is not None:
+            described.guessed.append(f"variable_axis = {variable_axis}: the one free axis after the batch axis")
+    if variable_axis is not None:
+        table["variable_axis"] = variable_axis
+        carriers = [name for name, axes in free.items() if variable_axis in axes]
+        pads = {name: float(pad.get(name, 0.0)) for name in carriers}
+        table["pad"] = pads
+        guessed = [name for name in carriers if name not in pad]
+        if guessed:
+            described.guessed.append(f"pad = 0.0 for {guessed}: the value the graph must ignore on padded "
+                                     "positions (--pad NAME=VALUE)")
+    table["tolerance"] = tolerance if tolerance is not None else 1e-3
+    if tolerance is None:
+        described.guessed.append("tolerance = 0.001: the largest output difference a new version may show "
+                                 "against the old before a rollout rolls back (--tolerance)")
+    return described
+
+
 def describe_onnx(path: Path, *, kind: str | None = None, pooling: str | None = None,
-                  output: str | None = None) -> Described:
-    """The spec table of an ONNX text model: input names matched to the kit's tensors, the
-    output, the kind and pooling from the output's shape (a per-token output is pooled)."""
+                  output: str | None = None, variable_axis: int | None = None,
+                  pad: dict[str, float] | None = None, tolerance: float | None = None) -> Described:
+    """The spec table of an ONNX model: a text model when its inputs are token ids and an
+    attention mask (input names matched to the kit's tensors, the output, the kind and pooling
+    from the output's shape: a per-token output is pooled), else a tensor model."""
     try:
         graph: Graph = read_graph(path)
         graph.verify_batchable()
@@ -77,10 +116,15 @@ def describe_onnx(path: Path, *, kind: str | None = None, pooling: str | None = 
     names = [t.name for t in graph.inputs]
     ids, mask, types = _pick(names, IDS_NAMES), _pick(names, MASK_NAMES), _pick(names, TYPE_NAMES)
     unknown = sorted(set(names) - {ids, mask, types})
-    if ids is None or mask is None or unknown:
+    is_text = ids is not None and mask is not None and not unknown
+    if kind == ModelKind.TENSOR or (kind is None and not is_text):
+        described = describe_tensor(path, graph, variable_axis=variable_axis, pad=pad or {}, tolerance=tolerance)
+        if kind is None:
+            described.guessed.insert(0, f"kind = 'tensor': inputs {names} are not token ids and a mask (--kind)")
+        return described
+    if not is_text:
         raise AddModelError(f"{path}: inputs {names} are not a text model's (token ids and an attention mask"
-                            f"{', and token type ids' if types else ''}); a model with other inputs is a tensor "
-                            "model, which add-model does not add yet")
+                            f"{', and token type ids' if types else ''}); add it with --kind tensor")
     outputs = [t.name for t in graph.outputs]
     if output is not None:
         try:
@@ -165,14 +209,24 @@ def complete(described: Described, *, max_length: int | None, buckets: Sequence[
     """The service keys the model does not say: buckets, SLO and rates, the workload (defaults
     the user should check, each noted), then what the command line gave."""
     table = described.table
-    chosen = list(buckets) if buckets else buckets_up_to(max_length or table.get("max_length"))  # type: ignore[arg-type]
-    table["buckets"] = chosen
-    if not buckets:
-        described.guessed.append(f"buckets = {chosen}: powers of two to the model's length (at most 256); "
-                                 "fit them to your traffic (--buckets)")
+    bucketed = table["kind"] != ModelKind.TENSOR.value or "variable_axis" in table
+    if not bucketed:
+        overrides = {key: value for key, value in overrides.items() if key != "workload"}
+    elif table["kind"] == ModelKind.TENSOR.value and (not buckets or "workload" not in overrides):
+        raise AddModelError(f"{table['source']}: a tensor model bucketed along axis {table['variable_axis']} needs "
+                            "--buckets (lengths on that axis) and --workload (the mix of lengths the requests have)")
+    if bucketed:
+        chosen = list(buckets) if buckets else buckets_up_to(max_length or table.get("max_length"))  # type: ignore[arg-type]
+        table["buckets"] = chosen
+        if not buckets:
+            described.guessed.append(f"buckets = {chosen}: powers of two to the model's length (at most 256); "
+                                     "fit them to your traffic (--buckets)")
     if tokenizer is not None:
         table["tokenizer"] = str(tokenizer)
-    for key, value in DEFAULT_TABLE.items():
+    tensor = table["kind"] == ModelKind.TENSOR.value
+    defaults = {key: value for key, value in DEFAULT_TABLE.items()
+                if (bucketed or key != "workload") and not (tensor and key == "max_text_bytes")}
+    for key, value in defaults.items():
         if key not in overrides:
             table[key] = value
             described.guessed.append(f"{key} = {value!r}: a default; set your own")

@@ -179,14 +179,14 @@ def tensor_bucket_config(name: str, bucket_len: int, knobs: BatchingKnobs, hardw
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=knobs.max_batch_size)
     config.version_policy.specific.versions.extend(versions)
     for spec in layout.inputs:
-        _tensor(config.input, spec.name, mc.DataType.Value(spec.type_name), list(layout.bucket_dims(spec, bucket_len)))
+        _tensor(config.input, spec.name, mc.DataType.Value(spec.data_type), list(layout.bucket_dims(spec, bucket_len)))
     for spec in layout.outputs:
-        _tensor(config.output, spec.name, mc.DataType.Value(spec.type_name), list(spec.dims))
+        _tensor(config.output, spec.name, mc.DataType.Value(spec.data_type), list(spec.dims))
     _batching(config, knobs, hardware)
     for batch_size in sorted({1, config.max_batch_size}):
         warmup = config.model_warmup.add(name=f"zeros_batch_{batch_size}", batch_size=batch_size, count=1)
         for spec in layout.inputs:
-            warmup.inputs[spec.name].data_type = mc.DataType.Value(spec.type_name)
+            warmup.inputs[spec.name].data_type = mc.DataType.Value(spec.data_type)
             warmup.inputs[spec.name].dims.extend(layout.bucket_dims(spec, bucket_len))
             warmup.inputs[spec.name].zero_data = True
     parameters = TensorBucketParameters(intra_op_threads=hardware.intra_op_threads,
@@ -225,9 +225,9 @@ def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: Te
     """A tensor model's router: the graph's inputs (the variable axis free) in, its outputs back."""
     config = _router_base(model, spec, router, admission)
     for tensor in layout.inputs:
-        _tensor(config.input, tensor.name, mc.DataType.Value(tensor.type_name), list(tensor.dims))
+        _tensor(config.input, tensor.name, mc.DataType.Value(tensor.data_type), list(tensor.dims))
     for tensor in layout.outputs:
-        _tensor(config.output, tensor.name, mc.DataType.Value(tensor.type_name), list(tensor.dims))
+        _tensor(config.output, tensor.name, mc.DataType.Value(tensor.data_type), list(tensor.dims))
     _tensor(config.output, "VERSION", mc.TYPE_INT32, [1])
     parameters = TensorRouterParameters(
         inputs=layout.inputs, outputs=layout.outputs,

@@ -182,8 +182,8 @@ def _curve(compute_ms: dict[int, float]) -> dict[int, float]:
 class ModelTable(Table):
     """`models.<bucket model>`: one bucket model's measured curve."""
 
-    seq_len: int = Field(gt=0)
-    """Bucket length the model was measured at."""
+    seq_len: int = Field(ge=0)
+    """Bucket length the model was measured at (0: a tensor model's one fixed-shape bucket)."""
     compute_ms: Annotated[dict[int, float], AfterValidator(_curve)]
     """Batch size -> mean compute time of one execution, ms; batch size 1 included."""
     executions: dict[int, int] = {}
