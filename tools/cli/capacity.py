@@ -27,7 +27,7 @@ from pathlib import Path
 from tools.observe.explain import knobs_from_repository, service_layout
 from tools.observe.metrics import Window, read_recording
 from tools.observe.scaling import observed_batches
-from tools.paths import REPO_ROOT
+from tools.paths import DEFAULT_MODEL_REPOSITORY
 from tools.planning import capacity as planning
 from tools.planning.capacity import (
     DEFAULT_UTILIZATION,
@@ -120,7 +120,7 @@ def _replay_inputs(args: argparse.Namespace) -> tuple[Observed, LatencyCurve | N
     snapshots = read_recording(args.replay)
     end = snapshots[-1]
     start = next((s for s in reversed(snapshots) if end.at_s - s.at_s >= args.window), snapshots[0])
-    knobs = knobs_from_repository([args.model], REPO_ROOT / "model_repository").get(args.model)
+    knobs = knobs_from_repository([args.model], DEFAULT_MODEL_REPOSITORY).get(args.model)
     observed = observed_batches(Window(start, end), args.model, knobs.preferred_batch if knobs else None)
     spec = load_spec()
     layout = service_layout(args.model)

@@ -35,7 +35,7 @@ from python_backends.common.drift import DriftMeasure
 from python_backends.common.metric_buffer import DEFAULT_FLUSH_INTERVAL_S
 from python_backends.embed.routing import RoutingSource, RoutingTable, read_routing_table, write_routing_table
 from tools.observe.metrics import fetch_text, parse_exposition
-from tools.paths import REPO_ROOT
+from tools.paths import ROLLOUT_RECORDS
 from tools.planning.rollout import (
     DEFAULT_STEPS,
     Gates,
@@ -52,7 +52,7 @@ from tools.repository.configs import ROUTING_FILE
 from tools.server.control import ControlError, ServerControl
 from tools.spec.serving import BucketedModelSpec, load_spec
 
-DEFAULT_RECORDS = REPO_ROOT / "rollouts"
+DEFAULT_RECORDS = ROLLOUT_RECORDS
 FINAL_STATES = ("promoted", "rolled_back", "aborted", "failed")
 
 # Before trusting the router's in-flight gauge at zero: every router instance has re-read the
