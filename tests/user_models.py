@@ -23,7 +23,10 @@ folder inside it); building twice gives the same bytes. The weights are drawn un
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -77,7 +80,7 @@ def _copy_tokenizer(destination: Path) -> None:
             shutil.copyfile(source, destination / name)
 
 
-def _bert_dir(folder: Path, name: str, seed: int, **config_fields) -> Path:
+def _bert_dir(folder: Path, name: str, seed: int, shape: dict | None = None, **config_fields) -> Path:
     """A Hugging Face folder of a randomly initialised BERT (`config_fields` choose the head)."""
     from tokenizers import Tokenizer
     from transformers import BertConfig, BertForSequenceClassification, BertModel
@@ -87,7 +90,7 @@ def _bert_dir(folder: Path, name: str, seed: int, **config_fields) -> Path:
         shutil.rmtree(destination)
     destination.mkdir(parents=True)
     vocab_size = Tokenizer.from_file(str(minilm_tokenizer())).get_vocab_size(with_added_tokens=True)
-    config = BertConfig(vocab_size=vocab_size, **ENCODER_SHAPE, **config_fields)
+    config = BertConfig(vocab_size=vocab_size, **(shape or ENCODER_SHAPE), **config_fields)
     model_class = BertForSequenceClassification if "id2label" in config_fields else BertModel
     with _seeded(seed):
         model = model_class(config).eval()
@@ -96,24 +99,25 @@ def _bert_dir(folder: Path, name: str, seed: int, **config_fields) -> Path:
     return destination
 
 
-def sentence_encoder_dir(folder: Path) -> Path:
-    """`folder/sentence-encoder`: a 4-layer BERT sentence encoder (hidden 128) as a Hugging Face
-    folder: config.json, model.safetensors and MiniLM's tokenizer files."""
-    return _bert_dir(folder, "sentence-encoder", seed=11)
+def sentence_encoder_dir(folder: Path, shape: dict | None = None) -> Path:
+    """`folder/sentence-encoder`: a 4-layer BERT sentence encoder (hidden 128; `shape` for
+    another size) as a Hugging Face folder: config.json, model.safetensors and MiniLM's
+    tokenizer files."""
+    return _bert_dir(folder, "sentence-encoder", seed=11, shape=shape)
 
 
-def raw_sentence_encoder_onnx(folder: Path) -> Path:
+def raw_sentence_encoder_onnx(folder: Path, shape: dict | None = None) -> Path:
     """`folder/sentence-encoder.onnx`: the sentence encoder exported as is: inputs input_ids,
     attention_mask; output last_hidden_state [batch, sequence, 128] (the server pools)."""
     out = Path(folder) / "sentence-encoder.onnx"
-    export_hf(sentence_encoder_dir(folder), out, pooling=None)
+    export_hf(sentence_encoder_dir(folder, shape), out, pooling=None)
     return out
 
 
-def cross_encoder_dir(folder: Path) -> Path:
+def cross_encoder_dir(folder: Path, shape: dict | None = None) -> Path:
     """`folder/cross-encoder`: a 4-layer BERT with a two-label head (irrelevant, relevant) that
     scores text pairs, told apart by token-type ids, as a Hugging Face folder."""
-    return _bert_dir(folder, "cross-encoder", seed=12, type_vocab_size=2,
+    return _bert_dir(folder, "cross-encoder", seed=12, shape=shape, type_vocab_size=2,
                      id2label=dict(enumerate(CROSS_ENCODER_LABELS)),
                      label2id={label: index for index, label in enumerate(CROSS_ENCODER_LABELS)})
 
@@ -165,7 +169,7 @@ def image_classifier_onnx(folder: Path) -> Path:
     return out
 
 
-def audio_conv_module():
+def audio_conv_module(channels: int = 64):
     """Two 1-D convolutions (kernel 5, zero padding) over frames, a mean over the frames the
     mask marks real, a linear layer to 8 logits; random weights from seed 14. The mask zeroes
     the padded frames before and after each convolution, so that a padded frame looks to a
@@ -175,9 +179,9 @@ def audio_conv_module():
     class AudioConv(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.conv1 = torch.nn.Conv1d(AUDIO_NUM_FEATURES, 64, kernel_size=5, padding=2)
-            self.conv2 = torch.nn.Conv1d(64, 64, kernel_size=5, padding=2)
-            self.head = torch.nn.Linear(64, AUDIO_NUM_LABELS)
+            self.conv1 = torch.nn.Conv1d(AUDIO_NUM_FEATURES, channels, kernel_size=5, padding=2)
+            self.conv2 = torch.nn.Conv1d(channels, channels, kernel_size=5, padding=2)
+            self.head = torch.nn.Linear(channels, AUDIO_NUM_LABELS)
 
         def forward(self, features, frame_mask):
             mask = frame_mask.unsqueeze(1)  # [batch, 1, frames]
@@ -191,7 +195,7 @@ def audio_conv_module():
         return AudioConv().eval()
 
 
-def audio_conv_onnx(folder: Path) -> Path:
+def audio_conv_onnx(folder: Path, channels: int = 64) -> Path:
     """`folder/audio-conv.onnx`: inputs features FP32 [batch, frames, 40] and frame_mask FP32
     [batch, frames] (1 for a real frame, 0 for padding), output logits [batch, 8]."""
     import torch
@@ -199,7 +203,7 @@ def audio_conv_onnx(folder: Path) -> Path:
     out = Path(folder) / "audio-conv.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     sample = (torch.zeros(2, 12, AUDIO_NUM_FEATURES), torch.ones(2, 12))
-    _export(audio_conv_module(), sample, out, ["features", "frame_mask"], ["logits"],
+    _export(audio_conv_module(channels), sample, out, ["features", "frame_mask"], ["logits"],
             {"features": {0: "batch", 1: "frames"}, "frame_mask": {0: "batch", 1: "frames"},
              "logits": {0: "batch"}})
     return out
@@ -303,3 +307,89 @@ def external_scores(features: np.ndarray, scale: float = EXTERNAL_SCALE) -> np.n
     weight = (rng.standard_normal((EXTERNAL_NUM_FEATURES, EXTERNAL_NUM_SCORES)) / 4).astype(np.float32)
     bias = (rng.standard_normal(EXTERNAL_NUM_SCORES) / 4).astype(np.float32)
     return (np.tanh(features.astype(np.float32) @ weight + bias) * np.float32(scale)).astype(np.float32)
+
+
+# --- a serving home of the proof models at a realistic size, for the goodput benchmarks -----
+
+# all-MiniLM-L6-v2's shape: the proof encoders cost what a production sentence encoder costs.
+BENCHMARK_ENCODER_SHAPE = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
+                           "intermediate_size": 1536, "max_position_embeddings": 512}
+BENCHMARK_AUDIO_CHANNELS = 256
+FRAMES_WORKLOAD = """# Audio clips by length in frames (10 ms each): mostly short commands, a long tail.
+name = "audio_frames"
+description = "mostly short clips, a long tail to 8 s"
+seed = 20261126
+rows_per_request = 1
+
+[[lengths]]
+min_tokens = 40
+max_tokens = 100
+weight = 0.55
+
+[[lengths]]
+min_tokens = 101
+max_tokens = 200
+weight = 0.25
+
+[[lengths]]
+min_tokens = 201
+max_tokens = 400
+weight = 0.13
+
+[[lengths]]
+min_tokens = 401
+max_tokens = 800
+weight = 0.07
+"""
+HOME_SPEC = """# The proof models' serving home (python -m tests.user_models HOME): tenants as the kit's.
+profile = "profiles/cpu.json"
+
+[hardware.cpu]
+instance_kind = "KIND_CPU"
+intra_op_threads = 1
+max_instances = 8
+ort_spinning = false
+
+[tenants.auth]
+mode = "off"
+"""
+SERVICE = ("--slo-ms", "200", "--expected-rps", "40", "--peak-rps", "100")
+
+
+def benchmark_home(home: Path, log=print) -> Path:
+    """A serving home (`KIT_HOME`) with proof models 1, 2 and 4 at a realistic size, added,
+    profiled and configured by the kit's own commands: `search` (a raw encoder export, CLS
+    pooling, a query prefix), `rerank` (a cross-encoder folder) and `audio` (frames bucketed)."""
+    home = Path(home).resolve()
+    models = home / "my-models"
+    models.mkdir(parents=True, exist_ok=True)
+    (home / "model_repository").mkdir(exist_ok=True)
+    (home / "serving.toml").write_text(HOME_SPEC)
+    workloads = home / "loadtest" / "workloads"
+    workloads.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__).resolve().parents[1] / "loadtest" / "workloads" / "embed_mix.toml",
+                    workloads / "embed_mix.toml")
+    (models / "frames.toml").write_text(FRAMES_WORKLOAD)
+    log("building the proof models ...")
+    raw_sentence_encoder_onnx(models, BENCHMARK_ENCODER_SHAPE)
+    cross = cross_encoder_dir(models, BENCHMARK_ENCODER_SHAPE)
+    audio = audio_conv_onnx(models, BENCHMARK_AUDIO_CHANNELS)
+    env = {**os.environ, "KIT_HOME": str(home)}
+
+    def tools(*args: str) -> None:
+        log("python -m tools " + " ".join(args))
+        subprocess.run([sys.executable, "-m", "tools", *args], cwd=home, env=env, check=True)
+
+    buckets = ("--buckets", "16,32,64,128,256")
+    tools("add-model", "search", "--onnx", str(models / "sentence-encoder.onnx"), "--tokenizer",
+          str(minilm_tokenizer()), "--pooling", "cls", "--query-prefix", "query: ", *buckets, *SERVICE)
+    tools("add-model", "rerank", "--hf-dir", str(cross), "--buckets", "32,64,128,256", *SERVICE)
+    tools("add-model", "audio", "--onnx", str(audio), "--buckets", "100,200,400,800", "--workload",
+          str(models / "frames.toml"), "--tolerance", "0.001", *SERVICE)
+    tools("profile")
+    tools("gen-config")
+    return home
+
+
+if __name__ == "__main__":
+    benchmark_home(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("build/proof-home"))

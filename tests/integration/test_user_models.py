@@ -18,6 +18,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -72,9 +73,10 @@ PASSAGES = ["keys rotate without a restart", "buckets keep short inputs fast", "
             "the router tokenizes and picks the smallest bucket " * 4]
 
 
-def tools(*args: str, folder: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """A tools command run in the user's folder, on its spec and repository."""
-    where = ("--spec", "serving.toml", "--model-repository", "model_repository")
+def tools(*args: str, folder: Path, timeout: float = 600,
+          where: tuple[str, ...] = ("--spec", "serving.toml", "--model-repository", "model_repository"),
+          ) -> subprocess.CompletedProcess:
+    """A tools command run in the user's folder, on its spec and repository (`where`)."""
     done = subprocess.run([sys.executable, "-m", "tools", *args, *where], cwd=folder, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, ADMIN_KEY_ENV: ADMIN_KEY,
                                                 "PYTHONPATH": str(REPO)})
@@ -249,3 +251,27 @@ def test_tensors_of_the_wrong_shape_get_a_400_naming_the_input(kit, model, array
     assert info.value.status() == "400", info.value
     assert message in str(info.value)
     assert infer_tensors(kit["server"], "audio", clip(8, 0)).as_numpy("logits").shape == (1, 8)
+
+
+def test_top_and_explain_name_the_users_models(kit):
+    """`top` and `explain` read any model by name: its rate, its buckets and its knobs."""
+    server, folder = kit["server"], kit["folder"]
+    stop = threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            infer_tensors(server, "audio", clip(30, 5))
+            infer(server, "rerank", {"TEXT": ["q"], "TEXT_PAIR": ["a short passage"]})
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    try:
+        metrics = f"http://127.0.0.1:{server.config.metrics_port}/metrics"
+        top = tools("top", "--once", "--interval", "2", "--metrics-url", metrics, folder=folder, where=())
+        explained = tools("explain", "audio", "--window", "4", "--metrics-url", metrics, "--http-url",
+                          f"127.0.0.1:{server.config.http_port}", "--spec", "serving.toml", folder=folder, where=())
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert "audio_64" in top.stdout and "rerank" in top.stdout, top.stdout
+    assert "audio" in explained.stdout and "audio_64" in explained.stdout, explained.stdout

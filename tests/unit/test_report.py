@@ -29,6 +29,8 @@ def kit(tmp_path) -> dict[str, Path]:
     results.mkdir()
     for name in RESULT_FILES:
         shutil.copy(REPO_ROOT / "results" / f"{name}.json", results)
+    for path in (REPO_ROOT / "results").glob("goodput_*.json"):  # the per-model goodput results
+        shutil.copy(path, results)
     readme = tmp_path / "README.md"
     shutil.copy(REPO_ROOT / "README.md", readme)
     benchmarks = tmp_path / "benchmarks.md"
@@ -136,3 +138,16 @@ def test_every_section_names_its_command_and_hardware_and_links_its_plot():
         assert "- command: `" in sections[name] and "- hardware: " in sections[name], name
     assert "![goodput](../results/goodput.png)" in sections["goodput"]
     assert "![llm](../results/llm.png)" in sections["llm"]
+
+
+def test_each_models_goodput_file_is_a_row_of_its_own(kit, capsys):
+    result = json.loads((kit["results"] / "goodput.json").read_text())
+    result.update(model="rerank", workload="embed_mix pairs", command="python -m tools bench goodput --model rerank")
+    (kit["results"] / "goodput_rerank.json").write_text(json.dumps(result))
+    assert report(kit, "--check") == 1
+    assert "section 'goodput_models' differs from the result files" in capsys.readouterr().err
+    assert report(kit) == 0
+    text = kit["benchmarks"].read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `rerank` |"))
+    assert "| `embed_mix pairs` | 200 |" in row and "**8.5\N{MULTIPLICATION SIGN}**" in row and "[rerank](../results/goodput_rerank.json)" in row
+    assert "- `rerank`: `python -m tools bench goodput --model rerank`" in text

@@ -23,6 +23,7 @@ from typing import Any
 TIMES = "\N{MULTIPLICATION SIGN}"
 
 RESULT_FILES = ("goodput", "llm", "overload", "batch", "loadtest_step")
+MODEL_GOODPUT = "goodput_models"  # the section of results/goodput_<model>.json, one row per model
 
 MARKER = re.compile(r"<!-- report:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
                     re.DOTALL)
@@ -319,6 +320,30 @@ def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str)
     ])
 
 
+def render_goodput_models(results: Mapping[str, Mapping[str, Any]], results_link: str) -> str:
+    """One row per `results/goodput_<model>.json`: the same three setups and ceiling on a user's
+    model (`bench goodput --model NAME`)."""
+    if not results:
+        return "No model besides `embed` has a goodput result yet (`python -m tools bench goodput --model NAME`)."
+    rows, commands = [], []
+    for name, result in sorted(results.items()):
+        setups, ratios = result["setups"], result["ratios"]
+        rows.append([f"`{name}`", f"`{result['workload']}`", _int(result["slo_ms"]),
+                     *(_num(setups[setup]["goodput_rps"]) for setup in GOODPUT_SETUPS),
+                     _num(result["ceiling_rps"]), f"**{_ratio(ratios['slo_bucketed_vs_default_batching'], 1)}**",
+                     _pct(ratios["slo_bucketed_vs_ceiling"]),
+                     f"[{name}]({results_link}goodput_{name}.json)"])
+        commands.append(f"- `{name}`: `{result['command']}`, measured {result['measured_at']} on {_hardware(result)}; "
+                        f"{result['rounds']} rounds, medians")
+    return "\n".join([
+        _table(["model", "workload", "SLO p95 (ms)", "`no_batching`", "`default_batching`", "`slo_bucketed`",
+                "ceiling", "kit vs. default", "of the ceiling", "file"],
+               ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---"], rows),
+        "",
+        *commands,
+    ])
+
+
 SECTION_RENDERERS: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     "goodput": render_goodput,
     "llm": render_llm,
@@ -337,6 +362,11 @@ def render_sections(results: Mapping[str, Mapping[str, Any]], results_link: str)
         except (KeyError, TypeError, ZeroDivisionError) as error:
             raise ReportError(f"results/{name}.json: a field the report needs is missing or malformed "
                               f"({type(error).__name__}: {error})") from None
+    try:
+        sections[MODEL_GOODPUT] = render_goodput_models(results.get(MODEL_GOODPUT, {}), results_link)
+    except (KeyError, TypeError, ZeroDivisionError) as error:
+        raise ReportError(f"results/goodput_*.json: a field the report needs is missing or malformed "
+                          f"({type(error).__name__}: {error})") from None
     try:
         sections["headline"] = render_headline(results, results_link)
     except (KeyError, TypeError, ZeroDivisionError) as error:
@@ -390,6 +420,12 @@ def load_results(results_dir: Path) -> dict[str, dict[str, Any]]:
             results[name] = json.loads(path.read_text())
         except FileNotFoundError:
             raise ReportError(f"{path}: no such result file; its benchmark writes it") from None
+        except json.JSONDecodeError as error:
+            raise ReportError(f"{path}: not valid JSON ({error})") from None
+    results[MODEL_GOODPUT] = {}
+    for path in sorted(results_dir.glob("goodput_*.json")):
+        try:
+            results[MODEL_GOODPUT][path.stem.removeprefix("goodput_")] = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ReportError(f"{path}: not valid JSON ({error})") from None
     return results
