@@ -1,8 +1,11 @@
-"""The goodput benchmark's short form, end to end against real tritonservers."""
+"""The goodput benchmark's short form, end to end against real tritonservers: the built-in
+`embed`, and a user's tensor model bucketed by its frame count (the suite's audio model, in a
+serving home of its own)."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -10,7 +13,35 @@ from pathlib import Path
 
 import pytest
 
+from tests.user_models import audio_conv_onnx
+
 REPO = Path(__file__).resolve().parents[2]
+REPORT_KEYS = {"model", "hardware", "slo_ms", "workload", "criterion", "command", "measured_at", "rounds",
+               "load_generator", "setups", "ceiling_rps", "ceiling_rps_by_round", "ceiling", "ratios"}
+HOME_SPEC = """# A user's serving home: their audio model only.
+profile = "profiles/cpu.json"
+
+[hardware.cpu]
+max_instances = 2
+intra_op_threads = 1
+ort_spinning = false
+
+[tenants.auth]
+mode = "off"
+"""
+FRAMES_MIX = """name = "frames"
+rows_per_request = 2
+
+[[lengths]]
+min_tokens = 5
+max_tokens = 16
+weight = 0.6
+
+[[lengths]]
+min_tokens = 17
+max_tokens = 64
+weight = 0.4
+"""
 
 
 def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
@@ -46,6 +77,46 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
         assert set(ways) == {"one_session_all_cores", "one_thread_per_core"}
         assert bucket["seconds"] == min(ways.values()) and ways[bucket["way"]] == bucket["seconds"]
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert set(report) == REPORT_KEYS
+
+
+def in_home(home: Path, *args: str) -> subprocess.CompletedProcess:
+    """A tools command on the serving home `home` (KIT_HOME)."""
+    done = subprocess.run([sys.executable, "-m", "tools", *args], cwd=home, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "KIT_HOME": str(home), "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_a_tensor_model_bucketed_by_frames_gets_the_same_setups_and_report(tmp_path):
+    home = tmp_path / "home"
+    (home / "model_repository").mkdir(parents=True)
+    (home / "serving.toml").write_text(HOME_SPEC)
+    (home / "frames.toml").write_text(FRAMES_MIX)
+    audio = audio_conv_onnx(tmp_path / "my-models")
+    in_home(home, "add-model", "audio", "--onnx", str(audio), "--buckets", "16,64", "--workload", "frames.toml",
+            "--slo-ms", "300", "--expected-rps", "8", "--peak-rps", "20", "--tolerance", "0.001")
+    in_home(home, "profile", "--model", "audio", "--time-per-point", "0.2", "--overhead-requests", "10")
+    out = tmp_path / "goodput_audio.json"
+    # The short steps of a smoke run: what is checked is that every setup serves the frames.
+    in_home(home, "bench", "goodput", "--model", "audio", "--step-seconds", "1", "--max-steps", "2", "--repeats", "1",
+            "--start-rps", "8", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert set(report) == REPORT_KEYS
+    assert (report["model"], report["workload"], report["slo_ms"]) == ("audio", "frames", 300)
+    assert set(report["setups"]) == {"no_batching", "default_batching", "slo_bucketed"}
+    for name, setup in report["setups"].items():
+        assert setup["goodput_rps"] >= 8, name  # far below what the machine serves of this small model
+        assert all(step["num_errors"] == 0 for step in setup["steps"]), name
+    # The baselines send every clip to the largest bucket; the kit's router to the smallest that holds it.
+    served = {name: {key.split(".")[1] for step in setup["steps"] for key, value in step.items()
+                     if key.endswith(".inference_count") and value} for name, setup in report["setups"].items()}
+    assert served["no_batching"] == served["default_batching"] == {"audio", "audio_64"}
+    assert served["slo_bucketed"] == {"audio", "audio_16", "audio_64"}
+    ceiling = report["ceiling"]
+    assert set(ceiling["buckets"]) == {"16", "64"} and ceiling["rows"] == 1000
+    assert report["ceiling_rps"] > report["setups"]["slo_bucketed"]["goodput_rps"]
+    assert out.with_suffix(".png").stat().st_size > 1000
 
 
 def test_unknown_setup_is_refused():
@@ -66,5 +137,5 @@ def test_a_model_the_spec_does_not_have_is_refused_with_the_specs_models():
     result = subprocess.run([sys.executable, "-m", "tools", "bench", "goodput", "--model", "rerank"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "no model 'rerank'; the spec's text models: embed" in result.stderr
+    assert "no model 'rerank'; the spec's [models]: embed" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -1,5 +1,6 @@
 """The goodput benchmark: its setups (generated configs, quotas taken out), where each step's
-CPU went, and the ceiling's rows, for the built-in `embed` and for a text-pair classifier."""
+CPU went, and the ceiling's rows, for the built-in `embed`, a text-pair classifier and tensor
+models (one bucketed by a variable axis, one of fixed shape)."""
 
 import dataclasses
 import shutil
@@ -13,9 +14,12 @@ from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.buckets import choose_bucket, pad_rows, truncate_tokens
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
 from python_backends.embed.router import EmbedRouter
+from python_backends.tensor.router import TensorRouter
 from tests import user_models
 from tools.bench.goodput import (
+    DEFAULT_MAX_BATCH,
     bucket_configs,
+    bucket_key,
     bucket_rows,
     cpu_breakdown,
     goodput_options,
@@ -24,14 +28,18 @@ from tools.bench.goodput import (
     median_ratio,
     model_plan,
     padded_only_plan,
+    payload_fields,
     round_ratios,
     router_of,
     served_version,
     stack_rows,
+    tensor_bucket_configs,
+    tensor_bucket_rows,
+    tensor_router_of,
 )
 from tools.bench.harness import without_tenant_quotas
 from tools.bench.loadgen import summarize_step
-from tools.bench.payloads import TextPayload, find_model, model_texts
+from tools.bench.payloads import TensorPayload, TextPayload, find_model, model_payload, model_texts
 from tools.cli.bench import goodput_results
 from tools.paths import DEFAULT_SPEC
 from tools.spec.profile import load_profile
@@ -232,3 +240,117 @@ def test_the_ceiling_of_a_pair_classifier_runs_its_installed_graph(rerank, tmp_p
     assert ceiling["rows"] == 24 and ceiling["rows_per_s"] > 0
     assert set(ceiling["buckets"]) <= {"32", "128"}
     assert sum(bucket["rows"] for bucket in ceiling["buckets"].values()) == 24
+
+
+# --------------------------------------------------------------------------- tensor models
+
+AUDIO_BUCKETS = (16, 64)
+FRAMES_MIX = """name = "frames"
+rows_per_request = 2
+
+[[lengths]]
+min_tokens = 5
+max_tokens = 80
+weight = 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def tensors(tmp_path_factory):
+    """The repo's spec with the suite's audio model (bucketed by frames, 16 and 64) and image
+    model (fixed shape); their profile borrows embed's curves (the plan needs a curve per bucket)."""
+    folder = tmp_path_factory.mktemp("tensor-models")
+    audio, image = user_models.audio_conv_onnx(folder), user_models.image_classifier_onnx(folder)
+    (folder / "frames.toml").write_text(FRAMES_MIX)
+    data = tomllib.loads(DEFAULT_SPEC.read_text())
+    common = {"kind": "tensor", "tolerance": 0.001, "slo_p95_ms": 200, "expected_rps": 10, "peak_rps": 20,
+              "max_request_rows": 16, "max_router_instances": 2}
+    data["models"]["audio"] = {**common, "source": str(audio), "variable_axis": 0,
+                               "pad": {"features": 0.0, "frame_mask": 0.0}, "buckets": list(AUDIO_BUCKETS),
+                               "workload": str(folder / "frames.toml")}
+    data["models"]["image"] = {**common, "source": str(image)}
+    spec = parse_spec(data, DEFAULT_SPEC)
+    profile = load_profile(spec.profile)
+    borrowed = {"audio_16": "encoder_16", "audio_64": "encoder_64", "image_fixed": "encoder_32"}
+    profile = dataclasses.replace(
+        profile, models={**profile.models, **{name: profile.models[source] for name, source in borrowed.items()}},
+        overhead={**profile.overhead, "audio": profile.overhead["embed"], "image": profile.overhead["embed"]})
+    repository = folder / "repository"  # the installed graphs, as add-model lays them out
+    for name, graph in (("audio_16", audio), ("audio_64", audio), ("image_fixed", image)):
+        (repository / name / "1").mkdir(parents=True)
+        shutil.copyfile(graph, repository / name / "1" / "model.onnx")
+    return spec, profile, repository
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_tensor_models_baselines_pad_to_its_largest_bucket(tensors, batching):
+    spec, profile, _ = tensors
+    model = find_model(spec, "audio")
+    padded = {m.name: m for m in padded_only_plan(spec, profile, model, batching=batching)}
+    assert set(padded) == {"audio", "audio_64"}
+    assert (padded["audio"].adapter, padded["audio_64"].adapter) == ("tensor_router_model", "tensor_bucket_model")
+    bucket = padded["audio_64"].config
+    assert bucket.max_batch_size == (DEFAULT_MAX_BATCH if batching else 1)
+    generated = [w.batch_size for w in {m.name: m for m in model_plan(spec, profile, model)}["audio_64"].config
+                 .model_warmup]
+    assert len(generated) == 2 and max(generated) > 1  # one row, and a full batch of the derived max
+    # Triton loads no model with a warm-up batch above its max_batch_size: those are left out.
+    assert [w.batch_size for w in bucket.model_warmup] == [b for b in generated if b <= bucket.max_batch_size]
+    assert 1 in [w.batch_size for w in bucket.model_warmup]
+    assert bucket.HasField("dynamic_batching") == batching
+    if batching:  # Triton's defaults: nothing set
+        assert bucket.dynamic_batching == type(bucket.dynamic_batching)()
+    router = padded["audio"].config
+    assert "admission" not in router.parameters and not router.dynamic_batching.HasField("default_queue_policy")
+    parsed = tensor_router_of(list(padded.values()), model)  # what the served router reads
+    assert parsed.bucket_lens == (64,) and parsed.bucket_max_batch == {64: bucket.max_batch_size}
+    assert parsed.model_for(64) == "audio_64"
+
+
+def test_a_fixed_shape_models_baselines_keep_its_one_bucket(tensors):
+    spec, profile, _ = tensors
+    model = find_model(spec, "image")
+    padded = {m.name: m for m in padded_only_plan(spec, profile, model, batching=False)}
+    assert set(padded) == {"image", "image_fixed"}
+    assert "bucket_lens" not in padded["image"].config.parameters
+    parsed = tensor_router_of(list(padded.values()), model)
+    assert parsed.variable_axis is None and parsed.bucket_max_batch == {0: 1}
+
+
+def test_a_tensor_models_rows_reach_the_ceiling_padded_to_their_bucket_as_the_router_pads_them(tensors):
+    spec, profile, _ = tensors
+    model = find_model(spec, "audio")
+    plan = model_plan(spec, profile, model)
+    payload = model_payload(model, load_workload(model.workload), 40)
+    rows = tensor_bucket_rows(payload, TensorRouter(tensor_router_of(plan, model)))
+    lengths = [n for n in payload.lengths for _ in range(2)]  # two rows a request
+    assert {b: len(r) for b, r in rows.items()} == {
+        b: sum(1 for n in lengths if choose_bucket(n, AUDIO_BUCKETS) == b) for b in AUDIO_BUCKETS}
+    real = {b: [n for n in lengths if choose_bucket(n, AUDIO_BUCKETS) == b] for b in AUDIO_BUCKETS}
+    for bucket_len, bucket in rows.items():
+        batch = stack_rows(bucket)
+        assert batch["features"].shape == (len(bucket), bucket_len, user_models.AUDIO_NUM_FEATURES)
+        assert batch["frame_mask"].sum(axis=1).tolist() == real[bucket_len]  # ones for real frames, zeros padding
+        assert not batch["features"][batch["frame_mask"] == 0].any()
+    configs = tensor_bucket_configs(plan, model)
+    assert configs[16].input_names == ("features", "frame_mask") and configs[16].output_names == ("logits",)
+    assert configs[16].inputs[0].dims == (16, user_models.AUDIO_NUM_FEATURES)
+
+
+@pytest.mark.parametrize(("name", "buckets"), [("audio", {"16", "64"}), ("image", {"fixed"})])
+def test_the_ceiling_of_a_tensor_model_runs_its_installed_graph(tensors, name, buckets):
+    spec, profile, repository = tensors
+    model = find_model(spec, name)
+    workload = load_workload(model.workload) if model.workload else None
+    payload = model_payload(model, workload, 24).first_rows(30)
+    ceiling = measure_ceiling(payload, profile, model, model_plan(spec, profile, model), repository=repository)
+    assert ceiling["rows"] == payload.num_rows >= 30 and ceiling["rows_per_s"] > 0
+    assert set(ceiling["buckets"]) <= buckets and sum(b["rows"] for b in ceiling["buckets"].values()) == ceiling["rows"]
+
+
+def test_the_load_sends_texts_or_each_requests_tensors():
+    texts = TextPayload(("a", "b"), ("c", "d"))
+    assert payload_fields(texts) == {"texts": ("a", "b"), "pair_texts": ("c", "d")}
+    request = {"x": np.zeros((1, 2), np.float32)}
+    assert payload_fields(TensorPayload((request,))) == {"texts": (), "tensors": (request,)}
+    assert (bucket_key(16), bucket_key(0)) == ("16", "fixed")

@@ -1,16 +1,17 @@
-"""The goodput benchmark: three setups of one text model of the spec against the machine's ceiling.
+"""The goodput benchmark: three setups of one model of the spec against the machine's ceiling.
 
 `run_benchmark` builds a model repository per setup of the model (`no_batching`,
-`default_batching`: one bucket of the largest length, `slo_bucketed`: the generated configs)
-under build/bench/, starts a tritonserver on each in turn and searches for the highest
-open-loop rate that meets the SLO (`search_goodput`), then runs the same rows through ONNX
-Runtime in-process for the ceiling (`measure_ceiling`: the installed bucket graphs, fed the
-tensors the model's own router makes, run as its bucket configs say), in rounds; it returns
-the report that `python -m tools bench goodput` writes to results/goodput.json for `embed`
-(its --help says what each figure means). The texts follow the model's workload, in its
-tokenizer's tokens, as text pairs for a model that takes pairs (`tools.bench.payloads`).
-The round medians, paired ratios, the rows' bucket tensors and the per-step CPU breakdown
-are pure.
+`default_batching`: one bucket of the largest length, or a fixed-shape model's one bucket,
+`slo_bucketed`: the generated configs) under build/bench/, starts a tritonserver on each in
+turn and searches for the highest open-loop rate that meets the SLO (`search_goodput`), then
+runs the same rows through ONNX Runtime in-process for the ceiling (`measure_ceiling`: the
+installed bucket graphs, fed the tensors the model's own router makes, run as its bucket
+configs say), in rounds; it returns the report that `python -m tools bench goodput` writes to
+results/goodput.json for `embed` (its --help says what each figure means). The rows follow the
+model's workload (`tools.bench.payloads`): a text model's texts in its tokenizer's tokens, as
+text pairs for a model that takes pairs; a tensor model's random tensors, of lengths on its
+variable axis drawn from the mix (a fixed-shape model needs no workload). The round medians,
+paired ratios, the rows' bucket tensors and the per-step CPU breakdown are pure.
 """
 
 from __future__ import annotations
@@ -30,9 +31,17 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.embed.encoder import EncoderConfig, parse_encoder_config
 from python_backends.embed.router import EmbedRouter, RouterConfig, parse_router_config
+from python_backends.tensor.bucket import TensorBucketConfig, parse_tensor_bucket_config
+from python_backends.tensor.router import (
+    FIXED_BUCKET,
+    FIXED_SUFFIX,
+    TensorRouter,
+    TensorRouterConfig,
+    parse_tensor_router_config,
+)
 from tools.bench.harness import BENCH_DIR, build_repository, detect_hardware, hardware_report, without_tenant_quotas
 from tools.bench.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
-from tools.bench.payloads import TextPayload, model_texts
+from tools.bench.payloads import TensorPayload, TextPayload, model_payload
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
@@ -81,7 +90,7 @@ def median_ratio(ours: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def model_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec) -> list[GeneratedModel]:
-    """The generated configs of one text model alone, its router first, then its bucket models
+    """The generated configs of one model alone, its router first, then its bucket models
     (the spec's other models, and the LLM, are benchmarked on their own)."""
     return plan_embed_model(model, spec, profile)
 
@@ -89,7 +98,7 @@ def model_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelS
 def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec,
                      batching: bool) -> list[GeneratedModel]:
     """The baselines: the router with a single bucket of the largest length, so every input is
-    padded to it (256 tokens for `embed`)."""
+    padded to it (256 tokens for `embed`); a fixed-shape tensor model keeps its one bucket."""
     plan = {m.name: m for m in model_plan(spec, profile, model)}
     largest = model.bucket_lens[-1]
     router = mc.ModelConfig()
@@ -102,15 +111,22 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: Bucketed
         encoder.dynamic_batching.SetInParent()  # `dynamic_batching { }`: Triton's defaults
     else:
         encoder.max_batch_size = 1
-    router.parameters["bucket_lens"].string_value = str(largest)
+    # Triton refuses to load a model whose warm-up batch is larger than its max_batch_size.
+    warmups = [warmup for warmup in encoder.model_warmup if warmup.batch_size <= encoder.max_batch_size]
+    del encoder.model_warmup[:]
+    encoder.model_warmup.extend(warmups)
+    if largest != FIXED_BUCKET:  # a fixed-shape model's router names no bucket lengths
+        router.parameters["bucket_lens"].string_value = str(largest)
     router.parameters["bucket_max_batch"].string_value = f"{largest}:{encoder.max_batch_size}"
     # Without this project's admission control too: a baseline serves late rather than refusing.
     del router.parameters["admission"]
     router.dynamic_batching.ClearField("default_queue_policy")
     header = ("Benchmark baseline written by `python -m tools bench goodput`.",)
+    # The generated models' own adapters: the text or the tensor router and bucket backend.
     return [
-        GeneratedModel(model.name, router, header, "embed_model", ROUTER_VERSIONS),
-        GeneratedModel(model.encoder_name(largest), encoder, header, "encoder_model", model.versions),
+        GeneratedModel(model.name, router, header, plan[model.name].adapter, ROUTER_VERSIONS),
+        GeneratedModel(model.encoder_name(largest), encoder, header, plan[model.encoder_name(largest)].adapter,
+                       model.versions),
     ]
 
 
@@ -143,6 +159,39 @@ def bucket_configs(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> 
             for length in model.bucket_lens}
 
 
+def tensor_router_of(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> TensorRouterConfig:
+    """A tensor model's router settings as its generated config gives them to the served router."""
+    router = next(m for m in plan if m.name == model.name)
+    return parse_tensor_router_config(model.name, {key: value.string_value
+                                                   for key, value in router.config.parameters.items()})
+
+
+def tensor_bucket_configs(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> dict[int, TensorBucketConfig]:
+    """Each bucket model of a tensor model as its backend reads its generated config."""
+    configs = {m.name: m.config for m in plan}
+    return {length: parse_tensor_bucket_config(MessageToDict(configs[model.encoder_name(length)],
+                                                             preserving_proto_field_name=True))
+            for length in model.bucket_lens}
+
+
+def tensor_bucket_rows(payload: TensorPayload, router: TensorRouter) -> dict[int, list[dict[str, np.ndarray]]]:
+    """Every row's bucket tensors (each of one row, padded to its bucket on the variable axis) as
+    the model's router makes them for its request, by bucket length (FIXED_BUCKET for a
+    fixed-shape model)."""
+    rows: dict[int, list[dict[str, np.ndarray]]] = {}
+    for request in payload.requests:
+        for chunk in router.prepare(request).chunks:
+            num_rows = len(chunk.chunk.row_indices)
+            rows.setdefault(chunk.chunk.bucket_len, []).extend(
+                {name: array[index:index + 1] for name, array in chunk.tensors.items()} for index in range(num_rows))
+    return rows
+
+
+def bucket_key(bucket_len: int) -> str:
+    """A bucket's key in the report: its length, or `fixed` for a fixed-shape model's one bucket."""
+    return FIXED_SUFFIX if bucket_len == FIXED_BUCKET else str(bucket_len)
+
+
 def bucket_rows(payload: TextPayload, router: EmbedRouter) -> dict[int, list[dict[str, np.ndarray]]]:
     """Every row's bucket tensors (each int64 [1, bucket length]) as the model's router makes
     them for a request of that one row, pair or query prefix included, by bucket length."""
@@ -165,23 +214,32 @@ def served_version(model: BucketedModelSpec) -> int:
     return max(model.traffic, key=lambda version: (model.traffic[version], -version))
 
 
-def measure_ceiling(payload: TextPayload, profile: LatencyProfile, model: BucketedModelSpec,
+def measure_ceiling(payload: TextPayload | TensorPayload, profile: LatencyProfile, model: BucketedModelSpec,
                     plan: Sequence[GeneratedModel], repository: Path = DEFAULT_MODEL_REPOSITORY) -> dict:
     """Rows/s of the mix run in-process through ONNX Runtime, ideally bucketed, at the best batch sizes.
 
-    The rows are tokenized and bucketed by the model's own router code (`bucket_rows`, with the
-    router's installed tokenizer), and run through the installed `model.onnx` of each bucket
-    model in `repository` (of the version that serves the traffic) with its generated config's
-    graph settings (inputs, output, pooling). Each bucket runs the better of two ways to use
-    every core: one session whose thread pool spans all cores, or one single-threaded session
-    per core run side by side; idle threads may spin (the ceiling has the machine to itself).
+    The rows are bucketed by the model's own router code: tokenized with the router's installed
+    tokenizer (`bucket_rows`), or a tensor model's checked and padded (`tensor_bucket_rows`);
+    and run through the installed `model.onnx` of each bucket model in `repository` (of the
+    version that serves the traffic) with its generated config's graph settings (inputs,
+    outputs, pooling). Each bucket runs the better of two ways to use every core: one session
+    whose thread pool spans all cores, or one single-threaded session per core run side by
+    side; idle threads may spin (the ceiling has the machine to itself).
     """
-    from python_backends.common.tokenization import TextTokenizer
     from python_backends.embed.encoder import OnnxEncoder
+    from python_backends.tensor.bucket import OnnxTensorModel
 
-    tokenizer = TextTokenizer.from_file(repository / model.name / str(ROUTER_VERSIONS[0]) / "tokenizer.json")
-    rows_by_bucket = bucket_rows(payload, EmbedRouter(router_of(plan, model), tokenizer))
-    configs = bucket_configs(plan, model)
+    if isinstance(payload, TensorPayload):
+        rows_by_bucket = tensor_bucket_rows(payload, TensorRouter(tensor_router_of(plan, model)))
+        configs: Mapping[int, EncoderConfig | TensorBucketConfig] = tensor_bucket_configs(plan, model)
+        runner: Callable = OnnxTensorModel
+    else:
+        from python_backends.common.tokenization import TextTokenizer
+
+        tokenizer = TextTokenizer.from_file(repository / model.name / str(ROUTER_VERSIONS[0]) / "tokenizer.json")
+        rows_by_bucket = bucket_rows(payload, EmbedRouter(router_of(plan, model), tokenizer))
+        configs = bucket_configs(plan, model)
+        runner = OnnxEncoder
     version = served_version(model)
     cores = os.cpu_count() or 1
     per_bucket = {}
@@ -193,8 +251,8 @@ def measure_ceiling(payload: TextPayload, profile: LatencyProfile, model: Bucket
         best = max(curve.sizes, key=curve.throughput_rps)
         batches = [stack_rows(rows[start:start + best]) for start in range(0, len(rows), best)]
         config = replace(configs[bucket_len], max_batch_size=best, allow_spinning=True)
-        ways = {"one_session_all_cores": [OnnxEncoder(onnx_path, replace(config, intra_op_threads=0))],
-                "one_thread_per_core": [OnnxEncoder(onnx_path, replace(config, intra_op_threads=1))
+        ways = {"one_session_all_cores": [runner(onnx_path, replace(config, intra_op_threads=0))],
+                "one_thread_per_core": [runner(onnx_path, replace(config, intra_op_threads=1))
                                         for _ in range(cores)]}
         seconds = {}
         for way, encoders in ways.items():
@@ -203,9 +261,9 @@ def measure_ceiling(payload: TextPayload, profile: LatencyProfile, model: Bucket
             seconds[way] = _run_batches(encoders, batches)
         fastest = min(seconds, key=seconds.get)
         total_s += seconds[fastest]
-        per_bucket[str(bucket_len)] = {"rows": len(rows), "batch_size": best, "way": fastest,
-                                       "seconds": round(seconds[fastest], 3),
-                                       "seconds_by_way": {way: round(t, 3) for way, t in seconds.items()}}
+        per_bucket[bucket_key(bucket_len)] = {"rows": len(rows), "batch_size": best, "way": fastest,
+                                              "seconds": round(seconds[fastest], 3),
+                                              "seconds_by_way": {way: round(t, 3) for way, t in seconds.items()}}
     num_rows = sum(len(rows) for rows in rows_by_bucket.values())
     return {"rows_per_s": num_rows / total_s, "rows": num_rows, "buckets": per_bucket}
 
@@ -254,13 +312,20 @@ async def search_goodput(target: LoadTarget, options: GoodputOptions, log,
     return search.best_rate, steps, breakdowns
 
 
-def run_setup(setup: str, repository: Path, model: str, payload: TextPayload, rows_per_request: int, slo_ms: float,
-              options: GoodputOptions, log) -> dict:
+def payload_fields(payload: TextPayload | TensorPayload) -> dict[str, Any]:
+    """The payload as `LoadTarget` takes it: texts (and their pairs), or each request's tensors."""
+    if isinstance(payload, TensorPayload):
+        return {"texts": (), "tensors": payload.requests}
+    return {"texts": payload.texts, "pair_texts": payload.pair_texts}
+
+
+def run_setup(setup: str, repository: Path, model: str, payload: TextPayload | TensorPayload, rows_per_request: int,
+              slo_ms: float, options: GoodputOptions, log) -> dict:
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1")
     log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
     with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
-        target = LoadTarget(grpc_url=server.grpc_url, model=model, texts=payload.texts, pair_texts=payload.pair_texts,
+        target = LoadTarget(grpc_url=server.grpc_url, model=model, **payload_fields(payload),
                             rows_per_request=rows_per_request, slo_ms=slo_ms,
                             http_url=server.http_url if options.protocol == "http" else None)
         goodput, steps, breakdowns = asyncio.run(search_goodput(target, options, log, server.cpu_seconds_by_part))
@@ -292,7 +357,8 @@ def plot_goodput(report: dict, path: Path) -> None:
                label=f"ceiling (in-process ONNX Runtime, {median}{report['ceiling_rps']:.1f})")
     ax.set_ylabel("goodput, requests/s (p95 within SLO, no errors)" + (f", median of {rounds} rounds"
                                                                           if rounds > 1 else ""), fontsize=8)
-    ax.set_title(f"{report.get('model', 'embed')}, {report['workload']} mix, SLO p95 {report['slo_ms']:.0f} ms, "
+    mix = f"{report['workload']} mix" if report["workload"] else "fixed-shape inputs"
+    ax.set_title(f"{report.get('model', 'embed')}, {mix}, SLO p95 {report['slo_ms']:.0f} ms, "
                  f"{report['hardware']['description']}", fontsize=9)
     ax.set_ylim(0, max([report["ceiling_rps"], *values]) * 1.3)  # room for the legend above the ceiling
     ax.legend(loc="upper left", fontsize=8)
@@ -315,15 +381,27 @@ def goodput_options(quick: bool, step_s: float, start_rps: float, max_steps: int
                           ceiling_rows=1000, repeats=repeats, protocol=protocol)
 
 
-def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile, workload: Workload,
+def payload_text(model: BucketedModelSpec, workload: Workload | None) -> str:
+    """What the requests are, for the log."""
+    if not model.kind.is_text:
+        if model.variable_axis is None:
+            return "fixed-shape tensors, random values"
+        return f"tensors of lengths on axis {model.variable_axis} from workload {workload.name if workload else '?'}"
+    return f"workload {workload.name if workload else '?'}" + (" as text pairs" if model.pairs else "")
+
+
+def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile, workload: Workload | None,
                   setups: Sequence[str], options: GoodputOptions, command: str, log: Callable[[str], None]) -> dict:
     """Every setup's goodput search of `model` and the ceiling, `options.repeats` rounds; the
-    report. Raises `ServerError` when a server does not start or fails; `SpecError` (or
-    `ProfileError`) when the model's configs cannot be generated."""
+    report. `workload` is the length mix (for a fixed-shape tensor model it may be None: one
+    row a request). Raises `ServerError` when a server does not start or fails; `SpecError` (or
+    `ProfileError`) when the model's configs cannot be generated, `SourceError` when its inputs
+    cannot be read."""
     hardware = detect_hardware(None)
     log(f"goodput benchmark of {model.name} on {hardware.description}; SLO p95 {model.slo_p95_ms:.0f} ms; "
-        f"workload {workload.name}" + (" as text pairs" if model.pairs else ""))
-    payload = model_texts(model, workload, options.num_texts)
+        + payload_text(model, workload))
+    rows_per_request = workload.rows_per_request if workload is not None else 1
+    payload = model_payload(model, workload, options.num_texts)
     plans = {setup: (model_plan(spec, profile, model) if setup == "slo_bucketed"
                      else padded_only_plan(spec, profile, model, setup == "default_batching"))
              for setup in dict.fromkeys((*setups, "slo_bucketed"))}  # the ceiling runs as the generated configs say
@@ -331,7 +409,7 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
         "model": model.name,
         "hardware": hardware_report(hardware, details=True),
         "slo_ms": model.slo_p95_ms,
-        "workload": workload.name,
+        "workload": workload.name if workload is not None else None,
         "criterion": "highest offered open-loop rate with >= 95% of requests within the SLO and no errors",
         "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -348,12 +426,12 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
             log(f"round {round_index + 1} of {options.repeats}")
         for setup in setups:
             runs[setup].append(run_setup(setup, repositories[setup], model.name, payload,
-                                         workload.rows_per_request, model.slo_p95_ms, options, log))
+                                         rows_per_request, model.slo_p95_ms, options, log))
         log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
-        ceiling_rows = TextPayload(payload.texts[: options.ceiling_rows], payload.pair_texts[: options.ceiling_rows])
-        ceilings.append(measure_ceiling(ceiling_rows, profile, model, plans["slo_bucketed"]))
-        log(f"  ceiling: {ceilings[-1]['rows_per_s'] / workload.rows_per_request:.1f} rps")
-    ceiling_by_round = [c["rows_per_s"] / workload.rows_per_request for c in ceilings]
+        ceilings.append(measure_ceiling(payload.first_rows(options.ceiling_rows), profile, model,
+                                        plans["slo_bucketed"]))
+        log(f"  ceiling: {ceilings[-1]['rows_per_s'] / rows_per_request:.1f} rps")
+    ceiling_by_round = [c["rows_per_s"] / rows_per_request for c in ceilings]
     for setup, setup_runs in runs.items():
         by_round = [run["goodput_rps"] for run in setup_runs]
         report["setups"][setup] = {

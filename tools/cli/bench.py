@@ -1,14 +1,17 @@
 """Benchmarks against a real tritonserver, each with its baselines in the same run.
 
 `goodput`: the highest offered request rate (open loop, Poisson arrivals) at which at
-least 95% of requests finish within the SLO and none fail, for three setups of one text
-model of the serving spec (`--model`, default `embed`; a text encoder or classifier) on its
-workload's length mix (text pairs for a model that takes pairs):
+least 95% of requests finish within the SLO and none fail, for three setups of one model of
+the serving spec (`--model`, default `embed`: a text encoder, a text classifier or a tensor
+model) on its workload's length mix: texts (text pairs for a model that takes pairs), or for
+a tensor model random tensors of each input's type whose length on the variable axis follows
+the mix (an input of one value per position, a mask, is all ones); a fixed-shape tensor model
+needs no workload (one row a request unless --workload gives rows_per_request):
   no_batching       one bucket model, every input padded to the largest bucket (256 tokens
-                    for embed), no dynamic batching
+                    for embed; a fixed-shape model's one bucket), no dynamic batching
   default_batching  one bucket model, inputs padded to the largest bucket, Triton's dynamic
                     batching with default knobs
-  slo_bucketed      this project's length buckets with SLO-derived configs
+  slo_bucketed      this project's buckets with SLO-derived configs (router + bucket models)
 plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
 bucketed at the best measured batch sizes (what this hardware can do at all).
 The model must be installed in model_repository/ (build-models, add-model) and profiled.
@@ -86,14 +89,16 @@ def run(args: argparse.Namespace) -> int:
 def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
     setups = bench_goodput.SETUPS
     parser.add_argument("--model", default="embed",
-                        help="the spec's text model to benchmark, by name (default: %(default)s)")
+                        help="the spec's model to benchmark, by name ([models.NAME]: a text encoder, a text "
+                             "classifier or a tensor model) (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result JSON; a PNG plot is written beside it (default: results/goodput.json for "
                              "embed, results/goodput_NAME.json for another model)")
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
     parser.add_argument("--profile", type=Path, default=None, help="latency profile (default: the spec's)")
     parser.add_argument("--workload", type=Path, default=None,
-                        help="length mix (default: the model's workload in the spec)")
+                        help="length mix, in tokens or positions on a tensor model's variable axis (default: the "
+                             "model's workload in the spec; a fixed-shape model without one sends one row a request)")
     parser.add_argument("--setups", default=",".join(setups),
                         help=f"comma-separated subset of {', '.join(setups)} (default: all)")
     parser.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
@@ -126,7 +131,8 @@ def run_goodput(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
         model = find_model(spec, args.model)
         profile = load_profile(args.profile or spec.profile)
-        workload = load_workload(args.workload or model.workload)
+        workload_path = args.workload or model.workload
+        workload = load_workload(workload_path) if workload_path is not None else None
     except (SpecError, ProfileError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
