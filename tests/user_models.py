@@ -314,7 +314,7 @@ def external_scores(features: np.ndarray, scale: float = EXTERNAL_SCALE) -> np.n
 # all-MiniLM-L6-v2's shape: the proof encoders cost what a production sentence encoder costs.
 BENCHMARK_ENCODER_SHAPE = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
                            "intermediate_size": 1536, "max_position_embeddings": 512}
-BENCHMARK_AUDIO_CHANNELS = 256
+BENCHMARK_AUDIO_CHANNELS = 512
 FRAMES_WORKLOAD = """# Audio clips by length in frames (10 ms each): mostly short commands, a long tail.
 name = "audio_frames"
 description = "mostly short clips, a long tail to 8 s"

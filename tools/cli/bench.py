@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import sys
 import tempfile
@@ -62,8 +63,10 @@ def log(message: str) -> None:
 
 
 def command_line(benchmark: str) -> str:
-    """How this run was started, for the report: `python -m tools bench <benchmark> <options>`."""
-    return f"python -m tools bench {benchmark} " + " ".join(sys.argv[3:])
+    """How this run was started, for the report: `python -m tools bench <benchmark> <options>`,
+    after `KIT_HOME=...` when the run served another home than the checkout."""
+    home = f"KIT_HOME={os.environ['KIT_HOME']} " if os.environ.get("KIT_HOME") else ""
+    return f"{home}python -m tools bench {benchmark} " + " ".join(sys.argv[3:])
 
 
 def comma_list(value: str) -> list[str]:
