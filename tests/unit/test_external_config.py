@@ -114,7 +114,8 @@ def test_the_user_s_text_stays_byte_for_byte_and_each_managed_field_is_written_w
 
 
 def test_a_managed_field_sharing_its_line_is_rewritten_on_that_line():
-    text = 'name: "resnet" max_batch_size: 2 # tuned by hand\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    text = ('name: "resnet" max_batch_size: 2 # tuned by hand\n'
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
     merged = merge_managed(text, mc.ModelConfig(name="resnet", max_batch_size=16), "c")
     assert merged == 'name: "resnet" max_batch_size: 16 # tuned by hand\ninput [ { name: "x" data_type: TYPE_FP32 ' \
                      'dims: [ 1 ] } ]\n'

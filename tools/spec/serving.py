@@ -680,8 +680,9 @@ class BucketedModelTable(Table):
             except ValueError as err:
                 raise table_error(f"buckets: {err}") from None
         if not self.kind.is_text and self.tolerance is None:
-            raise table_error(f"missing 'tolerance': a {self.kind.value} model's rollouts compare a new version's "
-                              "outputs with the old's within it (the largest absolute difference allowed)")
+            article = "an" if self.kind.value[0] in "aeiou" else "a"
+            raise table_error(f"missing 'tolerance': {article} {self.kind.value} model's rollouts compare a new "
+                              "version's outputs with the old's within it (the largest absolute difference allowed)")
 
     def external_model(self, name: str) -> str:
         """An external model's folder in its repository (the table's name by default)."""
@@ -801,6 +802,9 @@ class ServingFile(Table):
             for length in table.buckets or (FIXED_BUCKET,):
                 bucket = (table.external_model(name) if table.kind is ModelKind.EXTERNAL
                           else bucket_model_name(prefix, length))
+                if bucket in owners and table.kind is ModelKind.EXTERNAL:
+                    raise table_error(f"external model {bucket!r} is also a model of {owners[bucket]!r} (Triton "
+                                      "serves one model per name)", at=("models", name))
                 if bucket in owners:
                     raise table_error(f"[models.{name}]: bucket model {bucket!r} is also a model of "
                                       f"{owners[bucket]!r}; give the model another encoder_prefix")
