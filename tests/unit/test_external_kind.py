@@ -402,3 +402,19 @@ def test_parse_spec_resolves_the_repository_against_the_spec_s_folder(user):
     data = tomllib.loads(SPEC_HEAD + TABLE)
     spec = parse_spec(data, user / "serving.toml")
     assert spec.models[0].repository == (user / "user-repository").resolve()
+
+
+def test_on_a_gpu_the_instances_are_gpu_instances_and_no_backend_parameter_is_written(user):
+    from tools.spec.profile import load_profile
+
+    (user / "serving.toml").write_text(SPEC_HEAD.replace("[hardware.cpu]", "[hardware.gpu]").replace(
+        "intra_op_threads = 1", "intra_op_threads = 0") + TABLE)
+    hardware = Hardware(name="h100", kind="gpu", description="a GPU", cpu_count=16, gpu="NVIDIA H100",
+                        details={"intra_op_threads": 0})
+    save_profile(LatencyProfile(path=None, sha256="", hardware=hardware, measured_at="2026-01-01T00:00:00Z",
+                                models={EXTERNAL_MODEL: ModelProfile(seq_len=0, curve=LatencyCurve(CURVE))},
+                                overhead={"scorer": Overhead(p50_ms=1.0, p95_ms=2.0)}), user / "h100.json")
+    plan = plan_all(load_spec(user / "serving.toml"), load_profile(user / "h100.json"))
+    merged = parse_config(external_files(plan)[config_path(user)], "merged")
+    assert [g.kind for g in merged.instance_group] == [mc.ModelInstanceGroup.KIND_GPU]
+    assert list(merged.parameters) == ["scale"]

@@ -447,7 +447,10 @@ def graph_text(graph: ServedGraph) -> str:
             + (f", {' and '.join(done)}" if done else "") + ")")
 
 
-def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
+def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int, external: bool = False) -> str:
+    if hardware.kind == "cpu" and hardware.intra_op_threads and external:
+        return (f"{lanes} lanes: {cpu_count} cores, {hardware.intra_op_threads} per instance as [hardware.cpu] "
+                "intra_op_threads says; the kit does not set your backend's threads")
     if hardware.kind == "cpu" and hardware.intra_op_threads:
         return (f"{lanes} lanes: {cpu_count} cores, {hardware.intra_op_threads} "
                 f"ONNX Runtime thread{'s' if hardware.intra_op_threads > 1 else ''} per instance")
@@ -517,7 +520,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     )
     router_share = (f"; the router path takes {base_utilization:.0%} of it ({router_cpu_ms:.2f} CPU ms per request)"
                     if base_utilization else "")
-    device_text = _lanes_text(hardware, lanes, profile.hardware.cpu_count)
+    device_text = _lanes_text(hardware, lanes, profile.hardware.cpu_count, external is not None)
     for bucket_len in model.bucket_lens:
         demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
         name = demand.model_name
