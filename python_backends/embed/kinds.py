@@ -14,6 +14,8 @@ by kind is what a row is and what comes back:
   along one declared variable axis (an audio length, an image width) to the bucket's length,
   or passed as they are into one bucket model when the model has no such axis
   (`python_backends.tensor`).
+- `external`: a model of the user's own Triton repository, on any backend; the tensor router
+  checks its declared tensors and sends them to it as its one bucket model.
 
 The bucket models' tensor names are the kit's own (the spec maps them to the graph's input
 names), so the router, the profiler and gen-config agree without reading the graph. Pure.
@@ -36,6 +38,7 @@ class ModelKind(enum.StrEnum):
     TEXT_ENCODER = "text-encoder"  # text -> one vector per row
     TEXT_CLASSIFIER = "text-classifier"  # text or text pair -> logits (and a label) per row
     TENSOR = "tensor"  # the graph's own tensors in and out, bucketed along one variable axis
+    EXTERNAL = "external"  # a model of the user's own Triton repository: its config's tensors in and out
 
     @classmethod
     def parse(cls, name: str) -> ModelKind:
@@ -46,22 +49,22 @@ class ModelKind(enum.StrEnum):
 
     @property
     def is_text(self) -> bool:
-        return self is not ModelKind.TENSOR
+        return self in (ModelKind.TEXT_ENCODER, ModelKind.TEXT_CLASSIFIER)
 
     @property
     def output(self) -> str:
         """A text model's bucket (and router) output tensor; a tensor model answers its graph's own."""
-        if self is ModelKind.TENSOR:
-            raise ValueError("a tensor model answers its graph's own outputs")
+        if not self.is_text:
+            raise ValueError(f"a {self.value} model answers its own outputs")
         return "EMBEDDING" if self is ModelKind.TEXT_ENCODER else "LOGITS"
 
     @property
     def drift(self) -> DriftMeasure:
         """How a canary's outputs are compared with the baseline's: cosine of embeddings, top-1
         agreement and largest logit difference of a classifier's logits, the largest absolute
-        difference of a tensor model's outputs (within its declared tolerance)."""
+        difference of a tensor or external model's outputs (within its declared tolerance)."""
         return {ModelKind.TEXT_ENCODER: DriftMeasure.COSINE, ModelKind.TEXT_CLASSIFIER: DriftMeasure.TOP1,
-                ModelKind.TENSOR: DriftMeasure.ABS_DIFF}[self]
+                ModelKind.TENSOR: DriftMeasure.ABS_DIFF, ModelKind.EXTERNAL: DriftMeasure.ABS_DIFF}[self]
 
 
 def bucket_inputs(token_types: bool) -> tuple[str, ...]:

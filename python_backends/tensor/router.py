@@ -8,8 +8,9 @@ width; an index into the dims after the batch axis) the bucket models are `<pref
 one per length on that axis, and a request goes to the smallest that holds it, padded with each
 input's pad value, as a text goes to the smallest token bucket: short inputs never pay for long
 ones. The graph must make padding harmless itself (a frame mask, as the audio model's); the
-router only pads. Without a variable axis there is one bucket model, `<prefix>fixed`, and
-dynamic batching alone.
+router only pads. Without a variable axis there is one bucket model, `<prefix>fixed` (or the
+model `fixed_model` names: an external model of the user's own repository), and dynamic
+batching alone.
 
 One request is one array per input, so all its rows share one length on the variable axis and
 the whole request goes to one bucket, cut into chunks of the bucket model's max batch.
@@ -183,6 +184,7 @@ class TensorRouterConfig:
     bucket_lens: tuple[int, ...] = (FIXED_BUCKET,)  # lengths on the variable axis, ascending; (0,) without one
     bucket_max_batch: Mapping[int, int] = field(default_factory=lambda: {FIXED_BUCKET: 1})  # bucket -> max batch
     encoder_prefix: str = "encoder_"  # bucket model name = prefix + length, or prefix + "fixed"
+    fixed_model: str = ""  # the one bucket's model when it is not prefix + "fixed" (an external model)
     default_routing: RoutingTable = field(default_factory=lambda: RoutingTable({1: 1.0}))  # split with no routing file
     routing_file: str = DEFAULT_ROUTING_FILE  # the live split, relative to the model's folder unless absolute
     tenants: TenantPolicy = UNLIMITED  # tiers and quotas of tenants (spec [tenants])
@@ -200,6 +202,9 @@ class TensorRouterConfig:
             if len(set(names)) != len(names):
                 raise ValueError(f"{what} names must be distinct, got {names}")
         axis = self.variable_axis
+        if self.fixed_model and axis is not None:
+            raise ValueError(f"fixed_model {self.fixed_model!r} names the one bucket of a model without a variable "
+                             f"axis; this one is bucketed along axis {axis}")
         if axis is None:
             if tuple(self.bucket_lens) != (FIXED_BUCKET,):
                 raise ValueError(f"bucket lengths {list(self.bucket_lens)} need a variable axis; "
@@ -239,6 +244,8 @@ class TensorRouterConfig:
         return self.bucket_lens[-1]
 
     def model_for(self, bucket_len: int) -> str:
+        if bucket_len == FIXED_BUCKET and self.fixed_model:
+            return self.fixed_model
         return bucket_model_name(self.encoder_prefix, bucket_len)
 
     def bucket_dims(self, spec: TensorSpec, bucket_len: int) -> tuple[int, ...]:
@@ -328,6 +335,7 @@ class TensorRouterParameters(ModelParameters):
     bucket_lens: AxisBucketLens = ()  # lengths on the variable axis; empty without one
     bucket_max_batch: BucketMaxBatch = {}  # bucket length -> its model's max_batch_size; `0:N` without an axis
     encoder_prefix: str = "encoder_"  # bucket model name = prefix + length, or prefix + "fixed"
+    fixed_model: str = ""  # the one bucket's model, when not prefix + "fixed" (an external model)
     version_weights: VersionWeights = RoutingTable({1: 1.0})  # the split when there is no routing file
     routing_file: RoutingFile = DEFAULT_ROUTING_FILE  # the live split, relative to the model's folder
     tenants: TenantsParameter = UNLIMITED  # tiers and quotas of tenants
@@ -351,7 +359,7 @@ class TensorRouterParameters(ModelParameters):
         return TensorRouterConfig(
             inputs=self.inputs, outputs=self.outputs, variable_axis=axis,
             bucket_lens=self.bucket_lens if axis is not None else (FIXED_BUCKET,),
-            bucket_max_batch=self.bucket_max_batch, encoder_prefix=self.encoder_prefix,
+            bucket_max_batch=self.bucket_max_batch, encoder_prefix=self.encoder_prefix, fixed_model=self.fixed_model,
             default_routing=self.version_weights, routing_file=self.routing_file, tenants=self.tenants,
             admission=self.admission, auth=self.tenant_auth, max_concurrent_requests=self.max_concurrent_requests)
 

@@ -61,7 +61,8 @@ def test_a_source_table_gives_each_version_its_own_file():
 
 
 @pytest.mark.parametrize(("table", "message"), [
-    ({"kind": "image"}, r"kind must be one of \['text-encoder', 'text-classifier', 'tensor'\], got 'image'"),
+    ({"kind": "image"},
+     r"kind must be one of \['text-encoder', 'text-classifier', 'tensor', 'external'\], got 'image'"),
     ({"source": None}, "missing 'source'"),
     ({"source": ""}, "source must name an ONNX file, a Hugging Face folder or package:<module>"),
     ({"source": {"one": "a.onnx"}}, "source: key 'one' is not a version number"),

@@ -4,8 +4,10 @@ For each bucket model of the serving spec, `measure_bucket` loads a probing conf
 version, no dynamic batching) and reads c(b), the compute time of one execution at batch
 sizes 1, 2, 4, ..., from Triton's per-batch-size statistics, until a batch costs more than
 half the SLO; `measure_overhead` times single-row requests through the router, minus the
-bucket's c(1). Everything here talks to the server through the client it is given;
-`python -m tools profile` starts the server, saves the profile and prints it.
+bucket's c(1). An external model is probed the same way, loaded with its own config but for
+the probing fields (`probe_external_config`), with random rows of its declared tensors.
+Everything here talks to the server through the client it is given; `python -m tools profile`
+starts the server, saves the profile and prints it.
 """
 
 from __future__ import annotations
@@ -20,21 +22,31 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.embed.admission import ADMIT_ALL
-from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
+from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
 from python_backends.tensor.router import TensorRouterConfig
 from tools.bench.loadgen import batch_compute_ns
 from tools.planning.derivation import Admission, BatchingKnobs, RouterPlan
 from tools.repository.configs import (
     encoder_config,
+    external_config,
     router_config,
     tensor_bucket_config,
     tensor_layout,
     tensor_router_config,
 )
+from tools.repository.external import merged_config
 from tools.repository.graph import TensorInfo
-from tools.repository.sources import ServedGraph, SourceError, served_graph, served_tensors, tokenizer_path
+from tools.repository.sources import (
+    ExternalModel,
+    ServedGraph,
+    SourceError,
+    served_external,
+    served_graph,
+    served_tensors,
+    tokenizer_path,
+)
 from tools.spec.profile import LatencyCurve, ModelProfile, Overhead
-from tools.spec.serving import BucketedModelSpec, ServingSpec, SpecError
+from tools.spec.serving import BucketedModelSpec, HardwareLimits, ServingSpec, SpecError
 
 MAX_PROBE_BATCH = 128
 WARMUP_EXECUTIONS = 2
@@ -62,6 +74,18 @@ def profiling_router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_
     if graph is not None:
         return router_config(model, spec, bucket_max_batch, plan, admission=admission, graph=graph)
     return tensor_router_config(model, spec, replace(layout, bucket_max_batch=bucket_max_batch), plan, admission)
+
+
+def probe_external_config(external: ExternalModel, name: str, knobs: BatchingKnobs, hardware: HardwareLimits,
+                          version: int) -> mc.ModelConfig:
+    """An external model as the probe loads it: the user's config (backend, tensors, parameters,
+    warm-up) with the probing batch size and one instance, the one version profiled, and no
+    dynamic batching (the caller clears it)."""
+    config = merged_config(external.config, external_config(name, knobs, hardware))
+    config.name = name
+    config.version_policy.Clear()
+    config.version_policy.specific.versions.append(version)
+    return config
 
 
 def vocab_size(model: BucketedModelSpec) -> int:
@@ -200,13 +224,16 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
     total = sum(len(sizes) * len(m.bucket_lens) for m in chosen)
     with tqdm(total=total, desc="profiling", unit="point", file=sys.stderr, dynamic_ncols=True) as progress:
         for model in chosen:
+            external = None
             try:
                 if model.kind.is_text:
                     graph, vocab, layout = served_graph(model), vocab_size(model), None
                 else:
                     graph, vocab = None, 0
                     probe_limits = {b: MAX_PROBE_BATCH for b in model.bucket_lens}
-                    layout = tensor_layout(model, served_tensors(model), probe_limits)
+                    external = served_external(model) if model.kind is ModelKind.EXTERNAL else None
+                    tensors = external.tensors if external is not None else served_tensors(model)
+                    layout = tensor_layout(model, tensors, probe_limits)
             except SourceError as err:
                 raise SpecError(f"{spec.path}: {err}") from None
             # Beyond half the SLO a batch can never be used (o + 2·c(b) <= S); one point past it is enough.
@@ -215,9 +242,12 @@ def profile_models(client, spec: ServingSpec, hardware_kind: str, time_budget_s:
                 name = model.encoder_name(bucket_len)
                 # One version loaded, so that requests and statistics are both that version's.
                 knobs, versions = probe_knobs(name, MAX_PROBE_BATCH), (profiled_version(model),)
-                config = (encoder_config(name, bucket_len, knobs, hardware, versions, graph, model.kind)
-                          if graph is not None else tensor_bucket_config(name, bucket_len, knobs, hardware, versions,
-                                                                         layout))
+                if external is not None:
+                    config = probe_external_config(external, name, knobs, hardware, versions[0])
+                elif graph is not None:
+                    config = encoder_config(name, bucket_len, knobs, hardware, versions, graph, model.kind)
+                else:
+                    config = tensor_bucket_config(name, bucket_len, knobs, hardware, versions, layout)
                 config.ClearField("dynamic_batching")  # one request = one execution of exactly b rows
                 load_with_config(client, config, control_headers)
                 models[name] = measure_bucket(

@@ -6,6 +6,8 @@
   python -m tools add-model search --version 2 --onnx /models/encoder-v2.onnx
   python -m tools add-model audio --onnx /models/audio.onnx --variable-axis 0 --pad features=0 \
       --pad frame_mask=0 --buckets 128,256,512 --workload frames.toml --tolerance 0.001
+  python -m tools add-model scorer --external /srv/triton-models/user_scorer
+  python -m tools add-model scorer --version 2 --external /srv/triton-models/user_scorer
 
 An ONNX graph whose inputs are token ids and an attention mask is a text model (text-encoder
 or text-classifier); any other graph with a dynamic batch axis is a tensor model, bucketed
@@ -21,6 +23,14 @@ and builds its files there: the graph (a Hugging Face folder is exported to ONNX
 against PyTorch; an ONNX file is linked as it is) with a MANIFEST.json, and the tokenizer. No
 other model's files are touched. With --version, the model gets another version from the new
 file, with no traffic until `python -m tools rollout NAME --to VERSION` moves it.
+
+With --external REPOSITORY/MODEL, a model that already lives in your own Triton repository
+(any backend the server has) is served behind a router named NAME (which must differ from
+MODEL): its config.pbtxt is read (backend, inputs, outputs, printed) and never written here;
+`gen-config` later writes only its batching fields (max_batch_size, dynamic_batching,
+instance_group). Only the router's folder `NAME/1` is made in the kit's repository; `serve`
+and `profile` serve your repository beside it. With --version, the version is a folder of
+your model that you made yourself (e.g. a copy of 1 as 2).
 
 Nothing is half-written: a model that cannot be served as described (inputs that are not a
 text model's, a fixed batch axis, a pooling the output does not allow, a missing tokenizer)
@@ -41,15 +51,17 @@ from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.repository.add_model import (
     AddModelError,
     complete,
+    describe_external,
     describe_hf,
     describe_onnx,
     relative_to,
+    spec_with_external_version,
     spec_with_model,
     spec_with_version,
 )
 from tools.repository.build import BuildError, build_bucketed, find_targets, install_tokenizer
 from tools.repository.configs import SHIM
-from tools.repository.sources import SourceError, served_graph, served_tensors, tokenizer_path
+from tools.repository.sources import SourceError, served_external, served_graph, served_tensors, tokenizer_path
 from tools.spec.serving import SpecError, load_spec, parse_spec
 
 
@@ -59,9 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--onnx", type=Path, metavar="FILE", help="an ONNX graph with a dynamic batch axis")
     source.add_argument("--hf-dir", type=Path, metavar="DIR",
                         help="a Hugging Face folder: config.json, *.safetensors, tokenizer.json")
+    source.add_argument("--external", type=Path, metavar="REPOSITORY/MODEL",
+                        help="a model of your own Triton repository (its folder, holding config.pbtxt), on any "
+                             "backend: served behind a router named NAME; its files are never written here")
     parser.add_argument("--version", type=int, default=None,
                         help="add this version to a model the spec has (no traffic until a rollout)")
-    parser.add_argument("--kind", choices=[k.value for k in ModelKind], default=None,
+    parser.add_argument("--kind", choices=[k.value for k in ModelKind if k is not ModelKind.EXTERNAL], default=None,
                         help="text-encoder, text-classifier or tensor (default: read from the model)")
     parser.add_argument("--variable-axis", type=int, default=None, metavar="AXIS",
                         help="tensor models: the axis after the batch axis whose length varies (default: the one "
@@ -69,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pad", action="append", default=[], metavar="INPUT=VALUE",
                         help="tensor models: the value that pads INPUT along the variable axis (default 0)")
     parser.add_argument("--tolerance", type=float, default=None,
-                        help="tensor models: largest output difference a new version may show (default 0.001)")
+                        help="tensor and external models: largest output difference a new version may show "
+                             "(default 0.001)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer.json for an ONNX file (default: one beside the file)")
     parser.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
@@ -107,10 +123,40 @@ def overrides(args: argparse.Namespace, root: Path) -> dict[str, object]:
     return table
 
 
+# Options about a model's graph, tokenizer or buckets: an external model has none of them.
+NOT_EXTERNAL = {"kind": "--kind", "variable_axis": "--variable-axis", "pad": "--pad", "tokenizer": "--tokenizer",
+                "pooling": "--pooling", "output": "--output", "labels": "--labels", "pairs": "--pairs",
+                "query_prefix": "--query-prefix", "document_prefix": "--document-prefix", "buckets": "--buckets",
+                "workload": "--workload"}
+
+
+def external_spec_text(args: argparse.Namespace, spec_path: Path, text: str) -> tuple[str, list[str], list[str]]:
+    """The spec with the external model (or its new version), and the notes to print."""
+    given = [option for key, option in NOT_EXTERNAL.items() if getattr(args, key) not in (None, False, [])]
+    if given:
+        raise AddModelError(f"{', '.join(given)} do(es) not apply to an external model (--external): its tensors "
+                            "come from its config.pbtxt and it has one bucket, itself")
+    folder = args.external.resolve()
+    if args.version is not None:
+        version = folder / str(args.version)
+        if not version.is_dir():
+            raise AddModelError(f"{version} not found: make the version's folder in your repository first "
+                                f"(e.g. a copy of {folder / '1'})")
+        return (spec_with_external_version(text, args.name, args.version),
+                [f"version {args.version}: {version}"], [])
+    described = describe_external(folder, relative_to(folder.parent, spec_path.parent), tolerance=args.tolerance)
+    complete(described, max_length=None, buckets=None, tokenizer=None, overrides=overrides(args, spec_path.parent))
+    comment = (f" {args.name}: added by `python -m tools add-model --external`; check the values it chose (see its "
+               "output)")
+    return spec_with_model(text, args.name, described.table, comment), described.inferred, described.guessed
+
+
 def new_spec_text(args: argparse.Namespace, spec_path: Path) -> tuple[str, list[str], list[str]]:
     """The spec with the model (or its new version), and the notes to print."""
     root = spec_path.parent
     text = spec_path.read_text()
+    if args.external is not None:
+        return external_spec_text(args, spec_path, text)
     artifact = (args.onnx or args.hf_dir).resolve()
     if not artifact.exists():
         raise AddModelError(f"{artifact} does not exist")
@@ -179,7 +225,9 @@ def run(args: argparse.Namespace) -> int:
         text, inferred, guessed = new_spec_text(args, spec_path)
         spec = parse_spec(tomllib.loads(text), spec_path)
         model = next(m for m in spec.models if m.name == args.name)
-        if model.kind.is_text:
+        if model.kind is ModelKind.EXTERNAL:
+            served_external(model)
+        elif model.kind.is_text:
             served_graph(model)
             tokenizer_path(model)
         else:
@@ -190,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     except tomllib.TOMLDecodeError as err:
         print(f"error: the spec with the model is not valid TOML: {err}", file=sys.stderr)
         return 2
+    if model.kind is ModelKind.EXTERNAL:
+        return add_external(spec_path, repository, model, text, inferred, guessed, args.version)
     original = spec_path.read_text()
     versions = (args.version,) if args.version is not None else model.versions
     made = make_folders(repository, model.name, list(model.bucket_names), versions, model.kind)
@@ -212,4 +262,26 @@ def run(args: argparse.Namespace) -> int:
     for line in guessed:
         print(f"  chosen, check it:    {line}")
     print(f"next: python -m tools profile --model {model.name}   then   python -m tools gen-config")
+    return 0
+
+
+def add_external(spec_path: Path, repository: Path, model, text: str, inferred: list[str], guessed: list[str],
+                 version: int | None) -> int:
+    """Write the spec and make the router's folder; the user's repository is only read."""
+    if version is None:
+        make_folders(repository, model.name, [], (1,), model.kind)
+    spec_path.write_text(text)
+    if version is None:
+        print(f"added {model.name} (external) to {spec_path.name}: a router in {repository.name}/{model.name} "
+              f"calling {model.external_model} of {model.repository} (its files are left as they are)")
+    for line in inferred:
+        print(f"  read from the model: {line}")
+    for line in guessed:
+        print(f"  chosen, check it:    {line}")
+    if version is not None:
+        print(f"next: python -m tools rollout {model.name} --to {version}  (a running server loads it; the model's "
+              "own version_policy must load it at start too)")
+        return 0
+    print(f"next: python -m tools profile --model {model.name}   then   python -m tools gen-config (writes the "
+          f"batching fields of {model.external_dir / 'config.pbtxt'})")
     return 0

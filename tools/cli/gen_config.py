@@ -4,6 +4,10 @@ Configs are built as `model_config_pb2.ModelConfig` messages and written with pr
 text format; each file starts with what it was generated from and why each batching knob
 has its value. `--check` exits 1 when a config on disk differs from what the spec and
 profile give (the test suite runs it); `--explain` prints every knob with its numbers.
+
+An external model's config.pbtxt is the user's, in the user's repository: only its batching
+fields (max_batch_size, dynamic_batching, instance_group) are written, under a `#|` header
+saying why, and only those are compared by `--check`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,16 @@ from pathlib import Path
 
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.planning.derivation import InfeasibleSLO
-from tools.repository.configs import check, expected_files, explain, plan_all, sources, write_files
+from tools.repository.configs import (
+    check,
+    check_external,
+    expected_files,
+    explain,
+    external_files,
+    plan_all,
+    sources,
+    write_files,
+)
 from tools.spec.profile import ProfileError, load_profile
 from tools.spec.serving import SpecError, load_spec
 
@@ -41,24 +54,28 @@ def run(args: argparse.Namespace) -> int:
         return 2
     repository = args.model_repository.resolve()
     files = expected_files(plan, repository)
+    users = external_files(plan)
     if args.explain:
         print(explain(plan, spec, profile))
         return 0
     if args.check:
-        problems = check(files, repository)
+        problems = check(files, repository) + check_external(plan)
         if problems:
             print("configs drift from the serving spec and profile; run `python -m tools gen-config`:",
                   file=sys.stderr)
             for problem in problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1
-        print(f"{len(files)} files match {sources(spec, profile)}")
+        print(f"{len(files) + len(users)} files match {sources(spec, profile)}")
         return 0
     written = write_files(files)
     for path in written:
         print(f"wrote {path.relative_to(repository)}")
+    for path in write_files(users):
+        print(f"wrote the batching fields of {path} (every other field as it was)")
+        written.append(path)
     for model in plan:
         for warning in model.knobs.warnings if model.knobs else ():
             print(f"WARNING: {warning}", file=sys.stderr)
-    print(f"{len(written)} file(s) written, {len(files) - len(written)} unchanged")
+    print(f"{len(written)} file(s) written, {len(files) + len(users) - len(written)} unchanged")
     return 0

@@ -8,6 +8,11 @@ profiles/<hardware>.json with a description of the machine. With --model, only t
 named are measured, and their curves replace theirs in the existing profile of this hardware
 (a model just added is profiled without measuring the others again).
 
+An external model (a model of the user's own Triton repository) is measured the same way,
+through the server, loaded with its own config but for the probing fields, on random inputs
+of its declared types and shapes; the private server serves the spec's external repositories
+beside the kit's.
+
 By default a private tritonserver (explicit model control) is started on free ports; with
 --url, a running server started with `--model-control-mode=explicit` is used and its
 models are reloaded with probing configs (no dynamic batching) and restored afterwards.
@@ -92,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             admin_key = secrets.token_urlsafe(32)  # a private server's control endpoints are this run's alone
             config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                   host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT, admin_key=admin_key,
-                                  model_repository=args.model_repository.resolve())
+                                  model_repository=args.model_repository.resolve(),
+                                  extra_repositories=spec.external_repositories)
             server = TritonServer(config, log_path=Path("build/profile-logs/tritonserver.log").resolve())
             try:
                 stack.enter_context(server)

@@ -2,6 +2,9 @@
 
 Starts the server, waits until every model is ready, prints the endpoints and an
 example request, and stops cleanly on Ctrl-C or SIGTERM (in-flight requests finish).
+The serving spec's external models are served from the users' own repositories, given to
+tritonserver beside the kit's (each `--model-repository`); of those repositories only the
+models the spec names are loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tools.clients.tls import TlsConfigError, check_pem
-from tools.paths import DEFAULT_MODEL_REPOSITORY
+from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.server.admin_key import ADMIN_HEADER, ADMIN_KEY_ENV, AdminKeyError, find_admin_key
 from tools.server.supervisor import serve_until_stopped
 from tools.server.triton_server import (
@@ -27,6 +30,7 @@ from tools.server.triton_server import (
     find_distribution,
     model_names,
 )
+from tools.spec.serving import ServingSpec, SpecError, load_spec
 
 
 def port(value: str) -> int:
@@ -39,6 +43,9 @@ def port(value: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
                         help="model repository to serve (default: %(default)s)")
+    parser.add_argument("--spec", type=Path, default=None,
+                        help="serving spec whose external models' repositories are served too (default: "
+                             f"{DEFAULT_SPEC.name} of the kit, when there is one)")
     parser.add_argument("--http-port", type=port, default=8000, help="HTTP/REST port (default: %(default)s)")
     parser.add_argument("--grpc-port", type=port, default=8001, help="gRPC port (default: %(default)s)")
     parser.add_argument("--metrics-port", type=port, default=8002,
@@ -116,18 +123,28 @@ def grpc_tls(cert: Path | None, key: Path | None) -> GrpcTls | None:
                    key=check_pem(key, "gRPC TLS private key").resolve())
 
 
+def serving_spec(path: Path | None) -> ServingSpec | None:
+    """The spec named (SpecError when it is missing or invalid), else the kit's own if present."""
+    if path is None and not DEFAULT_SPEC.is_file():
+        return None
+    return load_spec(path or DEFAULT_SPEC)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         admin_key = server_admin_key(args.admin_key_file, args.model_control_mode, os.environ)
         tls = grpc_tls(args.grpc_tls_cert, args.grpc_tls_key)
-    except (AdminKeyError, TlsConfigError) as err:
+        spec = serving_spec(args.spec)
+    except (AdminKeyError, TlsConfigError, SpecError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    external_models = spec.external_models if spec is not None else ()
     load_models = tuple(args.load_model)
     if args.model_control_mode is ModelControlMode.EXPLICIT and not load_models:
-        load_models = tuple(model_names(args.model_repository))
+        load_models = (*model_names(args.model_repository), *external_models)
     config = ServerConfig(
         model_repository=args.model_repository.resolve(),
+        extra_repositories=spec.external_repositories if spec is not None else (),
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
@@ -163,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
         f"  gRPC     localhost:{config.grpc_port}{'   (TLS)' if tls else ''}\n"
         f"  metrics  http://localhost:{config.metrics_port}/metrics\n"
-        f"  models   {', '.join(model_names(config.model_repository))}\n"
+        f"  models   {', '.join([*model_names(config.model_repository), *external_models])}\n"
         f"  admin    {admin_line(args.admin_key_file, admin_key)}\n\n"
         f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
         flush=True,

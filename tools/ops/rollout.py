@@ -106,7 +106,9 @@ def read_config(repository: Path, model: str) -> mc.ModelConfig:
     path = repository / model / "config.pbtxt"
     if not path.is_file():
         raise RolloutError(f"{path} not found")
-    return text_format.Parse(path.read_text(), mc.ModelConfig())
+    config = text_format.Parse(path.read_text(), mc.ModelConfig())
+    config.name = config.name or model  # a user's own config may leave the name to its folder
+    return config
 
 
 def with_versions(config: mc.ModelConfig, versions: Sequence[int]) -> mc.ModelConfig:
@@ -274,8 +276,10 @@ class Rollout:
         return snapshot_from_samples(series, self.plan.model.name)
 
     def _load_versions(self, encoder: str, versions: set[int]) -> None:
-        """Have `encoder` serve exactly `versions`, with its own config from the repository."""
-        self.control.load(with_versions(read_config(self.repository, encoder), versions))
+        """Have `encoder` serve exactly `versions`, with its own config from the repository (the
+        user's own, for an external model)."""
+        repository = self.plan.model.bucket_repository(self.repository)
+        self.control.load(with_versions(read_config(repository, encoder), versions))
 
     def load_candidate(self) -> None:
         plan = self.plan
@@ -452,9 +456,16 @@ def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, f
     if baseline == to:
         raise RolloutError(f"--from and --to are both version {to}")
     encoders = tuple(model.encoder_name(length) for length in model.bucket_lens)
-    missing = [f"{e}/{to}" for e in encoders if not (repository / e / str(to) / "model.py").is_file()]
+    buckets = model.bucket_repository(repository)
+
+    def has_version(encoder: str) -> bool:
+        """The kit's bucket folders hold a model.py shim; an external model's whatever its backend reads."""
+        folder = buckets / encoder / str(to)
+        return folder.is_dir() if model.repository is not None else (folder / "model.py").is_file()
+
+    missing = [f"{e}/{to}" for e in encoders if not has_version(e)]
     if missing:
-        raise RolloutError(f"version {to} has no model folder in {repository}: {', '.join(missing)}")
+        raise RolloutError(f"version {to} has no model folder in {buckets}: {', '.join(missing)}")
     if not 0 < shadow_rate <= 1:
         raise RolloutError(f"--shadow-rate must be within (0, 1], got {shadow_rate}")
     return RolloutPlan(model=model, baseline=baseline, candidate=to, steps=parsed_steps, gates=gates,

@@ -1,11 +1,13 @@
 """Adding a user's model to the kit: what the spec should say about it, read from its files.
 
-`describe_onnx` and `describe_hf` turn what an ONNX graph's signature or a Hugging Face
-folder's config says into the model's `[models.NAME]` table, with a note for every value that
-was read from the model (`inferred`) and every value the model does not say, chosen by a rule
-the user should check (`guessed`): `python -m tools add-model` prints both. `spec_with_model`
-writes the table into the spec's text (tomlkit keeps the file's comments), or adds a version
-to a model that is already there. Pure but for reading the model's own files.
+`describe_onnx`, `describe_hf` and `describe_external` turn what an ONNX graph's signature, a
+Hugging Face folder's config or a Triton model's config.pbtxt says into the model's
+`[models.NAME]` table, with a note for every value that was read from the model (`inferred`)
+and every value the model does not say, chosen by a rule the user should check (`guessed`):
+`python -m tools add-model` prints both. `spec_with_model` writes the table into the spec's
+text (tomlkit keeps the file's comments), or adds a version to a model that is already there
+(`spec_with_version`; `spec_with_external_version` for an external model, whose versions are
+folders of the user's repository). Pure but for reading the model's own files.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomlkit
+from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.embed.kinds import ModelKind
+from tools.repository.external import ExternalConfigError, parse_config
 from tools.repository.graph import Graph, GraphError, read_graph
 from tools.repository.hf_export import HfExportError, inspect_hf_dir
 
@@ -28,6 +32,7 @@ TYPE_NAMES = ("token_type_ids", "segment_ids", "token_types", "type_ids")
 ENCODER_OUTPUTS = ("sentence_embedding", "embedding", "embeddings", "pooler_output", "last_hidden_state")
 CLASSIFIER_OUTPUTS = ("logits", "scores", "score")
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_TOLERANCE = 1e-3  # a tensor or external model's drift gate until the user says otherwise
 DEFAULT_TABLE = {  # what a new model's service gets until the user says otherwise
     "slo_p95_ms": 200,
     "expected_rps": 20,
@@ -95,10 +100,42 @@ def describe_tensor(path: Path, graph: Graph, *, variable_axis: int | None, pad:
         if guessed:
             described.guessed.append(f"pad = 0.0 for {guessed}: the value the graph must ignore on padded "
                                      "positions (--pad NAME=VALUE)")
-    table["tolerance"] = tolerance if tolerance is not None else 1e-3
+    _tolerance(described, tolerance)
+    return described
+
+
+def _tolerance(described: Described, tolerance: float | None) -> None:
+    described.table["tolerance"] = tolerance if tolerance is not None else DEFAULT_TOLERANCE
     if tolerance is None:
-        described.guessed.append("tolerance = 0.001: the largest output difference a new version may show "
-                                 "against the old before a rollout rolls back (--tolerance)")
+        described.guessed.append(f"tolerance = {DEFAULT_TOLERANCE:g}: the largest output difference a new version "
+                                 "may show against the old before a rollout rolls back (--tolerance)")
+
+
+def _tensors_text(tensors) -> str:
+    return ", ".join(f"{t.name} {mc.DataType.Name(t.data_type)[5:]} {list(t.dims)}" for t in tensors)
+
+
+def describe_external(folder: Path, repository: str, *, tolerance: float | None) -> Described:
+    """The spec table of a model of the user's own Triton repository (`folder`, written in the
+    spec as `repository`), from its config.pbtxt: its backend and tensors are printed, the
+    kit's service keys chosen. Its files are only read."""
+    path = folder / "config.pbtxt"
+    if not folder.is_dir():
+        raise AddModelError(f"{folder} is not a folder: --external takes REPOSITORY/MODEL, the model's folder in "
+                            "your Triton repository")
+    if not path.is_file():
+        raise AddModelError(f"{path} not found: the kit reads the model's tensors from its config.pbtxt")
+    try:
+        config = parse_config(path.read_text(), str(path))
+    except ExternalConfigError as err:
+        raise AddModelError(str(err)) from None
+    described = Described(table={"kind": ModelKind.EXTERNAL.value, "repository": repository, "model": folder.name})
+    backend = config.backend or config.platform or "?"
+    described.inferred += [
+        f"backend {backend!r}, max_batch_size {config.max_batch_size} (gen-config derives it): {path}",
+        f"inputs {_tensors_text(config.input)}; outputs {_tensors_text(config.output)}: its config",
+    ]
+    _tolerance(described, tolerance)
     return described
 
 
@@ -209,7 +246,8 @@ def complete(described: Described, *, max_length: int | None, buckets: Sequence[
     """The service keys the model does not say: buckets, SLO and rates, the workload (defaults
     the user should check, each noted), then what the command line gave."""
     table = described.table
-    bucketed = table["kind"] != ModelKind.TENSOR.value or "variable_axis" in table
+    text = table["kind"] not in (ModelKind.TENSOR.value, ModelKind.EXTERNAL.value)
+    bucketed = text or "variable_axis" in table
     if not bucketed:
         overrides = {key: value for key, value in overrides.items() if key != "workload"}
     elif table["kind"] == ModelKind.TENSOR.value and (not buckets or "workload" not in overrides):
@@ -223,9 +261,8 @@ def complete(described: Described, *, max_length: int | None, buckets: Sequence[
                                      "fit them to your traffic (--buckets)")
     if tokenizer is not None:
         table["tokenizer"] = str(tokenizer)
-    tensor = table["kind"] == ModelKind.TENSOR.value
     defaults = {key: value for key, value in DEFAULT_TABLE.items()
-                if (bucketed or key != "workload") and not (tensor and key == "max_text_bytes")}
+                if (bucketed or key != "workload") and (text or key != "max_text_bytes")}
     for key, value in defaults.items():
         if key not in overrides:
             table[key] = value
@@ -283,6 +320,28 @@ def spec_with_version(spec_text: str, name: str, version: int, source: str) -> s
     inline = tomlkit.inline_table()
     inline.update(sources)
     model["source"] = inline
+    model["versions"] = [*versions, version]
+    if "traffic" not in model:  # keep the split where it is: all on the first version until a rollout
+        traffic = tomlkit.inline_table()
+        traffic.update({str(versions[0]): 100})
+        model["traffic"] = traffic
+    return tomlkit.dumps(document)
+
+
+def spec_with_external_version(spec_text: str, name: str, version: int) -> str:
+    """The spec text with `version` of external model `name` served (its folder in the user's
+    repository; no traffic until `tools rollout` moves it)."""
+    document = tomlkit.parse(spec_text)
+    models = document.get("models", {})
+    if name not in models:
+        raise AddModelError(f"the spec has no model {name!r} to add version {version} to; its models are "
+                            f"{sorted(models)}")
+    model = models[name]
+    if model.get("kind") != ModelKind.EXTERNAL.value:
+        raise AddModelError(f"model {name!r} is not an external model; add its version with --onnx or --hf-dir")
+    versions = [int(v) for v in model.get("versions", [1])]
+    if version in versions:
+        raise AddModelError(f"model {name!r} already has version {version}; its versions are {versions}")
     model["versions"] = [*versions, version]
     if "traffic" not in model:  # keep the split where it is: all on the first version until a rollout
         traffic = tomlkit.inline_table()

@@ -12,7 +12,8 @@ BUILD_INFO.json (what it was built from, so up-to-date folders are skipped, and 
 installed, so a file put there by someone else is never overwritten: `made_here`) and a
 MANIFEST.json with the SHA-256 of each file, which the models verify before loading
 (`python_backends.common.artifacts`). Everything here writes into the repository it is
-given; `python -m tools build-models` drives it.
+given; `python -m tools build-models` drives it. An external model's files are the user's, in
+the user's repository: the build never touches them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from python_backends.common.artifacts import MANIFEST, file_sha256, write_manifest
+from python_backends.embed.kinds import ModelKind
 from tools.repository.sources import (
     ServedGraph,
     SourceError,
@@ -85,13 +87,14 @@ def find_targets(repository: Path, spec: ServingSpec) -> Targets:
         return tuple(folder for v in versions if ((folder := repository / model_name / str(v)) / "model.py").is_file())
 
     bucketed = []
-    for model in spec.models:
+    built = [model for model in spec.models if model.kind is not ModelKind.EXTERNAL]  # the user's own files
+    for model in built:
         bucket_dirs = {v: folders_v for v in model.versions
                        if (folders_v := tuple(d for name in model.bucket_names for d in folders(name, (v,))))}
         if bucket_dirs:
             bucketed.append(ModelTargets(model, bucket_dirs, folders(model.name, (1,))))
-    if not bucketed:
-        expected = ", ".join(f"{m.encoder_prefix}<length>/<version>/model.py" for m in spec.models)
+    if not bucketed and (built or not spec.models):  # a spec of external models only has none to build
+        expected = ", ".join(f"{m.encoder_prefix}<length>/<version>/model.py" for m in built)
         raise BuildError(f"no bucket model folders ({expected}) in {repository}; run `python -m tools gen-config` "
                          "or `python -m tools add-model`")
     llm_dirs = tuple(sorted(p.parent for p in repository.glob(f"{LLM_MODEL}/[0-9]*/model.py")))

@@ -4,8 +4,10 @@
 per model (its config, a header saying what it was generated from and why each batching
 knob has its value, and the `model.py` shim of each version); `expected_files` renders
 them with protobuf's text format, `check` compares them with the repository and `explain`
-prints every knob with its numbers. Only `write_files` and `check` touch the disk;
-`python -m tools gen-config` drives them.
+prints every knob with its numbers. An external model's config is the user's own, in the
+user's repository: its plan holds the user's text and the derived managed fields, which
+`external_files` merges in (`tools.repository.external`) and `check_external` compares. Only
+`write_files` and `check` touch the disk; `python -m tools gen-config` drives them.
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ from tools.planning.derivation import (
     plan_shared_batches,
     preferred_batch,
 )
-from tools.repository.sources import ServedGraph, SourceError, TensorGraph, served_graph, served_tensors
+from tools.repository.external import MANAGED_FIELDS, loaded_versions, managed_drift, merge_managed
+from tools.repository.sources import (
+    ExternalModel,
+    ServedGraph,
+    SourceError,
+    TensorGraph,
+    served_external,
+    served_graph,
+    served_tensors,
+)
 from tools.spec.profile import LatencyProfile
 from tools.spec.serving import BucketedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
 from tools.spec.workload import load_workload
@@ -85,8 +96,12 @@ class GeneratedModel:
     adapter: str  # python_backends.adapters module the model.py shim imports
     versions: tuple[int, ...]  # version folders that get the shim
     knobs: BatchingKnobs | None = None  # derived knobs (bucket models)
+    user_config: Path | None = None  # an external model: its config.pbtxt in the user's repository
+    user_text: str = ""  # an external model: that file's text when planned
 
     def config_text(self) -> str:
+        if self.user_config is not None:  # the user's config with the managed fields of `config`
+            return merge_managed(self.user_text, self.config, str(self.user_config), self.header)
         comments = "".join(f"# {line}\n" if line else "#\n" for line in self.header)
         return comments + text_format.MessageToString(self.config)
 
@@ -170,7 +185,7 @@ def tensor_layout(model: BucketedModelSpec, tensors: TensorGraph, bucket_max_bat
     """The tensor router's view of the model (what checks a request and sizes each bucket's inputs)."""
     return TensorRouterConfig(inputs=tensors.inputs, outputs=tensors.outputs, variable_axis=model.variable_axis,
                               bucket_lens=model.bucket_lens, bucket_max_batch=bucket_max_batch,
-                              encoder_prefix=model.encoder_prefix)
+                              encoder_prefix=model.encoder_prefix, fixed_model=model.external_model)
 
 
 def tensor_bucket_config(name: str, bucket_len: int, knobs: BatchingKnobs, hardware: HardwareLimits,
@@ -193,6 +208,15 @@ def tensor_bucket_config(name: str, bucket_len: int, knobs: BatchingKnobs, hardw
                                         allow_spinning=hardware.ort_spinning)
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
+    return config
+
+
+def external_config(name: str, knobs: BatchingKnobs, hardware: HardwareLimits) -> mc.ModelConfig:
+    """An external model's managed fields (`tools.repository.external.MANAGED_FIELDS`): the derived
+    batch size, dynamic batching and instances of the spec's hardware kind. No parameters: the
+    model's backend is the user's, and its thread settings with it."""
+    config = mc.ModelConfig(name=name, max_batch_size=knobs.max_batch_size)
+    _batching(config, knobs, hardware)
     return config
 
 
@@ -234,6 +258,7 @@ def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: Te
         **({"variable_axis": model.variable_axis, "bucket_lens": model.bucket_lens}
            if model.variable_axis is not None else {}),
         bucket_max_batch=layout.bucket_max_batch, encoder_prefix=model.encoder_prefix,
+        **({"fixed_model": model.external_model} if model.external_model else {}),
         version_weights=model.traffic, routing_file=ROUTING_FILE, tenants=spec.tenant_policy(),
         admission=admission.policy, tenant_auth=spec.auth_config(),
         max_concurrent_requests=router.max_concurrent_requests)
@@ -349,6 +374,9 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
 
 def bucket_intro(model: BucketedModelSpec, bucket_len: int, share: float) -> tuple[str, ...]:
     """The first lines of a bucket model's header: what its inputs are and its traffic share."""
+    if model.kind is ModelKind.EXTERNAL:
+        return (f"The external model `{model.external_model}` of `{model.name}`, in {_relative(model.repository)}: "
+                "every input has a fixed shape,", "so every request batches with every other; all its traffic.")
     if model.kind.is_text:
         what = (f"Length bucket {bucket_len} of `{model.name}`: inputs padded to exactly {bucket_len} tokens, so every",
                 "batch holds rows of one shape.")
@@ -365,14 +393,47 @@ def router_intro(model: BucketedModelSpec) -> tuple[str, ...]:
     if model.kind.is_text:
         return (f"`{model.name}`: the public entry point. Tokenizes, picks the smallest bucket per row and calls",
                 "that bucket's model over BLS. No linger here: batches form at the bucket models.")
+    if model.kind is ModelKind.EXTERNAL:
+        return (f"`{model.name}`: the public entry point. Checks each input's type and shape (a 400 naming the input",
+                f"otherwise) and calls the external model `{model.external_model}` over BLS. No linger here.")
     return (f"`{model.name}`: the public entry point. Checks each input's type and shape (a 400 naming the input",
             "otherwise), pads to the smallest bucket that holds the request and calls it over BLS. No linger here.")
 
 
-def tensors_text(tensors: TensorGraph) -> str:
+def tensors_text(tensors: TensorGraph, external: ExternalModel | None = None) -> str:
     described = ", ".join(f"{s.name} {s.type_name} {list(s.dims)}" + (f" pad {s.pad_value:g}" if s.pad_value is not None
                                                                         else "") for s in tensors.inputs)
-    return f"the model's own ONNX graph (inputs {described}; outputs {', '.join(s.name for s in tensors.outputs)})"
+    origin = "the model's own ONNX graph" if external is None else f"the user's {external.backend} model"
+    return f"{origin} (inputs {described}; outputs {', '.join(s.name for s in tensors.outputs)})"
+
+
+def versions_text(model: BucketedModelSpec) -> list[str]:
+    if model.kind is ModelKind.EXTERNAL:  # the user's version folders: the kit builds none of them
+        return [str(v) for v in model.versions]
+    return [f"{v} ({model.precision_of(v)})" for v in model.versions]
+
+
+def external_provenance(spec: ServingSpec, profile: LatencyProfile) -> tuple[str, ...]:
+    """The first lines of the kit's header in an external model's own config.pbtxt."""
+    return (
+        f"`python -m tools gen-config` wrote {', '.join(MANAGED_FIELDS)} of this config, derived as below;",
+        "every other field is yours, kept as you wrote it. Change the serving spec or re-profile and",
+        "regenerate rather than editing those three (`gen-config --check` fails when they differ).",
+        *provenance(spec, profile)[2:],
+    )
+
+
+def verify_versions_load(model: BucketedModelSpec, external: ExternalModel, spec: ServingSpec) -> None:
+    """The user's version_policy (a field the kit leaves alone) must have Triton load every version
+    the spec serves, or the router would call a version that a restarted server never loaded."""
+    loaded = loaded_versions(external.config, external.folders)
+    missing = [v for v in model.versions if v not in loaded]
+    if missing:
+        wanted = ", ".join(map(str, model.versions))
+        raise SpecError(f"{spec.path}: [models.{model.name}]: {external.path}: version_policy loads version(s) "
+                        f"{sorted(loaded)} of the folders {list(external.folders)}, not {missing}, which the spec "
+                        f"serves; write `version_policy: {{ specific: {{ versions: [{wanted}] }} }}` there "
+                        "(gen-config writes only the batching fields)")
 
 
 def graph_text(graph: ServedGraph) -> str:
@@ -386,7 +447,10 @@ def graph_text(graph: ServedGraph) -> str:
             + (f", {' and '.join(done)}" if done else "") + ")")
 
 
-def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int) -> str:
+def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int, external: bool = False) -> str:
+    if hardware.kind == "cpu" and hardware.intra_op_threads and external:
+        return (f"{lanes} lanes: {cpu_count} cores, {hardware.intra_op_threads} per instance as [hardware.cpu] "
+                "intra_op_threads says; the kit does not set your backend's threads")
     if hardware.kind == "cpu" and hardware.intra_op_threads:
         return (f"{lanes} lanes: {cpu_count} cores, {hardware.intra_op_threads} "
                 f"ONNX Runtime thread{'s' if hardware.intra_op_threads > 1 else ''} per instance")
@@ -405,10 +469,17 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         raise SpecError(f"{spec.path}: [hardware.{hardware.kind}] intra_op_threads = {hardware.intra_op_threads}, "
                         f"but profile {where} was measured with {measured_threads} thread(s) per instance, so "
                         "its c(b) does not hold; re-run `python -m tools profile`")
+    external = None
     try:
-        graph, tensors = (served_graph(model), None) if model.kind.is_text else (None, served_tensors(model))
+        if model.kind is ModelKind.EXTERNAL:
+            graph, external = None, served_external(model)
+            tensors = external.tensors
+        else:
+            graph, tensors = (served_graph(model), None) if model.kind.is_text else (None, served_tensors(model))
     except SourceError as err:
         raise SpecError(f"{spec.path}: {err}") from None
+    if external is not None:
+        verify_versions_load(model, external, spec)
     workload = load_workload(model.workload) if model.workload is not None else None
     shares = workload.bucket_shares(model.bucket_lens) if workload is not None else {model.bucket_lens[0]: 1.0}
     overhead = profile.overhead_for(model.name)
@@ -449,28 +520,33 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     )
     router_share = (f"; the router path takes {base_utilization:.0%} of it ({router_cpu_ms:.2f} CPU ms per request)"
                     if base_utilization else "")
-    device_text = _lanes_text(hardware, lanes, profile.hardware.cpu_count)
+    device_text = _lanes_text(hardware, lanes, profile.hardware.cpu_count, external is not None)
     for bucket_len in model.bucket_lens:
         demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
         name = demand.model_name
         knobs = derive_knobs(demand, profile.curve(name))
         bucket_max_batch[bucket_len] = knobs.max_batch_size
         header = (
-            *provenance(spec, profile),
+            *(provenance(spec, profile) if external is None else external_provenance(spec, profile)),
             "",
             *bucket_intro(model, bucket_len, shares[bucket_len]),
             f"expected {demand.expected_rps:.2f} rows/s, peak {demand.peak_rps:.2f} rows/s; "
             f"SLO p95 {model.slo_p95_ms:.0f} ms, overhead o = {overhead.p95_ms:.1f} ms (p95). The buckets share",
             f"the device ({device_text}): at peak, with the planned batches, it is "
             f"{utilization:.0%} busy{router_share}.",
-            f"Versions {', '.join(f'{v} ({model.precision_of(v)})' for v in model.versions)}: each has its own "
+            f"Versions {', '.join(versions_text(model))}: each has its own "
             "instances and batcher, so versions never share a batch.",
-            f"{model.kind.value}: {graph_text(graph) if graph is not None else tensors_text(tensors)}.",
+            f"{model.kind.value}: {graph_text(graph) if graph is not None else tensors_text(tensors, external)}.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",
             *(f"WARNING: {w}" for w in knobs.warnings),
         )
+        if external is not None:
+            generated.append(GeneratedModel(name=name, config=external_config(name, knobs, hardware), header=header,
+                                            adapter="", versions=(), knobs=knobs, user_config=external.path,
+                                            user_text=external.text))
+            continue
         generated.append(GeneratedModel(
             name=name,
             config=(encoder_config(name, bucket_len, knobs, hardware, model.versions, graph, model.kind)
@@ -529,12 +605,27 @@ def plan_all(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]
 
 
 def expected_files(plan: list[GeneratedModel], repository: Path) -> dict[Path, str]:
+    """The kit's own files in `repository` (external models' configs are `external_files`)."""
     files: dict[Path, str] = {}
     for model in plan:
+        if model.user_config is not None:
+            continue
         files[repository / model.name / "config.pbtxt"] = model.config_text()
         for version in model.versions:
             files[repository / model.name / str(version) / "model.py"] = model.shim_text()
     return files
+
+
+def external_files(plan: list[GeneratedModel]) -> dict[Path, str]:
+    """Each external model's config.pbtxt with the derived managed fields merged in."""
+    return {model.user_config: model.config_text() for model in plan if model.user_config is not None}
+
+
+def check_external(plan: list[GeneratedModel]) -> list[str]:
+    """The managed fields of external models' configs that differ from the derived ones (the
+    rest of those files is the user's: never compared)."""
+    return [problem for model in plan if model.user_config is not None
+            for problem in managed_drift(model.user_text, model.config, str(model.user_config))]
 
 
 def check(files: dict[Path, str], repository: Path) -> list[str]:

@@ -16,6 +16,9 @@ A tensor model's source is an ONNX file; `served_tensors` reads its inputs and o
 dims after the batch axis with -1 where free) and checks them against the declared variable
 axis and padding values.
 
+An external model lives in the user's own Triton repository; `served_external` reads its
+config.pbtxt (its tensors, batch axis and version folders), since there is no graph to read.
+
 Every version of a model must agree on that (the bucket models' parameters hold for all their
 versions). Errors are `SourceError`, one line naming the spec's model and the file or field.
 Reads files; decides nothing about batching.
@@ -29,9 +32,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonclient.grpc import model_config_pb2 as mc
+
 from python_backends.embed.kinds import INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
 from python_backends.embed.pooling import Pooling
 from python_backends.tensor.router import TensorSpec
+from tools.repository.external import ExternalConfigError, parse_config
 from tools.repository.graph import GraphError, TensorInfo, read_graph
 from tools.spec.serving import PACKAGE_SOURCE, BucketedModelSpec
 
@@ -233,3 +239,68 @@ def served_tensors(model: BucketedModelSpec) -> TensorGraph:
             raise SourceError(f"[models.{model.name}]: version {version} takes or answers other tensors than version "
                               f"{model.versions[0]}; every version of a model must have the same signature")
     return first
+
+
+@dataclass(frozen=True)
+class ExternalModel:
+    """A model of the user's own Triton repository as its config.pbtxt declares it."""
+
+    path: Path  # its config.pbtxt
+    text: str  # that file's text as it is now
+    config: mc.ModelConfig  # the same, parsed
+    tensors: TensorGraph  # its inputs and outputs (dims after the batch axis)
+    folders: tuple[int, ...]  # its numbered version folders, ascending
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend or self.config.platform or "?"
+
+
+def _external_tensors(where: str, path: Path, tensors, what: str) -> tuple[TensorSpec, ...]:
+    specs = []
+    for tensor in tensors:
+        field = f"{what} {tensor.name!r} of {path}"
+        if tensor.dims and -1 in tensor.dims:
+            raise SourceError(f"{where}: {field} has dims {list(tensor.dims)}; the kit serves an external model whose "
+                              "shapes after the batch axis are fixed (requests of different shapes never batch)")
+        if what == "input" and (tensor.allow_ragged_batch or tensor.is_shape_tensor):
+            raise SourceError(f"{where}: {field} is a ragged or shape tensor, which the kit's router cannot check")
+        try:
+            specs.append(TensorSpec(tensor.name, mc.DataType.Name(tensor.data_type), tuple(tensor.dims)))
+        except ValueError as err:
+            raise SourceError(f"{where}: {field}: {err} (the router checks and batches numeric tensors)") from None
+    if not specs:
+        raise SourceError(f"{where}: {path} declares no {what}; write the model's inputs and outputs there (the kit "
+                          "reads them from the config)")
+    return tuple(specs)
+
+
+def served_external(model: BucketedModelSpec) -> ExternalModel:
+    """The external model's config, tensors and version folders; SourceError naming the file and
+    field when the kit cannot put a router in front of it (a config that does not parse, names
+    another model, has no batch axis, or shapes it cannot check; a spec version with no folder)."""
+    where = f"[models.{model.name}]"
+    folder = model.external_dir
+    path = folder / "config.pbtxt"
+    try:
+        text = path.read_text()
+        config = parse_config(text, str(path))
+    except OSError as err:
+        raise SourceError(f"{where}: {path} cannot be read: {err}") from None
+    except ExternalConfigError as err:
+        raise SourceError(f"{where}: {err}") from None
+    if config.name and config.name != model.external_model:
+        raise SourceError(f"{where}: {path}: name {config.name!r} is not its folder's name {model.external_model!r} "
+                          "(Triton requires them to match)")
+    if config.max_batch_size < 1:
+        raise SourceError(f"{where}: {path}: max_batch_size is {config.max_batch_size}: the model has no batch axis, "
+                          "so requests cannot be batched; the kit serves a model whose first dimension is the "
+                          "batch (max_batch_size >= 1)")
+    tensors = TensorGraph(_external_tensors(where, path, config.input, "input"),
+                          _external_tensors(where, path, config.output, "output"))
+    folders = tuple(sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()))
+    missing = [v for v in model.versions if v not in folders]
+    if missing:
+        raise SourceError(f"{where}: version(s) {missing} of {model.external_model!r} have no folder in {folder} "
+                          f"(its versions: {list(folders)})")
+    return ExternalModel(path=path, text=text, config=config, tensors=tensors, folders=folders)

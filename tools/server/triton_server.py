@@ -138,6 +138,9 @@ class ServerConfig:
     """How to run tritonserver."""
 
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    # Users' own repositories served beside it (external models of the spec); a model name must
+    # be unique across all of them.
+    extra_repositories: tuple[Path, ...] = ()
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
@@ -166,6 +169,7 @@ def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: 
     command = [
         str(dist.binary),
         f"--model-repository={config.model_repository}",
+        *(f"--model-repository={repository}" for repository in config.extra_repositories),
         f"--backend-directory={backends_dir}",
         f"--http-address={config.host}",
         f"--http-port={config.http_port}",
@@ -326,8 +330,9 @@ class TritonServer:
         return process_group_cpu_by_part(self.process.pid)
 
     def start(self) -> None:
-        if not self.config.model_repository.is_dir():
-            raise ServerError(f"model repository {self.config.model_repository} does not exist")
+        for repository in (self.config.model_repository, *self.config.extra_repositories):
+            if not repository.is_dir():
+                raise ServerError(f"model repository {repository} does not exist")
         taken = busy_ports(self.config.ports, self.config.host)
         if taken:
             listing = ", ".join(f"{name} port {port}" for name, port in taken.items())
@@ -346,6 +351,10 @@ class TritonServer:
         self.process = subprocess.Popen(
             command,
             env=env,
+            # The Python backend stub's sys.path starts with the working directory and leaves out
+            # PYTHONPATH: run in the kit's root, so that a server started from a user's folder
+            # runs this kit's `python_backends`, not whichever copy is installed.
+            cwd=REPO_ROOT,
             stdout=self._log_file if self._log_file else None,
             stderr=subprocess.STDOUT if self._log_file else None,
             preexec_fn=_detach_and_die_with_parent,

@@ -105,7 +105,8 @@ PACKAGE_SOURCE = "package:"  # a source named `package:<module>` is a folder a p
 class BucketedModelSpec:
     """A length-bucketed text model: a router model (named by the spec's table) that tokenizes
     and routes, and one bucket model per length running the user's graph. `kind` says what a row
-    is and what comes back (`python_backends.embed.kinds`)."""
+    is and what comes back (`python_backends.embed.kinds`). An external model's one "bucket" is
+    the model of the user's own Triton repository (`repository`, `external_model`)."""
 
     name: str  # the router model clients call
     versions: tuple[int, ...]  # model versions loaded at start (each bucket model serves them all)
@@ -136,13 +137,29 @@ class BucketedModelSpec:
     pairs: bool = False  # classifier rows may be text pairs (TEXT_PAIR input)
     variable_axis: int | None = None  # tensor: the row axis bucketed like token length; None: one fixed bucket
     pad: dict[str, float] = field(default_factory=dict)  # tensor: input -> its padding value on that axis
-    tolerance: float | None = None  # tensor: largest absolute output difference a rollout allows
+    tolerance: float | None = None  # tensor, external: largest absolute output difference a rollout allows
+    repository: Path | None = None  # external: the user's own Triton model repository (absolute)
+    external_model: str = ""  # external: the model's folder in that repository (its Triton name)
 
     def precision_of(self, version: int) -> str:
         return self.precision.get(version, "fp32")
 
     def encoder_name(self, bucket_len: int) -> str:
+        if self.kind is ModelKind.EXTERNAL:
+            return self.external_model
         return bucket_model_name(self.encoder_prefix, bucket_len)
+
+    @property
+    def external_dir(self) -> Path:
+        """The external model's folder in the user's repository (its config.pbtxt, its versions)."""
+        if self.repository is None:
+            raise ValueError(f"model {self.name!r} is a {self.kind.value} model, not an external one")
+        return self.repository / self.external_model
+
+    def bucket_repository(self, kit_repository: Path) -> Path:
+        """The repository holding this model's bucket models: the user's for an external model,
+        else the kit's."""
+        return self.repository if self.repository is not None else kit_repository
 
     @property
     def bucket_names(self) -> tuple[str, ...]:
@@ -191,6 +208,17 @@ class ServingSpec:
 
     def tier(self, name: str) -> TenantTier:
         return next(t for t in self.tiers if t.name == name)
+
+    @property
+    def external_repositories(self) -> tuple[Path, ...]:
+        """The users' own Triton repositories its external models live in (each once, in spec
+        order): a server serves them beside the kit's repository."""
+        return tuple(dict.fromkeys(m.repository for m in self.models if m.repository is not None))
+
+    @property
+    def external_models(self) -> tuple[str, ...]:
+        """The models of those repositories that the spec serves (behind their routers)."""
+        return tuple(m.external_model for m in self.models if m.kind is ModelKind.EXTERNAL)
 
     def tenant_policy(self) -> TenantPolicy:
         """Tiers, members and quotas as the router and the LLM engine enforce them. In anonymous
@@ -420,7 +448,13 @@ class TextInputsTable(ClosedTable):
 
 
 TEXT_KINDS = (ModelKind.TEXT_ENCODER, ModelKind.TEXT_CLASSIFIER)
+BUILT_KINDS = (*TEXT_KINDS, ModelKind.TENSOR)  # kinds whose bucket models the kit builds from a source
 KIND_KEYS = {  # keys that mean something for some kinds only
+    "source": BUILT_KINDS,
+    "buckets": BUILT_KINDS,
+    "workload": BUILT_KINDS,
+    "encoder_prefix": BUILT_KINDS,
+    "precision": BUILT_KINDS,
     "labels": (ModelKind.TEXT_CLASSIFIER,),
     "pairs": (ModelKind.TEXT_CLASSIFIER,),
     "normalize": (ModelKind.TEXT_ENCODER,),
@@ -434,7 +468,9 @@ KIND_KEYS = {  # keys that mean something for some kinds only
     "max_text_bytes": TEXT_KINDS,
     "variable_axis": (ModelKind.TENSOR,),
     "pad": (ModelKind.TENSOR,),
-    "tolerance": (ModelKind.TENSOR,),
+    "tolerance": (ModelKind.TENSOR, ModelKind.EXTERNAL),
+    "repository": (ModelKind.EXTERNAL,),
+    "model": (ModelKind.EXTERNAL,),
 }
 
 
@@ -444,12 +480,20 @@ class BucketedModelTable(Table):
 
     kind: ModelKind = ModelKind.TEXT_ENCODER
     """What the model is: "text-encoder" (text -> one vector per row), "text-classifier" (text or
-    text pair -> logits per row, and label names), or "tensor" (any ONNX graph with a dynamic batch
-    axis: its own tensors in and out)."""
-    source: str | dict[int, str]
+    text pair -> logits per row, and label names), "tensor" (any ONNX graph with a dynamic batch
+    axis: its own tensors in and out), or "external" (a model of your own Triton repository, on
+    any backend the server has, behind a router of the kit)."""
+    source: str | dict[int, str] | None = None
     """Where the model comes from, for every version or as a table of version = source: an ONNX
     file, a Hugging Face folder (config.json, safetensors, tokenizer.json) that build-models exports,
-    or `package:<module>`, a folder a pip package ships. Relative to the spec."""
+    or `package:<module>`, a folder a pip package ships. Relative to the spec. Every kind but
+    external."""
+    repository: Path | None = None
+    """External models: your own Triton model repository, relative to the spec. The server serves
+    it beside the kit's; gen-config writes only the batching fields of the model's config.pbtxt."""
+    model: str | None = None
+    """External models: the model's folder in `repository` (its Triton name); default: the table's
+    name. It must differ from the table's name, which is the router clients call."""
     tokenizer: str | None = None
     """The tokenizer.json the router tokenizes with, relative to the spec; default: the source
     folder's (required for an ONNX file)."""
@@ -480,8 +524,8 @@ class BucketedModelTable(Table):
     """Tensor models: input name -> the value that pads it along the variable axis (every input
     that has the axis needs one; the graph must ignore it, e.g. under a mask)."""
     tolerance: float | None = Field(None, gt=0)
-    """Tensor models: the largest absolute output difference a new version may show against the
-    old on the same inputs before a rollout rolls back (the output-drift gate)."""
+    """Tensor and external models: the largest absolute output difference a new version may show
+    against the old on the same inputs before a rollout rolls back (the output-drift gate)."""
     versions: Versions = (1,)
     """Model versions loaded at start; every bucket model serves each of them."""
     precision: dict[int, Literal["fp32", "int8"]] = {}
@@ -520,6 +564,23 @@ class BucketedModelTable(Table):
         if not path.is_file():
             raise ValueError(f"workload file {path} not found")
         return path
+
+    @field_validator("repository")
+    @classmethod
+    def _repository_exists(cls, path: Path | None, info: ValidationInfo) -> Path | None:
+        if path is None:
+            return None
+        path = (_root(info) / path).resolve()
+        if not path.is_dir():
+            raise ValueError(f"repository {path} is not a folder (a Triton model repository, relative to the spec)")
+        return path
+
+    @field_validator("model")
+    @classmethod
+    def _a_folder_name(cls, name: str | None) -> str | None:
+        if name is not None and (not name.strip() or "/" in name or name in (".", "..")):
+            raise ValueError(f"model must name a folder of the repository, got {name!r}")
+        return name
 
     @field_validator("kind", mode="before")
     @classmethod
@@ -575,6 +636,11 @@ class BucketedModelTable(Table):
             if key in self.model_fields_set and self.kind not in kinds:
                 raise table_error(f"'{key}' applies to kind {' and '.join(repr(k.value) for k in kinds)} only; "
                                   f"this model is {self.kind.value!r}")
+        if self.kind is ModelKind.EXTERNAL:
+            if self.repository is None:
+                raise table_error("missing 'repository': the Triton model repository the external model is in")
+        elif self.source is None:
+            raise table_error("missing 'source'")
         self._buckets_and_workload()
         if self.pairs and not self.inputs.token_types:
             raise table_error("pairs = true needs the graph's token type ids input ([inputs] token_types), so "
@@ -613,17 +679,22 @@ class BucketedModelTable(Table):
                 (validate_buckets if self.kind.is_text else validate_axis_buckets)(self.buckets)
             except ValueError as err:
                 raise table_error(f"buckets: {err}") from None
-        if self.kind is ModelKind.TENSOR and self.tolerance is None:
-            raise table_error("missing 'tolerance': a tensor model's rollouts compare a new version's outputs with "
-                              "the old's within it (the largest absolute difference allowed)")
+        if not self.kind.is_text and self.tolerance is None:
+            article = "an" if self.kind.value[0] in "aeiou" else "a"
+            raise table_error(f"missing 'tolerance': {article} {self.kind.value} model's rollouts compare a new "
+                              "version's outputs with the old's within it (the largest absolute difference allowed)")
 
-    def model(self, name: str, root: Path) -> BucketedModelSpec:
+    def external_model(self, name: str) -> str:
+        """An external model's folder in its repository (the table's name by default)."""
+        return self.model if self.model is not None else name
+
+    def resolve(self, name: str, root: Path) -> BucketedModelSpec:
         sources = (dict(self.source) if isinstance(self.source, dict)
-                   else {version: self.source for version in self.versions})
+                   else {version: self.source for version in self.versions} if self.source is not None else {})
         return BucketedModelSpec(
             name=name,
             kind=self.kind,
-            sources={v: sources[v] for v in self.versions},
+            sources={v: sources[v] for v in self.versions if v in sources},
             root=root,
             tokenizer=root / self.tokenizer if self.tokenizer else None,
             onnx_inputs=self.inputs.mapping(),
@@ -646,6 +717,8 @@ class BucketedModelTable(Table):
             variable_axis=self.variable_axis,
             pad=dict(self.pad),
             tolerance=self.tolerance,
+            repository=self.repository,
+            external_model=self.external_model(name) if self.kind is ModelKind.EXTERNAL else "",
             encoder_prefix=self.encoder_prefix if self.encoder_prefix is not None else f"{name}_",
             max_request_rows=self.max_request_rows,
             max_router_instances=self.max_router_instances,
@@ -723,14 +796,36 @@ class ServingFile(Table):
                 raise table_error(f"model name {name!r} is used twice")
         owners: dict[str, str] = {name: name for name in [*self.models, *self.llm_models]}
         for name, table in self.models.items():
+            if table.kind is ModelKind.EXTERNAL:
+                self._external_found(name, table)
             prefix = table.encoder_prefix if table.encoder_prefix is not None else f"{name}_"
             for length in table.buckets or (FIXED_BUCKET,):
-                bucket = bucket_model_name(prefix, length)
+                bucket = (table.external_model(name) if table.kind is ModelKind.EXTERNAL
+                          else bucket_model_name(prefix, length))
+                if bucket in owners and table.kind is ModelKind.EXTERNAL:
+                    raise table_error(f"external model {bucket!r} is also a model of {owners[bucket]!r} (Triton "
+                                      "serves one model per name)", at=("models", name))
                 if bucket in owners:
                     raise table_error(f"[models.{name}]: bucket model {bucket!r} is also a model of "
                                       f"{owners[bucket]!r}; give the model another encoder_prefix")
                 owners[bucket] = name
         return self
+
+    @staticmethod
+    def _external_found(name: str, table: BucketedModelTable) -> None:
+        """The external model's folder and config.pbtxt are there, under a name that is not its
+        router's (Triton serves one model per name, whatever the repository)."""
+        model = table.external_model(name)
+        if model == name:
+            raise table_error(f"the router {name!r} and the external model it calls cannot share a name (Triton "
+                              f"serves one model per name): name this table differently and keep model = "
+                              f"{model!r}", at=("models", name))
+        folder = table.repository / model
+        if not folder.is_dir():
+            raise table_error(f"model {model!r}: no folder {folder} in the repository", at=("models", name))
+        if not (folder / "config.pbtxt").is_file():
+            raise table_error(f"model {model!r}: {folder / 'config.pbtxt'} not found; the kit reads the model's "
+                              "tensors from it and writes its batching fields there", at=("models", name))
 
     def spec(self, path: Path, sha256: str) -> ServingSpec:
         """The spec this file says, its paths resolved against `path`'s folder."""
@@ -740,7 +835,7 @@ class ServingFile(Table):
             path=path,
             sha256=sha256,
             profile=root / self.profile,
-            models=tuple(table.model(name, root) for name, table in self.models.items()),
+            models=tuple(table.resolve(name, root) for name, table in self.models.items()),
             tiers=tuple(sorted((t.policy(name) for name, t in tenants.tiers.items()), key=lambda t: t.priority)),
             default_tier=tenants.default_tier or tenants.lowest_tier(),
             hardware={kind: table.limits(kind) for kind, table in self.hardware.items()},
