@@ -28,6 +28,7 @@ from tests.doc_examples import REPO, run_shown, setup_problem, shell, shown
 from tests.user_models import (
     audio_conv_onnx,
     cross_encoder_dir,
+    external_repository,
     image_classifier_onnx,
     minilm_tokenizer,
     raw_sentence_encoder_onnx,
@@ -147,12 +148,20 @@ def test_the_other_kinds_are_added_as_shown(tmp_path):
               "--workload my-models/frames.toml --pad features=0 --pad frame_mask=0 --tolerance 0.001"), folder)
     run(shown("docs/own-models.md", "python -m tools add-model image --onnx my-models/image.onnx --tolerance 0.001"),
         folder)
+    external_repository(folder).rename(folder / "my-triton-repo")
+    before = {path: path.read_bytes() for path in (folder / "my-triton-repo").rglob("*") if path.is_file()}
+    run(shown("docs/own-models.md", "python -m tools add-model scorer --external my-triton-repo/user_scorer "
+              "--tolerance 0.001"), folder)
+    after = {path: path.read_bytes() for path in (folder / "my-triton-repo").rglob("*") if path.is_file()}
+    assert after == before  # add-model only reads the user's repository
     tables = tomllib.loads((folder / "serving.toml").read_text())["models"]
     assert (tables["rerank"]["kind"], tables["rerank"]["pairs"]) == ("text-classifier", True)
     assert tables["audio"]["pad"] == {"features": 0.0, "frame_mask": 0.0}
     assert tables["image"]["kind"] == "tensor" and "buckets" not in tables["image"]
+    assert tables["scorer"] == {**tables["scorer"], "kind": "external", "model": "user_scorer"}
     assert sorted(p.name for p in (folder / "model_repository").iterdir()) == [
-        "audio", "audio_16", "audio_64", "image", "image_fixed", "rerank", "rerank_128", "rerank_32", "rerank_64"]
+        "audio", "audio_16", "audio_64", "image", "image_fixed", "rerank", "rerank_128", "rerank_32", "rerank_64",
+        "scorer"]
 
 
 def shown_table() -> dict:
