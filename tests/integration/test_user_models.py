@@ -7,18 +7,21 @@ scoring text pairs (a Hugging Face folder the kit exports), an image classifier 
 input shape and a 1-D convolutional model over audio frames of any length (tensor models, the
 audio one bucketed by its frame count). Each is added with `add-model`, profiled with
 `profile --model`, configured by `gen-config` and served; answers match the same models run
-in PyTorch or ONNX Runtime, row by row. (docs/own-models.md's walkthrough, run as written by
-test_own_model_docs.py, takes an encoder on to a second version and a canary rollout.)
+in PyTorch or ONNX Runtime, row by row; each is swept, and the classifier and the two tensor
+models are rolled from version 1 to 2 under load (docs/own-models.md's walkthrough, run as
+written by test_own_model_docs.py, sweeps the encoder and rolls it out).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +81,7 @@ def tools(*args: str, folder: Path, timeout: float = 600,
           ) -> subprocess.CompletedProcess:
     """A tools command run in the user's folder, on its spec and repository (`where`)."""
     done = subprocess.run([sys.executable, "-m", "tools", *args, *where], cwd=folder, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, ADMIN_KEY_ENV: ADMIN_KEY,
+                          timeout=timeout, env={**os.environ, ADMIN_KEY_ENV: ADMIN_KEY, "COLUMNS": "160",
                                                 "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -105,6 +108,11 @@ def kit(tmp_path_factory):
     tools("add-model", "audio", "--onnx", str(audio_conv_onnx(models)), "--buckets", "16,64", "--workload",
           "frames.toml", *tensor_common, folder=folder)
     tools("add-model", "image", "--onnx", str(image_classifier_onnx(models)), *tensor_common, folder=folder)
+    # The next release of three of them: version 2 of the same files, no traffic until a rollout moves it.
+    tools("add-model", "rerank", "--version", "2", "--hf-dir", str(cross_dir), folder=folder)
+    for name, graph in (("audio", "audio-conv.onnx"), ("image", "image-classifier.onnx")):
+        shutil.copy2(models / graph, models / f"v2-{graph}")
+        tools("add-model", name, "--version", "2", "--onnx", str(models / f"v2-{graph}"), folder=folder)
     tools("profile", "--model", "search", "--model", "rerank", "--model", "audio", "--model", "image",
           "--out", "cpu.json", "--time-per-point", "0.2",
           "--overhead-requests", "10", folder=folder)
@@ -275,3 +283,60 @@ def test_top_and_explain_name_the_users_models(kit):
         thread.join(timeout=30)
     assert "audio_64" in top.stdout and "rerank" in top.stdout, top.stdout
     assert "audio" in explained.stdout and "audio_64" in explained.stdout, explained.stdout
+
+
+def test_each_model_is_swept_by_what_its_metadata_declares(kit):
+    """Texts, text pairs, tensors with a variable axis and fixed-shape tensors: sweep reads what
+    a model takes from the server and sends it."""
+    server, folder = kit["server"], kit["folder"]
+    for model, extra in (("search", ()), ("rerank", ()), ("audio", ("--variable-len", "30")), ("image", ())):
+        swept = tools("sweep", "--model", model, "--url", f"127.0.0.1:{server.config.grpc_port}", "--rates", "8",
+                      "--duration", "3", "--warmup", "1", "--slo-ms", "300", *extra, folder=folder,
+                      where=("--spec", "serving.toml"))
+        assert "8 rps:" in swept.stdout and "errors 0 " in swept.stdout, swept.stdout
+
+
+def test_the_classifier_and_the_tensor_models_roll_out_to_version_2_under_load(kit):
+    """Three rollouts at once, each gated by its kind's drift measure (top-1 agreement and logit
+    difference for the classifier, the declared tolerance for the tensor models)."""
+    server, folder = kit["server"], kit["folder"]
+    errors: list[str] = []
+    versions: dict[str, list[int]] = {"rerank": [], "audio": [], "image": []}
+    stop = threading.Event()
+    pixels = np.random.default_rng(3).standard_normal((1, 3, 64, 64)).astype(np.float32)
+
+    def traffic():
+        while not stop.is_set():
+            for model, call in (("rerank", lambda: infer(server, "rerank", {"TEXT": ["q"], "TEXT_PAIR": ["p"]})),
+                                ("audio", lambda: infer_tensors(server, "audio", clip(20, 1))),
+                                ("image", lambda: infer_tensors(server, "image", {"pixel_values": pixels}))):
+                try:
+                    versions[model].append(int(call().as_numpy("VERSION").reshape(-1)[0]))
+                except InferenceServerException as err:
+                    errors.append(f"{model}: {err}")
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    env = {**os.environ, ADMIN_KEY_ENV: ADMIN_KEY, "PYTHONPATH": str(REPO)}
+    try:
+        time.sleep(1)
+        rollouts = {model: subprocess.Popen(
+            [sys.executable, "-m", "tools", "rollout", model, "--to", "2", "--steps", "50,100", "--step-seconds", "3",
+             "--max-step-seconds", "60", "--min-requests", "5", "--min-shadow-samples", "3", "--shadow-rate", "0.5",
+             "--drain-timeout", "60", "--url", f"127.0.0.1:{server.config.http_port}",
+             "--metrics-url", f"127.0.0.1:{server.config.metrics_port}/metrics", "--spec", "serving.toml",
+             "--model-repository", "model_repository", "--records", "rollouts"],
+            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for model in versions}
+        outputs = {model: process.communicate(timeout=300)[0] for model, process in rollouts.items()}
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    for model, process in rollouts.items():
+        assert process.returncode == 0, outputs[model]
+        state = json.loads((folder / "rollouts" / f"{model}.state.json").read_text())
+        assert state["status"] == "promoted", state
+        assert versions[model][-1] == 2
+    assert "top-1 agreement" in outputs["rerank"], outputs["rerank"]
+    assert "largest absolute difference" in outputs["audio"], outputs["audio"]
+    assert errors == [], errors[:3]

@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     spec_model = next((model for model in spec.models if model.name == args.model), None)
-    workload_path = args.workload or (spec_model.workload if spec_model is not None else DEFAULT_WORKLOAD)
+    # A fixed-shape tensor model has no length mix; the default one is then read and unused.
+    workload_path = args.workload or (spec_model.workload if spec_model is not None else None) or DEFAULT_WORKLOAD
     try:
         workload = load_workload(workload_path)
     except (OSError, ValueError) as err:
