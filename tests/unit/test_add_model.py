@@ -155,7 +155,12 @@ def test_add_model_writes_the_spec_and_the_folders_of_that_model_only(kit, made,
     for bucket in ("search_16", "search_32"):
         folder = kit / "repo" / bucket / "1"
         assert (folder / "model.onnx").stat().st_size == made["raw"].stat().st_size
+        # A copy (the buckets share it), never a link to the user's file: editing that file in
+        # place must not reach the served model without a build.
+        assert (folder / "model.onnx").stat().st_ino != made["raw"].stat().st_ino
         verify_artifacts(folder, bucket, required=["model.onnx"])
+    assert (kit / "repo" / "search_16" / "1" / "model.onnx").stat().st_ino == \
+        (kit / "repo" / "search_32" / "1" / "model.onnx").stat().st_ino
     assert json.loads((kit / "repo" / "search" / "1" / MANIFEST).read_text())["files"].keys() == {"tokenizer.json"}
     assert sorted(p.name for p in (kit / "repo").iterdir()) == ["search", "search_16", "search_32", "someone_else"]
     assert (other / "model.onnx").read_bytes() == b"not ours"

@@ -333,10 +333,14 @@ def install_tokenizer(targets: ModelTargets, force: bool, log: Callable[[str], N
 def make_graph(model: BucketedModelSpec, version: int, graph: ServedGraph | None, workdir: Path,
                log: Callable[[str], None]) -> Path:
     """The fp32 graph of one version in `workdir`: exported from the Hugging Face folder and
-    checked against PyTorch, or the user's ONNX file as it is."""
+    checked against PyTorch, or a copy of the user's ONNX file as it is."""
     path = resolve(model.source_of(version), model.root)
     if graph is None or not graph.exported:
-        return path
+        # A copy, not the user's file: the bucket folders hard-link what is built here, and a link
+        # to the user's own file would let an edit of it in place reach the served models unbuilt.
+        copy = workdir / f"{model.name}-v{version}.onnx"
+        shutil.copyfile(path, copy)
+        return copy
     from tools.repository.hf_export import HfExportError, export_hf
 
     started = time.monotonic()
