@@ -1,9 +1,10 @@
 """The goodput benchmark's short form, end to end against real tritonservers: the built-in
-`embed`, and a user's tensor model bucketed by its frame count (the suite's audio model, in a
-serving home of its own)."""
+`embed`, a user's tensor model bucketed by its frame count (the suite's audio model, in a
+serving home of its own), and a model of the user's own Triton repository (external)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.user_models import audio_conv_onnx
+from tests.user_models import EXTERNAL_MODEL, audio_conv_onnx, external_repository
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT_KEYS = {"model", "hardware", "slo_ms", "workload", "criterion", "command", "measured_at", "rounds",
@@ -116,6 +117,38 @@ def test_a_tensor_model_bucketed_by_frames_gets_the_same_setups_and_report(tmp_p
     ceiling = report["ceiling"]
     assert set(ceiling["buckets"]) == {"16", "64"} and ceiling["rows"] == 1000
     assert report["ceiling_rps"] > report["setups"]["slo_bucketed"]["goodput_rps"]
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_an_external_model_is_benchmarked_on_copies_of_its_folder_and_has_no_ceiling(tmp_path):
+    home = tmp_path / "home"
+    (home / "model_repository").mkdir(parents=True)
+    (home / "serving.toml").write_text(HOME_SPEC)
+    user_repository = external_repository(home)
+    in_home(home, "add-model", "scorer", "--external", f"user-repository/{EXTERNAL_MODEL}", "--slo-ms", "200",
+            "--expected-rps", "20", "--peak-rps", "50")
+    in_home(home, "profile", "--model", "scorer", "--time-per-point", "0.2", "--overhead-requests", "10")
+    before = {str(p.relative_to(user_repository)): hashlib.sha256(p.read_bytes()).hexdigest()
+              for p in sorted(user_repository.rglob("*")) if p.is_file()}
+    out = tmp_path / "goodput_scorer.json"
+    in_home(home, "bench", "goodput", "--model", "scorer", "--step-seconds", "1", "--max-steps", "2", "--repeats",
+            "1", "--start-rps", "8", "--out", str(out))
+    after = {str(p.relative_to(user_repository)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(user_repository.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+    assert after == before  # the user's repository is only read
+    report = json.loads(out.read_text())
+    assert set(report) == REPORT_KEYS | {"ceiling_note"}
+    assert (report["model"], report["workload"], report["slo_ms"]) == ("scorer", None, 200)
+    assert report["ceiling_rps"] is None and report["ceiling"] is None and report["ceiling_rps_by_round"] == []
+    assert "external model" in report["ceiling_note"]
+    assert set(report["ratios"]) == {"slo_bucketed_vs_default_batching", "slo_bucketed_vs_no_batching"}
+    assert set(report["setups"]) == {"no_batching", "default_batching", "slo_bucketed"}
+    for name, setup in report["setups"].items():
+        assert setup["goodput_rps"] >= 8, name  # far below what the machine serves of this small model
+        assert all(step["num_errors"] == 0 for step in setup["steps"]), name
+        served = {key.split(".")[1] for step in setup["steps"] for key, value in step.items()
+                  if key.endswith(".inference_count") and value}
+        assert served == {"scorer", EXTERNAL_MODEL}, name  # through the router to the user's model
     assert out.with_suffix(".png").stat().st_size > 1000
 
 

@@ -10,8 +10,13 @@ configs say), in rounds; it returns the report that `python -m tools bench goodp
 results/goodput.json for `embed` (its --help says what each figure means). The rows follow the
 model's workload (`tools.bench.payloads`): a text model's texts in its tokenizer's tokens, as
 text pairs for a model that takes pairs; a tensor model's random tensors, of lengths on its
-variable axis drawn from the mix (a fixed-shape model needs no workload). The round medians,
-paired ratios, the rows' bucket tensors and the per-step CPU breakdown are pure.
+variable axis drawn from the mix (a fixed-shape model needs no workload). An external model (the
+user's own Triton model, any backend) is served from a copy of its folder with the setup's
+config (`tools.bench.harness.build_user_repository`; the user's repository is only read): the
+baselines are the user's config with no dynamic batching or Triton's `dynamic_batching { }`
+(`external_baseline`), slo_bucketed is the kit's router and the managed fields gen-config
+derives; it has no ceiling (`EXTERNAL_CEILING_NOTE`). The round medians, paired ratios, the
+rows' bucket tensors and the per-step CPU breakdown are pure.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from google.protobuf.json_format import MessageToDict
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.embed.encoder import EncoderConfig, parse_encoder_config
+from python_backends.embed.kinds import ModelKind
 from python_backends.embed.router import EmbedRouter, RouterConfig, parse_router_config
 from python_backends.tensor.bucket import TensorBucketConfig, parse_tensor_bucket_config
 from python_backends.tensor.router import (
@@ -39,11 +45,19 @@ from python_backends.tensor.router import (
     TensorRouterConfig,
     parse_tensor_router_config,
 )
-from tools.bench.harness import BENCH_DIR, build_repository, detect_hardware, hardware_report, without_tenant_quotas
+from tools.bench.harness import (
+    BENCH_DIR,
+    build_repository,
+    build_user_repository,
+    detect_hardware,
+    hardware_report,
+    without_tenant_quotas,
+)
 from tools.bench.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
 from tools.bench.payloads import TensorPayload, TextPayload, model_payload
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
+from tools.repository.external import parse_config
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
 from tools.spec.profile import LatencyProfile
 from tools.spec.serving import BucketedModelSpec, ServingSpec
@@ -52,6 +66,11 @@ from tools.spec.workload import Workload
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
 PROTOCOLS = ("http", "grpc")
+# An external model runs on the user's backend, which only the server loads: there is nothing
+# to run in-process, and a ceiling measured through the server would be one more setup, not the
+# hardware's limit. So the report says so rather than print a figure of another kind.
+EXTERNAL_CEILING_NOTE = ("no ceiling for an external model: its backend runs only inside tritonserver, so "
+                         "there is no in-process run to measure what the hardware can do without the server")
 DEFAULT_REPEATS = 3  # rounds of the full goodput run: a median of three outvotes one lucky or unlucky search
 
 
@@ -98,15 +117,19 @@ def model_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelS
 def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec,
                      batching: bool) -> list[GeneratedModel]:
     """The baselines: the router with a single bucket of the largest length, so every input is
-    padded to it (256 tokens for `embed`); a fixed-shape tensor model keeps its one bucket."""
+    padded to it (256 tokens for `embed`); a fixed-shape tensor model keeps its one bucket; an
+    external model is the user's own config with only its batcher changed (`external_baseline`)."""
     plan = {m.name: m for m in model_plan(spec, profile, model)}
     largest = model.bucket_lens[-1]
     router = mc.ModelConfig()
     router.CopyFrom(plan[model.name].config)
+    bucket = plan[model.encoder_name(largest)]
     encoder = mc.ModelConfig()
-    encoder.CopyFrom(plan[model.encoder_name(largest)].config)
+    encoder.CopyFrom(bucket.config)
     encoder.ClearField("dynamic_batching")
-    if batching:
+    if bucket.user_config is not None:
+        encoder = external_baseline(parse_config(bucket.user_text, str(bucket.user_config)), bucket.name, batching)
+    elif batching:
         encoder.max_batch_size = DEFAULT_MAX_BATCH
         encoder.dynamic_batching.SetInParent()  # `dynamic_batching { }`: Triton's defaults
     else:
@@ -125,9 +148,22 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: Bucketed
     # The generated models' own adapters: the text or the tensor router and bucket backend.
     return [
         GeneratedModel(model.name, router, header, plan[model.name].adapter, ROUTER_VERSIONS),
-        GeneratedModel(model.encoder_name(largest), encoder, header, plan[model.encoder_name(largest)].adapter,
-                       model.versions),
+        replace(bucket, config=encoder, header=header, knobs=None),
     ]
+
+
+def external_baseline(user: mc.ModelConfig, name: str, batching: bool) -> mc.ModelConfig:
+    """An external model's managed fields in a baseline, as the user wrote them but the batcher:
+    the user's max_batch_size and instance_group, and no dynamic batching (`no_batching`: each
+    request runs as it comes) or Triton's `dynamic_batching { }` (`default_batching`). The
+    user's max_batch_size, not DEFAULT_MAX_BATCH: on a backend the kit does not know it may be
+    the most the model takes (a TensorRT engine's build size), and it is the user's hand-picked
+    value, which is what the baseline stands for."""
+    config = mc.ModelConfig(name=name, max_batch_size=user.max_batch_size)
+    config.instance_group.extend(user.instance_group)
+    if batching:
+        config.dynamic_batching.SetInParent()
+    return config
 
 
 def _run_batches(encoders: list, batches: list[dict[str, np.ndarray]]) -> float:
@@ -320,9 +356,9 @@ def payload_fields(payload: TextPayload | TensorPayload) -> dict[str, Any]:
 
 
 def run_setup(setup: str, repository: Path, model: str, payload: TextPayload | TensorPayload, rows_per_request: int,
-              slo_ms: float, options: GoodputOptions, log) -> dict:
-    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), host="127.0.0.1")
+              slo_ms: float, options: GoodputOptions, log, extra_repositories: tuple[Path, ...] = ()) -> dict:
+    config = ServerConfig(model_repository=repository, extra_repositories=extra_repositories, http_port=free_port(),
+                          grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1")
     log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
     with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
         target = LoadTarget(grpc_url=server.grpc_url, model=model, **payload_fields(payload),
@@ -347,21 +383,24 @@ def plot_goodput(report: dict, path: Path) -> None:
     for bar, value in zip(bars, values, strict=True):
         ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.1f}", ha="center", va="bottom")
     rounds = report.get("rounds", 1)
+    ceiling = report["ceiling_rps"]  # None for an external model (EXTERNAL_CEILING_NOTE)
     if rounds > 1:  # each round's goodput beside its median bar
         for bar, name in zip(bars, names, strict=True):
             by_round = report["setups"][name].get("goodput_rps_by_round", [])
             ax.plot([bar.get_x() + bar.get_width() * 0.85] * len(by_round), by_round, "o", color="black",
                     markersize=3, label="one round" if name == names[0] else None)
     median = "median of rounds, " if rounds > 1 else ""
-    ax.axhline(report["ceiling_rps"], color="black", linestyle="--",
-               label=f"ceiling (in-process ONNX Runtime, {median}{report['ceiling_rps']:.1f})")
+    if ceiling is not None:
+        ax.axhline(ceiling, color="black", linestyle="--",
+                   label=f"ceiling (in-process ONNX Runtime, {median}{ceiling:.1f})")
     ax.set_ylabel("goodput, requests/s (p95 within SLO, no errors)" + (f", median of {rounds} rounds"
                                                                           if rounds > 1 else ""), fontsize=8)
     mix = f"{report['workload']} mix" if report["workload"] else "fixed-shape inputs"
     ax.set_title(f"{report.get('model', 'embed')}, {mix}, SLO p95 {report['slo_ms']:.0f} ms, "
                  f"{report['hardware']['description']}", fontsize=9)
-    ax.set_ylim(0, max([report["ceiling_rps"], *values]) * 1.3)  # room for the legend above the ceiling
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(0, max([ceiling or 0.0, *values, 1.0]) * 1.3)  # room for the legend above the ceiling
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -419,6 +458,8 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
     }
     repositories = {setup: build_repository(setup, without_tenant_quotas(plans[setup], model.name))
                     for setup in setups}
+    user_repositories = {setup: build_user_repository(setup, plans[setup]) for setup in setups}
+    in_process = model.kind is not ModelKind.EXTERNAL  # an external model's backend runs only in the server
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}
     ceilings: list[dict] = []
     for round_index in range(options.repeats):
@@ -426,7 +467,10 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
             log(f"round {round_index + 1} of {options.repeats}")
         for setup in setups:
             runs[setup].append(run_setup(setup, repositories[setup], model.name, payload,
-                                         rows_per_request, model.slo_p95_ms, options, log))
+                                         rows_per_request, model.slo_p95_ms, options, log,
+                                         extra_repositories=user_repositories[setup]))
+        if not in_process:
+            continue
         log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
         ceilings.append(measure_ceiling(payload.first_rows(options.ceiling_rows), profile, model,
                                         plans["slo_bucketed"]))
@@ -440,18 +484,24 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
             "repository": setup_runs[0]["repository"],
             "steps": [{"round": index + 1, **step} for index, run in enumerate(setup_runs) for step in run["steps"]],
         }
-    report["ceiling_rps"] = float(statistics.median(ceiling_by_round))
-    report["ceiling_rps_by_round"] = [round(value, 1) for value in ceiling_by_round]
-    report["ceiling"] = ceilings[median_index(ceiling_by_round)]  # the median round's detail
-    log(f"  ceiling: median {report['ceiling_rps']:.1f} rps" + (f" (rounds {report['ceiling_rps_by_round']})"
-                                                               if options.repeats > 1 else ""))
+    if in_process:
+        report["ceiling_rps"] = float(statistics.median(ceiling_by_round))
+        report["ceiling_rps_by_round"] = [round(value, 1) for value in ceiling_by_round]
+        report["ceiling"] = ceilings[median_index(ceiling_by_round)]  # the median round's detail
+        log(f"  ceiling: median {report['ceiling_rps']:.1f} rps" + (f" (rounds {report['ceiling_rps_by_round']})"
+                                                                   if options.repeats > 1 else ""))
+    else:
+        report.update(ceiling_rps=None, ceiling_rps_by_round=[], ceiling=None, ceiling_note=EXTERNAL_CEILING_NOTE)
+        log(f"  ceiling: none ({EXTERNAL_CEILING_NOTE})")
     goodputs = {name: data["goodput_rps_by_round"] for name, data in report["setups"].items()}
     if "slo_bucketed" in goodputs:
         ours = goodputs["slo_bucketed"]
-        report["ratios"] = {
-            "slo_bucketed_vs_ceiling": round(median_ratio(ours, ceiling_by_round), 3),
-            "slo_bucketed_vs_ceiling_by_round": [round(r, 3) for r in round_ratios(ours, ceiling_by_round)],
-        }
+        report["ratios"] = {}
+        if in_process:
+            report["ratios"] = {
+                "slo_bucketed_vs_ceiling": round(median_ratio(ours, ceiling_by_round), 3),
+                "slo_bucketed_vs_ceiling_by_round": [round(r, 3) for r in round_ratios(ours, ceiling_by_round)],
+            }
         for baseline in ("default_batching", "no_batching"):
             if baseline in goodputs and all(goodputs[baseline]):
                 report["ratios"][f"slo_bucketed_vs_{baseline}"] = round(median_ratio(ours, goodputs[baseline]), 2)

@@ -2,7 +2,10 @@
 
 The machine's description (`detect_hardware`: reads /proc/cpuinfo and runs nvidia-smi),
 a benchmark's own model repository (`build_repository`: writes generated configs under
-build/bench/ and hard-links the model files from the real repository), the configs with
+build/bench/ and hard-links the model files from the real repository; `build_user_repository`:
+a copy of an external model's folder from the user's own repository, its files hard-linked and
+its config.pbtxt a fresh file with the setup's fields, so the user's files are never written),
+the configs with
 the tenant quotas taken out (`without_tenant_quotas`, pure), the report files
 (`write_report`: JSON and a PNG beside it; `hardware_report`, pure) and the goodput a
 previous run measured (`measured_goodput`: reads results/goodput.json).
@@ -122,6 +125,41 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
                 if item.is_file() and item.name != "model.py":  # model files; the shim is generated
                     os.link(item, target / model.name / str(version) / item.name)
     return target
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """Hard-link `source` at `target`; copy it where a link cannot be made (another file system)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def copy_user_model(source: Path, target: Path, config_text: str) -> None:
+    """The user's model folder `source` at `target`: every file hard-linked (or copied) but its
+    config.pbtxt, which is written fresh with `config_text` (a link would write through to the
+    user's own file)."""
+    def skipped(folder: str, names: list[str]) -> set[str]:
+        return {"config.pbtxt"} & set(names) if Path(folder) == source else {"__pycache__"} & set(names)
+
+    shutil.copytree(source, target, ignore=skipped, copy_function=link_or_copy)
+    (target / "config.pbtxt").write_text(config_text)
+
+
+def build_user_repository(setup: str, plan: list[GeneratedModel]) -> tuple[Path, ...]:
+    """For a plan with external models: a repository beside the setup's (served with
+    `extra_repositories`) holding a copy of each, its config.pbtxt the plan's text for the
+    setup (`GeneratedModel.config_text`: the user's own with the setup's batching fields); ()
+    for a plan without one."""
+    external = [model for model in plan if model.user_config is not None]
+    if not external:
+        return ()
+    target = BENCH_DIR / f"{setup}.user"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for model in external:
+        copy_user_model(model.user_config.parent, target / model.name, model.config_text())
+    return (target,)
 
 
 def write_json(report: dict, out: Path) -> None:

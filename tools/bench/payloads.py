@@ -7,7 +7,8 @@
   or, for a model that takes text pairs (a cross-encoder reranker), pairs whose row, special
   tokens included, has the length the mix draws, split between a short query and a longer
   passage (`split_pair_tokens`);
-- a tensor model's tensors (`model_tensors`): each request `rows_per_request` rows of one
+- a tensor model's tensors (`model_tensors`; an external model's as its config.pbtxt declares
+  them, fixed-shape): each request `rows_per_request` rows of one
   length on the variable axis drawn from the mix (capped at the largest bucket, as gen-config's
   traffic shares cap it), random values of each input's declared type (`tools.bench.inputs`),
   and ones in an input of one value per position (a frame mask: a request's own positions are
@@ -16,7 +17,8 @@
 
 The workload's lengths are what gen-config derived the buckets' traffic from, so the rows land
 in the buckets it planned for. `TextFactory` (`tools.spec.workload`) reads the tokenizer and
-the corpus, `served_tensors` the ONNX graph; the rest is pure.
+the corpus, `served_tensors` the ONNX graph, `served_external` the user's config.pbtxt; the
+rest is pure.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.embed.kinds import ModelKind
 from python_backends.tensor.router import TensorSpec
 from tools.bench.inputs import make_inputs
 from tools.repository.graph import TensorInfo
-from tools.repository.sources import TensorGraph, served_tensors, tokenizer_path
+from tools.repository.sources import TensorGraph, served_external, served_tensors, tokenizer_path
 from tools.spec.serving import BucketedModelSpec, ServingSpec
 from tools.spec.workload import SPECIAL_TOKENS, TextFactory, Workload
 
@@ -192,14 +195,16 @@ def tensors_for(tensors: TensorGraph, model: BucketedModelSpec, workload: Worklo
 
 
 def model_tensors(model: BucketedModelSpec, workload: Workload | None, num_rows: int) -> TensorPayload:
-    """A tensor model's requests, its inputs read from its graph (`served_tensors`, SourceError
-    when the graph does not fit the spec)."""
-    return tensors_for(served_tensors(model), model, workload, num_rows)
+    """A tensor model's requests, its inputs read from its graph (`served_tensors`), or an
+    external model's from its config.pbtxt (`served_external`); SourceError when they do not
+    fit the spec."""
+    tensors = served_external(model).tensors if model.kind is ModelKind.EXTERNAL else served_tensors(model)
+    return tensors_for(tensors, model, workload, num_rows)
 
 
 def model_payload(model: BucketedModelSpec, workload: Workload | None, num_rows: int) -> TextPayload | TensorPayload:
     """What the load sends `model`, about `num_rows` rows: texts (or pairs) for a text model,
-    tensors for a tensor model."""
+    tensors for a tensor or an external model."""
     if model.kind.is_text:
         if workload is None:
             raise ValueError(f"[models.{model.name}]: a text model's texts need a workload of lengths")

@@ -6,7 +6,8 @@ the serving spec (`--model`, default `embed`: a text encoder, a text classifier 
 model) on its workload's length mix: texts (text pairs for a model that takes pairs), or for
 a tensor model random tensors of each input's type whose length on the variable axis follows
 the mix (an input of one value per position, a mask, is all ones); a fixed-shape tensor model
-needs no workload (one row a request unless --workload gives rows_per_request):
+needs no workload (one row a request unless --workload gives rows_per_request), nor does an
+external model (the user's own Triton model: its config.pbtxt's fixed-shape inputs):
   no_batching       one bucket model, every input padded to the largest bucket (256 tokens
                     for embed; a fixed-shape model's one bucket), no dynamic batching
   default_batching  one bucket model, inputs padded to the largest bucket, Triton's dynamic
@@ -14,6 +15,12 @@ needs no workload (one row a request unless --workload gives rows_per_request):
   slo_bucketed      this project's buckets with SLO-derived configs (router + bucket models)
 plus the ceiling: the same mix run straight through ONNX Runtime in-process, ideally
 bucketed at the best measured batch sizes (what this hardware can do at all).
+An external model is called through the router in every setup; its baselines are the user's
+own config.pbtxt (max_batch_size and instance_group as written) without dynamic batching and
+with Triton's `dynamic_batching { }`; slo_bucketed merges the fields gen-config derives. Its
+backend runs only inside tritonserver, so it has no ceiling: `ceiling_rps` is null and
+`ceiling_note` says why. Each setup serves a copy of the model's folder under build/bench/
+(files hard-linked, config.pbtxt written fresh); the user's repository is never written.
 The model must be installed in model_repository/ (build-models, add-model) and profiled.
 The machine's speed drifts while the searches run (shared hosts), so the full run repeats
 the setups and the ceiling in rounds (`--repeats`, default 3), each round's ceiling measured
@@ -93,7 +100,8 @@ def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
     setups = bench_goodput.SETUPS
     parser.add_argument("--model", default="embed",
                         help="the spec's model to benchmark, by name ([models.NAME]: a text encoder, a text "
-                             "classifier or a tensor model) (default: %(default)s)")
+                             "classifier, a tensor model or an external model, which has no ceiling) "
+                             "(default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result JSON; a PNG plot is written beside it (default: results/goodput.json for "
                              "embed, results/goodput_NAME.json for another model)")
