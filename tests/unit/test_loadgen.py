@@ -223,6 +223,10 @@ def test_a_router_calls_the_bucket_models_its_config_names():
     assert called_models(router_config("16")) == ("encoder_16",)  # the router's default prefix
     assert called_models({"name": "encoder_16", "parameters": {"pooling": {"string_value": "none"}}}) == ()
     assert called_models({"name": "llm"}) == ()  # a model without parameters calls nothing
+    tensor = {"inputs": {"string_value": "[]"}, "encoder_prefix": {"string_value": "image_"}}
+    assert called_models({"name": "image", "parameters": tensor}) == ("image_fixed",)
+    external = {**tensor, "fixed_model": {"string_value": "user_scorer"}}
+    assert called_models({"name": "scorer", "parameters": external}) == ("user_scorer",)
 
 
 def test_default_stats_models_add_the_routers_ready_buckets():

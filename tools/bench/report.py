@@ -328,10 +328,12 @@ def render_goodput_models(results: Mapping[str, Mapping[str, Any]], results_link
     rows, commands = [], []
     for name, result in sorted(results.items()):
         setups, ratios = result["setups"], result["ratios"]
-        rows.append([f"`{name}`", f"`{result['workload']}`", _int(result["slo_ms"]),
+        ceiling = result.get("ceiling_rps")  # none for an external model: its backend runs only in the server
+        rows.append([f"`{name}`", f"`{result['workload']}`" if result.get("workload") else "-", _int(result["slo_ms"]),
                      *(_num(setups[setup]["goodput_rps"]) for setup in GOODPUT_SETUPS),
-                     _num(result["ceiling_rps"]), f"**{_ratio(ratios['slo_bucketed_vs_default_batching'], 1)}**",
-                     _pct(ratios["slo_bucketed_vs_ceiling"]),
+                     _num(ceiling) if ceiling is not None else "-",
+                     f"**{_ratio(ratios['slo_bucketed_vs_default_batching'], 1)}**",
+                     _pct(ratios["slo_bucketed_vs_ceiling"]) if ceiling is not None else "-",
                      f"[{name}]({results_link}goodput_{name}.json)"])
         commands.append(f"- `{name}`: `{result['command']}`, measured {result['measured_at']} on {_hardware(result)}; "
                         f"{result['rounds']} rounds, medians")
