@@ -315,31 +315,42 @@ def external_scores(features: np.ndarray, scale: float = EXTERNAL_SCALE) -> np.n
 BENCHMARK_ENCODER_SHAPE = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
                            "intermediate_size": 1536, "max_position_embeddings": 512}
 BENCHMARK_AUDIO_CHANNELS = 512
-FRAMES_WORKLOAD = """# Audio clips by length in frames (10 ms each): mostly short commands, a long tail.
+FRAMES_WORKLOAD = """# Speech clips by length in frames (10 ms each): most are commands of a second or less, a
+# long tail of dictation runs to 20 s, the traffic length bucketing exists for.
 name = "audio_frames"
-description = "mostly short clips, a long tail to 8 s"
+description = "mostly clips under a second, a long tail to 20 s"
 seed = 20261126
 rows_per_request = 1
 
 [[lengths]]
-min_tokens = 40
-max_tokens = 100
-weight = 0.55
+min_tokens = 30
+max_tokens = 64
+weight = 0.60
 
 [[lengths]]
-min_tokens = 101
-max_tokens = 200
-weight = 0.25
+min_tokens = 65
+max_tokens = 128
+weight = 0.20
 
 [[lengths]]
-min_tokens = 201
-max_tokens = 400
-weight = 0.13
+min_tokens = 129
+max_tokens = 256
+weight = 0.10
 
 [[lengths]]
-min_tokens = 401
-max_tokens = 800
-weight = 0.07
+min_tokens = 257
+max_tokens = 512
+weight = 0.06
+
+[[lengths]]
+min_tokens = 513
+max_tokens = 1024
+weight = 0.03
+
+[[lengths]]
+min_tokens = 1025
+max_tokens = 2000
+weight = 0.01
 """
 HOME_SPEC = """# The proof models' serving home (python -m tests.user_models HOME): tenants as the kit's.
 profile = "profiles/cpu.json"
@@ -384,7 +395,7 @@ def benchmark_home(home: Path, log=print) -> Path:
     tools("add-model", "search", "--onnx", str(models / "sentence-encoder.onnx"), "--tokenizer",
           str(minilm_tokenizer()), "--pooling", "cls", "--query-prefix", "query: ", *buckets, *SERVICE)
     tools("add-model", "rerank", "--hf-dir", str(cross), "--buckets", "32,64,128,256", *SERVICE)
-    tools("add-model", "audio", "--onnx", str(audio), "--buckets", "100,200,400,800", "--workload",
+    tools("add-model", "audio", "--onnx", str(audio), "--buckets", "64,128,256,512,1024,2000", "--workload",
           str(models / "frames.toml"), "--tolerance", "0.001", *SERVICE)
     tools("profile")
     tools("gen-config")
