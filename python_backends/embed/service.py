@@ -1,5 +1,7 @@
-"""The `embed` router's request pipeline: authentication, quota, admission, version routing,
-bucket lanes over BLS, reassembly, shadowing and the mapping of failures to Triton errors.
+"""A router's request pipeline (`embed`'s and every other bucketed model's): authentication,
+quota, admission, version routing, bucket lanes over BLS, reassembly, shadowing and the mapping
+of failures to Triton errors. What a row is and what the answer carries is the codec's
+(`TextCodec` here; `python_backends.tensor.codec.TensorCodec` for tensor and external models).
 
 `EmbedService` takes the Triton API as a parameter, `pb`: the `triton_python_backend_utils`
 module in the server, a fake of it in the unit tests (`tests/fakes/pb_utils.py`). It uses
@@ -121,7 +123,8 @@ class Accepted:
 
 
 class EmbedService:
-    """One instance of the `embed` router."""
+    """One instance of a model's router (`embed`, or any text, tensor or external model's: its
+    codec says what a row is)."""
 
     def __init__(self, pb, config: RouterConfig, tokenizer: TextTokenizer | None, *, model: str, instance_name: str,
                  routing: RoutingSource, quota_path: Path, work_path: Path,
