@@ -1,10 +1,10 @@
 """Add your own model: an ONNX file or a Hugging Face folder, served like the built-in one.
 
   python -m tools add-model rerank --hf-dir /models/my-cross-encoder
-  python -m tools add-model search --onnx /models/encoder.onnx --tokenizer /models/tokenizer.json \
+  python -m tools add-model search --onnx /models/encoder.onnx --tokenizer /models/tokenizer.json \\
       --pooling cls --query-prefix "query: "
   python -m tools add-model search --version 2 --onnx /models/encoder-v2.onnx
-  python -m tools add-model audio --onnx /models/audio.onnx --variable-axis 0 --pad features=0 \
+  python -m tools add-model audio --onnx /models/audio.onnx --variable-axis 0 --pad features=0 \\
       --pad frame_mask=0 --buckets 128,256,512 --workload frames.toml --tolerance 0.001
   python -m tools add-model scorer --external /srv/triton-models/user_scorer
   python -m tools add-model scorer --version 2 --external /srv/triton-models/user_scorer
@@ -20,7 +20,7 @@ what it read from the model and what it had to choose (defaults to check: bucket
 rates, workload, pooling when the model does not say). Then it makes the model's folders in
 the repository (a router `NAME/1` and one bucket model per length, `NAME_<length>/<version>`)
 and builds its files there: the graph (a Hugging Face folder is exported to ONNX and checked
-against PyTorch; an ONNX file is linked as it is) with a MANIFEST.json, and the tokenizer. No
+against PyTorch; an ONNX file is copied as it is) with a MANIFEST.json, and the tokenizer. No
 other model's files are touched. With --version, the model gets another version from the new
 file, with no traffic until `python -m tools rollout NAME --to VERSION` moves it.
 
