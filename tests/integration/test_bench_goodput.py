@@ -89,6 +89,7 @@ def in_home(home: Path, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # three server starts and a profile: a load run; the embed case above is CI's short form
 def test_a_tensor_model_bucketed_by_frames_gets_the_same_setups_and_report(tmp_path):
     home = tmp_path / "home"
     (home / "model_repository").mkdir(parents=True)
@@ -127,6 +128,7 @@ def user_files(repository: Path) -> dict[str, str]:
             for p in sorted(repository.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
 
 
+@pytest.mark.slow  # three server starts and a profile: a load run; the embed case above is CI's short form
 def test_an_external_model_is_benchmarked_on_copies_of_its_folder_and_has_no_ceiling(tmp_path):
     home = tmp_path / "home"
     (home / "model_repository").mkdir(parents=True)

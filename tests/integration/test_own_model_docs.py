@@ -120,7 +120,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         run(shown("docs/own-models.md", "python -m tools gen-config"), folder)
         with Traffic(ports["http"]) as traffic:
             rolled = run(shown("docs/own-models.md", "python -m tools rollout search --to 2 --steps 50,100 "
-                               "--step-seconds 10 --url localhost:8000 --metrics-url localhost:8002/metrics"),
+                               "--step-seconds 5 --url localhost:8000 --metrics-url localhost:8002/metrics"),
                          folder, ports)
         assert "mean cosine" in rolled, rolled
         assert json.loads((folder / "rollouts" / "search.state.json").read_text())["status"] == "promoted"
