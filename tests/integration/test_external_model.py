@@ -107,7 +107,8 @@ def kit(tmp_path_factory):
             time.sleep(0.5)
         yield {"folder": folder, "repository": user_repository, "added": added.stdout, "profiled": profiled.stdout,
                "added_untouched": added_untouched, "generated": generated.stdout, "checked": checked.stdout,
-               "http": f"127.0.0.1:{http_port}", "metrics": f"127.0.0.1:{metrics_port}/metrics"}
+               "http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
+               "metrics": f"127.0.0.1:{metrics_port}/metrics"}
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -180,6 +181,16 @@ def test_a_request_of_the_wrong_shape_or_type_gets_a_400_naming_the_input(kit, f
     assert info.value.status() == "400", info.value
     assert message in str(info.value)
     assert score(kit, np.ones((1, EXTERNAL_NUM_FEATURES), np.float32)).as_numpy("SCORES").shape == (1, 4)
+
+
+def test_the_router_is_swept_with_the_tensors_its_metadata_declares(kit):
+    done = subprocess.run([sys.executable, "-m", "tools", "sweep", "--model", ROUTER, "--url", kit["grpc"], "--rates",
+                           "8", "--duration", "3", "--warmup", "1", "--slo-ms", "200", "--spec", "serving.toml"],
+                          cwd=kit["folder"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "8 rps:" in done.stdout and "errors 0 " in done.stdout, done.stdout
+    assert EXTERNAL_MODEL in done.stdout  # its statistics are read beside the router's
 
 
 def test_a_copy_of_version_1_rolls_out_as_version_2_under_load(kit):
