@@ -7,7 +7,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from python_backends.common.artifacts import verify_artifacts
-from python_backends.embed.encoder import BATCH_ROWS_HISTOGRAM, batch_rows_buckets
+from python_backends.embed.encoder import batch_rows_metric
 from python_backends.tensor.bucket import OnnxTensorModel, parse_tensor_bucket_config
 
 
@@ -18,11 +18,8 @@ class TritonPythonModel:
         verify_artifacts(version_dir, args["model_name"], required=["model.onnx"])
         self.model = OnnxTensorModel(version_dir / "model.onnx", config)
         # A MetricFamily must outlive its Metrics: keep it on the instance.
-        name, text = BATCH_ROWS_HISTOGRAM
-        self.batch_family = pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.HISTOGRAM)
-        self.batch_rows = self.batch_family.Metric(
-            labels={"model": args["model_name"], "version": args["model_version"]},
-            buckets=batch_rows_buckets(config.max_batch_size))
+        self.batch_family, self.batch_rows = batch_rows_metric(pb_utils, args["model_name"], args["model_version"],
+                                                               config.max_batch_size)
 
     def execute(self, requests):
         # Triton formed this batch from requests of one shape: stack, run once, split back.

@@ -129,6 +129,34 @@ def split_rows(stacked: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     return np.split(stacked, np.cumsum(sizes)[:-1].tolist()) if sizes else []
 
 
+def open_session(onnx_path: str | Path, config):
+    """An ONNX Runtime session for a bucket model's graph, with the config's threads, spinning and
+    providers (`config`: an `EncoderConfig` or a tensor bucket's config, which share those fields).
+    FileNotFoundError names the model and says how to build the file."""
+    import onnxruntime as ort  # imported here so the pure helpers load without it
+
+    onnx_path = Path(onnx_path)
+    if not onnx_path.is_file():
+        raise FileNotFoundError(f"model '{config.model_name}': {onnx_path} not found; "
+                                "run `python -m tools build-models`")
+    options = ort.SessionOptions()
+    if config.intra_op_threads:
+        options.intra_op_num_threads = config.intra_op_threads
+    if not config.allow_spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers = pick_providers(config.providers, ort.get_available_providers())
+    return ort.InferenceSession(str(onnx_path), options, providers=providers)
+
+
+def batch_rows_metric(pb, model_name: str, version: str, max_batch_size: int):
+    """The histogram of rows per formed batch of one bucket model version (`BATCH_ROWS_HISTOGRAM`):
+    (its family, which must outlive the metric, and the metric)."""
+    name, text = BATCH_ROWS_HISTOGRAM
+    family = pb.MetricFamily(name=name, description=text, kind=pb.MetricFamily.HISTOGRAM)
+    return family, family.Metric(labels={"model": model_name, "version": version},
+                                 buckets=batch_rows_buckets(max_batch_size))
+
+
 def finish_rows(output: np.ndarray, attention_mask: np.ndarray, config: EncoderConfig) -> np.ndarray:
     """The graph's output as the model answers it: pooled by the mask when the graph gives one
     vector per token, L2-normalised when asked, float32."""
@@ -140,20 +168,7 @@ class OnnxEncoder:
     """Runs the user's graph on the kit's bucket tensors."""
 
     def __init__(self, onnx_path: str | Path, config: EncoderConfig):
-        import onnxruntime as ort  # imported here so the pure helpers above load without it
-
-        onnx_path = Path(onnx_path)
-        if not onnx_path.is_file():
-            raise FileNotFoundError(
-                f"model '{config.model_name}': {onnx_path} not found; run `python -m tools build-models`"
-            )
-        options = ort.SessionOptions()
-        if config.intra_op_threads:
-            options.intra_op_num_threads = config.intra_op_threads
-        if not config.allow_spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = pick_providers(config.providers, ort.get_available_providers())
-        self.session = ort.InferenceSession(str(onnx_path), options, providers=providers)
+        self.session = open_session(onnx_path, config)
         self.providers = self.session.get_providers()
         graph_inputs = {tensor.name for tensor in self.session.get_inputs()}
         graph_outputs = {tensor.name for tensor in self.session.get_outputs()}

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from python_backends.common.params import CountInt, Flag, ModelParameters, NameList
-from python_backends.embed.encoder import DEFAULT_PROVIDERS, pick_providers, split_rows
+from python_backends.embed.encoder import DEFAULT_PROVIDERS, open_session, split_rows
 from python_backends.tensor.router import TensorSpec
 
 # Triton data type -> the type ONNX Runtime reports for a graph tensor (`NodeArg.type`).
@@ -171,19 +171,7 @@ class OnnxTensorModel:
     """Runs the user's graph on the batches Triton forms for one bucket."""
 
     def __init__(self, onnx_path: str | Path, config: TensorBucketConfig):
-        import onnxruntime as ort  # imported here so the pure helpers above load without it
-
-        onnx_path = Path(onnx_path)
-        if not onnx_path.is_file():
-            raise FileNotFoundError(
-                f"model '{config.model_name}': {onnx_path} not found; run `python -m tools build-models`")
-        options = ort.SessionOptions()
-        if config.intra_op_threads:
-            options.intra_op_num_threads = config.intra_op_threads
-        if not config.allow_spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = pick_providers(config.providers, ort.get_available_providers())
-        self.session = ort.InferenceSession(str(onnx_path), options, providers=providers)
+        self.session = open_session(onnx_path, config)
         self.providers = self.session.get_providers()
         problems = graph_mismatches(config, self.session.get_inputs(), self.session.get_outputs())
         if problems:

@@ -13,6 +13,7 @@ resolved spec the tools use (absolute paths, tiers in priority order, defaults f
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
@@ -257,7 +258,15 @@ def _versions(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[int
     return versions
 
 
-Versions = Annotated[tuple[int, ...], WrapValidator(_versions)]  # distinct, each >= 1
+Versions = Annotated[tuple[int, ...], WrapValidator(_versions)]
+
+
+def _member_value(key: str, choices: type[enum.Enum], value: object) -> object:
+    """`value` when it is one of the enum's values; else the error naming the key and the choices."""
+    values = [member.value for member in choices]
+    if value not in values:
+        raise ValueError(f"{key} must be one of {values}, got {value!r}")
+    return value  # distinct, each >= 1
 
 
 class TierTable(Table):
@@ -304,10 +313,7 @@ class AuthTable(ClosedTable):
     @field_validator("mode", mode="before")
     @classmethod
     def _known_mode(cls, value: object) -> object:
-        modes = [m.value for m in AuthMode]
-        if value not in modes:
-            raise ValueError(f"mode must be one of {modes}, got {value!r}")
-        return value
+        return _member_value("mode", AuthMode, value)
 
     @field_validator("keys_file", mode="before")
     @classmethod
@@ -585,10 +591,7 @@ class BucketedModelTable(Table):
     @field_validator("kind", mode="before")
     @classmethod
     def _known_kind(cls, value: object) -> object:
-        kinds = [k.value for k in ModelKind]
-        if value not in kinds:
-            raise ValueError(f"kind must be one of {kinds}, got {value!r}")
-        return value
+        return _member_value("kind", ModelKind, value)
 
     @field_validator("source", mode="before")
     @classmethod
