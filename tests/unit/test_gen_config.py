@@ -331,14 +331,54 @@ def test_explain_prints_every_knob_with_numbers():
     assert "Little's law" in result.stdout
 
 
-def test_infeasible_slo_is_a_clear_error_naming_the_bucket(tmp_path):
+def spec_with_slo(tmp_path, slo_p95_ms):
+    """A copy of the committed spec with another embed SLO (its workload still the repository's)."""
     spec = tmp_path / "serving.toml"
-    text = (REPO / "serving.toml").read_text().replace("slo_p95_ms = 200", "slo_p95_ms = 50")
+    text = (REPO / "serving.toml").read_text().replace("slo_p95_ms = 200", f"slo_p95_ms = {slo_p95_ms}")
     text = text.replace('workload = "loadtest/', f'workload = "{REPO}/loadtest/')
     spec.write_text(text)
-    result = gen_config(f"--spec={spec}", f"--profile={SMALL_PROFILE}", "--explain")
+    return spec
+
+
+def test_infeasible_slo_is_a_clear_error_naming_the_bucket(tmp_path):
+    # Small profile, S = 18 ms: a single row of encoder_128 (4 + 15 ms) or encoder_256 (4 + 30 ms)
+    # misses alone, and the two carry 12% of the mix, over the 5% a p95 lets miss.
+    result = gen_config(f"--spec={spec_with_slo(tmp_path, 18)}", f"--profile={SMALL_PROFILE}", "--explain")
     assert result.returncode == 2
-    assert "encoder_256" in result.stderr and "over the 50 ms p95 SLO" in result.stderr
+    assert "no configuration puts 95% of requests within the 18 ms p95 SLO" in result.stderr
+    assert "encoder_128 (8.0% of traffic: o + c(1) = 4.0 + 15.0 = 19.0 ms" in result.stderr
+    assert "encoder_256 (4.0% of traffic: o + c(1) = 4.0 + 30.0 = 34.0 ms" in result.stderr
+    assert "carry 12.0% of the traffic, over the 5% the SLO lets miss" in result.stderr
+
+
+def test_an_slo_only_a_rare_bucket_is_at_risk_of_derives_with_a_warning(tmp_path):
+    # The committed profile at S = 150 ms: encoder_256 takes o + 2·c(1) = 160.7 ms, but carries 4% of the mix.
+    repository = tmp_path / "repo"
+    result = gen_config(f"--spec={spec_with_slo(tmp_path, 150)}", f"--profile={REPO / 'profiles' / 'cpu.json'}",
+                        f"--model-repository={repository}")
+    assert result.returncode == 0, result.stderr
+    warning = ("WARNING: encoder_256: at risk of missing the 150 ms p95 SLO: a request that waits for the one in "
+               "flight misses it (o + c(1) = 5.2 + 77.8 = 82.9 ms, o + 2·c(1) = 160.7 ms); it carries 4.0% of the "
+               "traffic and runs without batching; the SLO holds for the mix only while encoder_256 carries under "
+               "5% of its traffic: 4.0% in the workload")
+    assert warning in result.stderr
+    assert "encoder_128" not in result.stderr
+    text = (repository / "encoder_256" / "config.pbtxt").read_text()
+    assert "\n# " + warning + "\n" in text  # in the config's header too
+    config = text_format.Parse(text, mc.ModelConfig())  # the header is protobuf comments
+    assert config.max_batch_size == 1 and not config.dynamic_batching.preferred_batch_size
+    assert config.dynamic_batching.max_queue_delay_microseconds == 0
+    # The buckets that meet the SLO keep batching, and the admission budget is taken over them.
+    assert text_format.Parse((repository / "encoder_16" / "config.pbtxt").read_text(),
+                             mc.ModelConfig()).max_batch_size > 1
+    assert "taken over the buckets that can meet the SLO (16, 32, 64, 128)" in (
+        repository / "embed" / "config.pbtxt").read_text()
+
+
+def test_the_committed_slo_runs_every_bucket_batched_without_warnings(plan):
+    knobs = [model.knobs for model in plan if model.knobs is not None]
+    assert knobs and not any("SLO" in warning for k in knobs for warning in k.warnings)
+    assert all("best effort" not in k.reasons["max_batch_size"] for k in knobs)
 
 
 def test_gen_config_names_a_missing_profile(tmp_path):

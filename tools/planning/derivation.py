@@ -24,14 +24,21 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
   single-threaded instance), so a burst on one bucket runs on every lane the other buckets
   leave free instead of queueing behind its own batch; capped by the spec.
 
+A p95 SLO concerns 95% of requests, so a bucket that cannot meet `o + 2·c(1) <= S` does not
+sink the model (`plan_slo_fit`): a bucket *at risk* (`o + c(1) <= S < o + 2·c(1)`: a request
+that waits for the one in flight misses) or *infeasible* (`o + c(1) > S`: it misses even
+alone) is served without batching, with a warning naming its traffic share. Only when the
+infeasible buckets carry more than the 5% of traffic a p95 lets miss is the SLO refused.
+
 Everything here is pure: plain data in, plain data out, every knob with its reasoning.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from python_backends.embed.admission import AdmissionPolicy
@@ -40,6 +47,124 @@ from tools.spec.profile import LatencyCurve
 
 class InfeasibleSLO(ValueError):
     """No batching configuration can meet the SLO for this model; the message says why."""
+
+
+SLO_PERCENTILE = 0.95  # the spec's SLOs are p95s: 95% of requests within `slo_p95_ms`
+
+# Float noise in summed traffic shares (0.04 + 0.01 is 0.05000000000000001): a mix at
+# exactly the allowance is within it.
+_SHARE_TOLERANCE = 1e-9
+
+
+def slo_miss_allowance(percentile: float = SLO_PERCENTILE) -> float:
+    """The share of requests a percentile SLO lets miss it: 1 - 0.95 = 5% for a p95."""
+    if not 0.0 < percentile < 1.0:
+        raise ValueError(f"an SLO percentile is between 0 and 1, got {percentile}")
+    return 1.0 - percentile
+
+
+def slo_out_of_reach(infeasible_share: float, percentile: float = SLO_PERCENTILE) -> bool:
+    """Whether no configuration can meet the SLO: the requests that miss it whatever the
+    batching (those of buckets whose o + c(1) > S) are more than the percentile lets miss."""
+    return infeasible_share > slo_miss_allowance(percentile) + _SHARE_TOLERANCE
+
+
+class SloFit(enum.Enum):
+    """How one bucket stands against the SLO before any batching."""
+
+    MEETS = "meets"  # o + 2·c(1) <= S: a request can wait for the execution in flight and still make it
+    AT_RISK = "at risk"  # o + c(1) <= S < o + 2·c(1): one that waits for the execution in flight misses
+    INFEASIBLE = "infeasible"  # S < o + c(1): a request misses even alone
+
+
+@dataclass(frozen=True)
+class BucketFit:
+    """One bucket's unbatched latency against the SLO, with the share of traffic it carries."""
+
+    model_name: str  # the bucket model, named in warnings and errors
+    share: float  # fraction of the model's rows that land in this bucket (0..1, from the workload)
+    slo_p95_ms: float  # S
+    overhead_ms: float  # o
+    single_ms: float  # c(1): one row's execution
+
+    @property
+    def alone_ms(self) -> float:
+        """o + c(1): a request that finds the bucket idle."""
+        return self.overhead_ms + self.single_ms
+
+    @property
+    def behind_one_ms(self) -> float:
+        """o + 2·c(1): a request that waits for the execution in flight, then runs alone."""
+        return self.overhead_ms + 2 * self.single_ms
+
+    @property
+    def fit(self) -> SloFit:
+        if self.alone_ms > self.slo_p95_ms:
+            return SloFit.INFEASIBLE
+        if self.behind_one_ms > self.slo_p95_ms:
+            return SloFit.AT_RISK
+        return SloFit.MEETS
+
+    def numbers(self) -> str:
+        return (f"o + c(1) = {self.overhead_ms:.1f} + {self.single_ms:.1f} = {self.alone_ms:.1f} ms, "
+                f"o + 2·c(1) = {self.behind_one_ms:.1f} ms")
+
+
+@dataclass(frozen=True)
+class SloFitPlan:
+    """Which buckets batch, which run best effort, and the buckets the admission budget is taken over."""
+
+    best_effort: frozenset[int]  # buckets served without batching (at risk or infeasible)
+    budget_buckets: tuple[int, ...]  # buckets W = S - o - c_slowest(1) is taken over
+    warnings: dict[int, str] = field(default_factory=dict)  # bucket -> its warning
+
+
+def plan_slo_fit(model_name: str, fits: Mapping[int, BucketFit], percentile: float = SLO_PERCENTILE) -> SloFitPlan:
+    """Refuse only an SLO no configuration can meet; otherwise say which buckets run best effort.
+
+    A p95 SLO lets 5% of requests miss. Requests of an infeasible bucket miss whatever the
+    batching, so when those buckets carry more than 5% of the traffic the SLO is out of
+    reach: InfeasibleSLO names each with its share and numbers. Otherwise every bucket that
+    cannot meet o + 2·c(1) <= S runs without batching (at risk: only a request that waits
+    for the one in flight misses) and gets a warning: the SLO holds for the mix only while
+    those buckets carry under 5% of its traffic. The admission budget is taken over the
+    buckets that meet the SLO (over the at-risk ones when none does): a slow bucket that
+    misses anyway must not shrink what every other bucket may wait.
+    """
+    allowance = slo_miss_allowance(percentile)
+    by_fit = {kind: sorted(b for b, f in fits.items() if f.fit is kind) for kind in SloFit}
+    infeasible, at_risk = by_fit[SloFit.INFEASIBLE], by_fit[SloFit.AT_RISK]
+    infeasible_share = sum(fits[b].share for b in infeasible)
+    if slo_out_of_reach(infeasible_share, percentile):
+        slo = fits[infeasible[0]].slo_p95_ms
+        named = "; ".join(f"{fits[b].model_name} ({fits[b].share:.1%} of traffic: {fits[b].numbers()})"
+                          for b in infeasible)
+        raise InfeasibleSLO(
+            f"{model_name}: no configuration puts {percentile:.0%} of requests within the {slo:.0f} ms p95 SLO: "
+            f"buckets whose single request alone takes over {slo:.0f} ms carry {infeasible_share:.1%} of the "
+            f"traffic, over the {allowance:.0%} the SLO lets miss: {named}; raise the SLO, use faster hardware, "
+            "or split those buckets so that less traffic needs them"
+        )
+    risky = sorted(infeasible + at_risk)
+    risky_share = sum(fits[b].share for b in risky)
+    over = " (more, so the p95 holds only while their requests seldom queue)"
+    together = (f"the SLO holds for the mix only while {', '.join(fits[b].model_name for b in risky)} "
+                f"carr{'ies' if len(risky) == 1 else 'y'} under {allowance:.0%} of its traffic: "
+                f"{risky_share:.1%} in the workload" + (over if slo_out_of_reach(risky_share, percentile) else ""))
+    warnings = {}
+    for bucket in risky:
+        fit = fits[bucket]
+        what = (f"cannot meet the {fit.slo_p95_ms:.0f} ms p95 SLO: a request misses it even alone"
+                if fit.fit is SloFit.INFEASIBLE else
+                f"at risk of missing the {fit.slo_p95_ms:.0f} ms p95 SLO: a request that waits for the one in "
+                "flight misses it")
+        warnings[bucket] = (f"{fit.model_name}: {what} ({fit.numbers()}); it carries {fit.share:.1%} of the "
+                            f"traffic and runs without batching; {together}")
+    return SloFitPlan(
+        best_effort=frozenset(risky),
+        budget_buckets=tuple(by_fit[SloFit.MEETS] or at_risk),
+        warnings=warnings,
+    )
 
 
 @dataclass(frozen=True)
@@ -58,6 +183,7 @@ class BucketDemand:
     queue_timeout: bool = True  # write the queue-policy timeout; False leaves the early rejection to the queue bound
     shared_batch: int = 0  # batch this bucket needs at peak when it shares the device (plan_shared_batches); 0: alone
     latency_target_ms: float = 0.0  # latency the router's admission steers answers to (admission_target_ms); 0: S - o
+    best_effort: bool = False  # plan_slo_fit let it miss o + 2·c(1) <= S: no batching instead of refusing
 
 
 @dataclass(frozen=True)
@@ -182,7 +308,8 @@ def find_knee(curve: LatencyCurve, knee_gain: float = 0.10) -> int:
 
 
 def max_batch_within_slo(demand: BucketDemand, curve: LatencyCurve) -> int:
-    """The largest b with o + 2·c(b) <= S; raise InfeasibleSLO naming the bucket if not even b = 1 fits."""
+    """The largest b with o + 2·c(b) <= S; raise InfeasibleSLO naming the bucket if not even b = 1 fits
+    (1 for a best-effort bucket, which plan_slo_fit lets miss it)."""
     name, slo, overhead = demand.model_name, demand.slo_p95_ms, demand.overhead_ms
     if slo <= 0 or overhead < 0 or demand.expected_rps < 0 or demand.peak_rps < demand.expected_rps:
         raise ValueError(
@@ -190,6 +317,8 @@ def max_batch_within_slo(demand: BucketDemand, curve: LatencyCurve) -> int:
             f"(got slo {slo}, overhead {overhead}, expected {demand.expected_rps}, peak {demand.peak_rps})"
         )
     c1 = curve.at(1)
+    if demand.best_effort and overhead + 2 * c1 > slo:
+        return 1
     if overhead + c1 > slo:
         raise InfeasibleSLO(
             f"{name}: a single request alone takes o + c(1) = {overhead:.1f} + {c1:.1f} = {overhead + c1:.1f} ms, "
@@ -216,18 +345,27 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
     reasons: dict[str, str] = {}
     warnings: list[str] = []
 
-    reasons["max_batch_size"] = (
-        f"largest b with o + 2·c(b) <= S: {overhead:.1f} + 2·{curve.at(max_batch):.1f} = "
-        f"{overhead + 2 * curve.at(max_batch):.1f} <= {slo:.0f} ms"
-        + (f" (b = {max_batch + 1} gives {overhead + 2 * curve.at(max_batch + 1):.1f} ms)"
-           if max_batch < curve.max_measured else f" (largest measured size is {curve.max_measured})")
-    )
+    c1 = curve.at(1)
+    unbatched = demand.best_effort and overhead + 2 * c1 > slo
+    if unbatched:
+        reasons["max_batch_size"] = (
+            f"1, best effort: even unbatched o + 2·c(1) = {overhead:.1f} + 2·{c1:.1f} = {overhead + 2 * c1:.1f} "
+            f"> {slo:.0f} ms; the p95 SLO is judged over the whole mix (see the warning)"
+        )
+    else:
+        reasons["max_batch_size"] = (
+            f"largest b with o + 2·c(b) <= S: {overhead:.1f} + 2·{curve.at(max_batch):.1f} = "
+            f"{overhead + 2 * curve.at(max_batch):.1f} <= {slo:.0f} ms"
+            + (f" (b = {max_batch + 1} gives {overhead + 2 * curve.at(max_batch + 1):.1f} ms)"
+               if max_batch < curve.max_measured else f" (largest measured size is {curve.max_measured})")
+        )
 
     knee = find_knee(curve, demand.knee_gain)
     preferred = min(knee, max_batch)
     reasons["preferred_batch_size"] = (
         f"throughput knee at b = {knee} ({curve.throughput_rps(knee):.0f} rows/s; doubling adds < "
         f"{demand.knee_gain:.0%})" + (f", capped by max_batch_size {max_batch}" if preferred < knee else "")
+        + (" (best effort: no batching)" if unbatched else "")
     )
 
     # Linger only as long as it pays: wait for the batch the peak traffic needs (never past
@@ -272,7 +410,13 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
 
     c_max = curve.at(max_batch)
     timeout_ms = slo - overhead - c_max
-    if demand.queue_timeout:
+    if timeout_ms <= 0:  # a best-effort bucket whose single row misses the SLO: late beats rejected
+        timeout_us = 0
+        reasons["default_timeout_microseconds"] = (
+            f"not set: S - o - c(1) = {slo:.0f} - {overhead:.1f} - {c_max:.1f} = {timeout_ms:.1f} ms leaves no "
+            "time to wait, so a request of this bucket that queues misses the SLO anyway: served late, not rejected"
+        )
+    elif demand.queue_timeout:
         timeout_us = int(timeout_ms * 1000)
         reasons["default_timeout_microseconds"] = (
             f"S - o - c(max_batch) = {slo:.0f} - {overhead:.1f} - {c_max:.1f} = {timeout_ms:.1f} ms: "
@@ -316,6 +460,10 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
         + f"; peak arrivals {demand.peak_rps:.1f} rows/s"
     )
 
+    if unbatched:  # no linger either: a row that waits for company only gets later
+        delay_us = 0
+        reasons["max_queue_delay_microseconds"] = "0, best effort: no batching, so nothing to wait for"
+
     return BatchingKnobs(
         model_name=name,
         max_batch_size=max_batch,
@@ -346,9 +494,16 @@ class Admission:
     reasons: dict[str, str] = field(default_factory=dict)  # knob -> why
 
 
-def _wait_budget(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float) -> tuple[int, float, float]:
-    """(slowest bucket, its c(1), W = S - o - c_slowest(1)); ValueError when W <= 0."""
-    slowest_bucket = max(curves, key=lambda bucket: curves[bucket].at(1))
+def _wait_budget(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float,
+                 budget_buckets: Collection[int] | None = None) -> tuple[int, float, float]:
+    """(slowest bucket, its c(1), W = S - o - c_slowest(1)) over `budget_buckets` (default: every
+    bucket; plan_slo_fit leaves out those that miss the SLO anyway); ValueError when W <= 0."""
+    candidates = curves.keys() if budget_buckets is None else budget_buckets
+    unknown = sorted(set(candidates) - set(curves))
+    if unknown or not candidates:
+        raise ValueError(f"the admission budget needs buckets with curves, got {sorted(candidates)} "
+                         f"of {sorted(curves)}")
+    slowest_bucket = max(candidates, key=lambda bucket: curves[bucket].at(1))
     slowest_ms = curves[slowest_bucket].at(1)
     wait_budget_ms = slo_p95_ms - overhead_ms - slowest_ms
     if wait_budget_ms <= 0:
@@ -357,13 +512,15 @@ def _wait_budget(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead
     return slowest_bucket, slowest_ms, wait_budget_ms
 
 
-def admission_target_ms(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float) -> float:
+def admission_target_ms(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, overhead_ms: float,
+                        budget_buckets: Collection[int] | None = None) -> float:
     """The latency the router's admission steers its answers to: S - o - 3/4 of the rest of
     W (what the bound on work in flight does not start with). The router's clock starts when
     an instance takes the request; under overload the wait before that (the router's queue,
     the front end on busy cores) grows, and admission cannot see it. The bucket lingers are
-    derived inside the target. ValueError when S - o - c_slowest(1) <= 0."""
-    _, _, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
+    derived inside the target. W is taken over `budget_buckets` (default: every bucket).
+    ValueError when S - o - c_slowest(1) <= 0."""
+    _, _, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms, budget_buckets)
     unseen_wait_ms = wait_budget_ms * (1.0 - ADMISSION_WORK_SHARE)
     # Measured at 288 req/s offered for 60 s (2 vCPU, 1.2x goodput): aiming at S - o let the
     # admitted p95 reach 256 ms; with a router that held each request in an instance, aiming
@@ -372,7 +529,8 @@ def admission_target_ms(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, o
 
 
 def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int, int], lanes: int,
-                     slo_p95_ms: float, overhead_ms: float, peak_rps: float) -> Admission:
+                     slo_p95_ms: float, overhead_ms: float, peak_rps: float,
+                     budget_buckets: Collection[int] | None = None) -> Admission:
     """How much the router lets in, so that what it admits still meets the SLO under overload.
 
     A row of bucket b costs c_b(p_b) / p_b of a lane at its preferred batch p_b. A request
@@ -383,19 +541,26 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     of W and adapts to the answers (`admission_target_ms`). The router queue only holds
     requests while an instance hands earlier ones to its workers (or waits for a busy core);
     its bound is what peak traffic brings in over S - o (Little's law), at least one
-    request: a request held longer than that is late anyway.
+    request: a request held longer than that is late anyway. W is taken over
+    `budget_buckets` (default: every bucket); the rows of the others are still admitted
+    and costed.
     """
     row_cost_ms = {bucket: curve.at(preferred[bucket]) / preferred[bucket] for bucket, curve in curves.items()}
-    slowest_bucket, slowest_ms, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms)
+    slowest_bucket, slowest_ms, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms, budget_buckets)
     max_work_ms = wait_budget_ms * ADMISSION_WORK_SHARE
     hand_off_ms = slo_p95_ms - overhead_ms
     max_queue_size = max(1, math.ceil(peak_rps * hand_off_ms / 1000.0))
-    target_ms = admission_target_ms(curves, slo_p95_ms, overhead_ms)
+    target_ms = admission_target_ms(curves, slo_p95_ms, overhead_ms, budget_buckets)
     min_work_ms = min(slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
     costs = ", ".join(f"{b}: {c:.2f}" for b, c in sorted(row_cost_ms.items()))
     budget = (f"W = S - o - c_{slowest_bucket}(1) = {slo_p95_ms:.0f} - {overhead_ms:.1f} - {slowest_ms:.1f} "
               f"= {wait_budget_ms:.1f} ms")
+    left_out = sorted(set(curves) - set(budget_buckets if budget_buckets is not None else curves))
+    if left_out:
+        budget += (f", taken over the buckets that can meet the SLO "
+                   f"({', '.join(map(str, sorted(budget_buckets or ())))}): bucket(s) "
+                   f"{', '.join(map(str, left_out))} cannot, and their rows are still admitted and costed")
     return Admission(
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
                                min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True),

@@ -32,6 +32,7 @@ from tools.planning.derivation import (
     Admission,
     BatchingKnobs,
     BucketDemand,
+    BucketFit,
     InfeasibleSLO,
     RouterPlan,
     SharedLoad,
@@ -40,6 +41,7 @@ from tools.planning.derivation import (
     derive_knobs,
     derive_router,
     plan_shared_batches,
+    plan_slo_fit,
     preferred_batch,
 )
 from tools.repository.external import MANAGED_FIELDS, loaded_versions, managed_drift, merge_managed
@@ -488,8 +490,11 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     generated: list[GeneratedModel] = []
     bucket_max_batch: dict[int, int] = {}
     curves = {b: profile.curve(model.encoder_name(b)) for b in model.bucket_lens}
+    slo_fit = plan_slo_fit(model.name, {
+        b: BucketFit(model.encoder_name(b), shares[b], model.slo_p95_ms, overhead.p95_ms, curves[b].at(1))
+        for b in model.bucket_lens})
     try:
-        latency_target_ms = admission_target_ms(curves, model.slo_p95_ms, overhead.p95_ms)
+        latency_target_ms = admission_target_ms(curves, model.slo_p95_ms, overhead.p95_ms, slo_fit.budget_buckets)
     except ValueError as err:
         raise InfeasibleSLO(f"{model.name}: {err}") from None
     demands = {}
@@ -505,6 +510,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             lanes=lanes,
             queue_timeout=model.queue_timeouts,
             latency_target_ms=latency_target_ms,
+            best_effort=bucket_len in slo_fit.best_effort,
         )
     # The buckets share one device: plan the batches peak traffic needs across all of them.
     # On a CPU the router path runs on the same cores, so its measured CPU per request is
@@ -525,6 +531,8 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
         name = demand.model_name
         knobs = derive_knobs(demand, profile.curve(name))
+        if bucket_len in slo_fit.warnings:
+            knobs = replace(knobs, warnings=(slo_fit.warnings[bucket_len], *knobs.warnings))
         bucket_max_batch[bucket_len] = knobs.max_batch_size
         header = (
             *(provenance(spec, profile) if external is None else external_provenance(spec, profile)),
@@ -563,7 +571,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             curves,
             {b: next(g.knobs.preferred_batch_size for g in generated if g.name == model.encoder_name(b))
              for b in model.bucket_lens},
-            lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps)
+            lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps, slo_fit.budget_buckets)
     except ValueError as err:
         raise InfeasibleSLO(f"{model.name}: {err}") from None
     router = derive_router(model.peak_rps, model.slo_p95_ms, profile.hardware.cpu_count, model.max_router_instances,
