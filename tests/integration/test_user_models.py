@@ -5,11 +5,12 @@ real architectures): a sentence encoder exported as it comes out of Hugging Face
 answers `last_hidden_state`: the backend pools by CLS, with a query prefix), a cross-encoder
 scoring text pairs (a Hugging Face folder the kit exports), an image classifier with a fixed
 input shape and a 1-D convolutional model over audio frames of any length (tensor models, the
-audio one bucketed by its frame count). Each is added with `add-model`, profiled with
-`profile --model`, configured by `gen-config` and served; answers match the same models run
-in PyTorch or ONNX Runtime, row by row; each is swept, and the classifier and the two tensor
-models are rolled from version 1 to 2 under load (docs/own-models.md's walkthrough, run as
-written by test_own_model_docs.py, sweeps the encoder and rolls it out).
+audio one bucketed by its frame count at edges derived from its mix of clip lengths). Each is
+added with `add-model`, profiled with `profile --model`, configured by `gen-config` and served;
+answers match the same models run in PyTorch or ONNX Runtime, row by row; each is swept, and
+the classifier and the two tensor models are rolled from version 1 to 2 under load
+(docs/own-models.md's walkthrough, run as written by test_own_model_docs.py, sweeps the encoder
+and rolls it out).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def kit(tmp_path_factory):
     tools("add-model", "rerank", "--hf-dir", str(cross_dir), "--buckets", "32,64", *common, folder=folder)
     (folder / "frames.toml").write_text(FRAMES_MIX)
     tensor_common = ("--slo-ms", "300", "--expected-rps", "8", "--peak-rps", "20", "--tolerance", "0.001")
-    tools("add-model", "audio", "--onnx", str(audio_conv_onnx(models)), "--buckets", "16,64", "--workload",
-          "frames.toml", *tensor_common, folder=folder)
+    # Edges derived from the frames mix: two buckets pad its clips least at 16 and 64 frames.
+    tools("add-model", "audio", "--onnx", str(audio_conv_onnx(models)), "--buckets", "derived", "--bucket-count", "2",
+          "--workload", "frames.toml", *tensor_common, folder=folder)
     tools("add-model", "image", "--onnx", str(image_classifier_onnx(models)), *tensor_common, folder=folder)
     # The next release of three of them: version 2 of the same files, no traffic until a rollout moves it.
     tools("add-model", "rerank", "--version", "2", "--hf-dir", str(cross_dir), folder=folder)

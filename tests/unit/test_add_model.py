@@ -116,6 +116,17 @@ def test_a_tensor_model_gets_its_folders_and_no_tokenizer(kit, made, capsys):
     assert "workload" not in tomllib.loads((kit / "serving.toml").read_text())["models"]["image"]
 
 
+def test_derived_buckets_are_written_as_such_and_name_the_bucket_models(kit, made, capsys):
+    assert add(kit, "audio", "--onnx", str(made["audio"]), "--buckets", "derived", "--bucket-count", "2",
+               "--tolerance", "0.01") == 0
+    table = tomllib.loads((kit / "serving.toml").read_text())["models"]["audio"]
+    assert (table["buckets"], table["bucket_count"]) == ("derived", 2)
+    # The workload (embed_mix) is read when the spec is: two buckets pad its rows least at 48 and 256.
+    assert "bucket models audio_48, audio_256" in capsys.readouterr().out
+    assert sorted(p.name for p in (kit / "repo").iterdir()) == ["audio", "audio_256", "audio_48"]
+    assert (kit / "repo" / "audio_48" / "1" / "model.onnx").is_file()
+
+
 def test_buckets_are_powers_of_two_up_to_the_model_length():
     assert buckets_up_to(512) == [16, 32, 64, 128, 256]
     assert buckets_up_to(100) == [16, 32, 64]
@@ -193,6 +204,8 @@ def test_a_hugging_face_folder_is_exported_into_its_folders(kit, made, capsys):
     (["--onnx", "{missing}"], "does not exist"),
     (["--hf-dir", "{encoder_dir}", "--kind", "text-classifier"], "is a text-encoder, not a text-classifier"),
     (["--onnx", "{raw}", "--version", "2"], "the spec has no model 'search' to add version 2 to"),
+    (["--onnx", "{audio}", "--buckets", "16", "--bucket-count", "2"],
+     'bucket_count applies to buckets = "derived" only'),
 ])
 def test_a_model_that_cannot_be_served_leaves_everything_as_it_was(kit, made, capsys, args, message):
     paths = {**{k: str(v) for k, v in made.items()}, "tokenizer": str(minilm_tokenizer()),

@@ -45,7 +45,12 @@ def error(data: dict) -> str:
     ({"models__embed__buckets": [1, 16]},
      "[models.embed]: buckets: bucket lengths must be integers >= 2 (room for [CLS] and [SEP]), got 1"),
     ({"models__embed__buckets": []}, "[models.embed]: buckets: at least one bucket length is required"),
-    ({"models__embed__buckets": "16"}, "[models.embed]: 'buckets' must be a list, got '16'"),
+    ({"models__embed__buckets": "16"}, """[models.embed]: buckets must be a list of lengths or "derived", got '16'"""),
+    ({"models__embed__bucket_count": 3},
+     """[models.embed]: bucket_count applies to buckets = "derived" only; the buckets listed are the model's"""),
+    ({"models__embed__buckets": "derived", "models__embed__bucket_count": 0},
+     "[models.embed]: 'bucket_count' must be > 0, got 0"),
+    ({"models__embed__buckets": "derived", "models__embed__workload": None}, "[models.embed]: missing 'workload'"),
     ({"models__embed__versions": ["one"]}, "[models.embed]: versions must be a non-empty list of integers >= 1"),
     ({"models__embed__expected_rps": "many"}, "[models.embed]: 'expected_rps' must be a number, got 'many'"),
     ({"models__embed": "router"}, "[models.embed]: must be a table, got 'router'"),
@@ -123,6 +128,38 @@ def test_paths_resolve_against_the_spec_and_buckets_are_ascending():
     assert spec.profile == REPO / "profiles" / "h100.json"
     assert spec.models[0].workload == REPO / "loadtest" / "workloads" / "embed_mix.toml"
     assert spec.models[0].bucket_lens == (16, 32)
+
+
+def test_derived_buckets_are_the_workloads_best_edges_capped_by_max_length():
+    (model,) = parse_spec(with_changes(models__embed__buckets="derived"), SPEC).models
+    assert (model.bucket_lens, model.bucket_count) == ((16, 32, 64, 128, 256), 5)  # embed_mix's bands end there
+    assert model.bucket_names == ("embed_16", "embed_32", "embed_64", "embed_128", "embed_256")
+    (model,) = parse_spec(with_changes(models__embed__buckets="derived", models__embed__bucket_count=3,
+                                       models__embed__max_length=100), SPEC).models
+    assert (model.bucket_lens, model.bucket_count) == ((16, 32, 100), 3)  # longer texts are truncated into 100
+    assert parse_spec(with_changes(models__embed__buckets=[32, 16]), SPEC).models[0].bucket_count == 0
+
+
+def test_derived_buckets_name_the_workload_that_cannot_be_read(tmp_path):
+    broken = tmp_path / "mix.toml"
+    broken.write_text("[[lengths]]\nmin_tokens = 4\nmax_tokens = 2\nweight = 1\n")
+    assert error(with_changes(models__embed__buckets="derived", models__embed__workload=str(broken))) == (
+        f'{SPEC} [models.embed]: buckets = "derived" derives the edges from the workload: '
+        f"{broken} [lengths[0]]: needs 3 <= min_tokens <= max_tokens, got 4 and 2")
+
+
+def test_a_derived_tensor_model_is_bucketed_along_its_variable_axis(tmp_path):
+    frames = tmp_path / "frames.toml"
+    frames.write_text("[[lengths]]\nmin_tokens = 5\nmax_tokens = 16\nweight = 0.6\n"
+                      "[[lengths]]\nmin_tokens = 17\nmax_tokens = 64\nweight = 0.4\n")
+    table = {"kind": "tensor", "source": "audio.onnx", "variable_axis": 0, "pad": {"features": 0.0},
+             "tolerance": 0.01, "buckets": "derived", "bucket_count": 2, "workload": str(frames),
+             "slo_p95_ms": 100, "expected_rps": 10, "peak_rps": 20, "max_request_rows": 8, "max_router_instances": 1}
+    (model,) = parse_spec(with_changes(models={"audio": table}), SPEC).models
+    assert model.bucket_lens == (16, 64) and model.bucket_names == ("audio_16", "audio_64")
+    del table["variable_axis"]
+    assert error(with_changes(models={"audio": table})) == (
+        f"{SPEC} [models.audio]: buckets need a variable_axis: a tensor model without one has a single bucket model")
 
 
 def test_llm_defaults():

@@ -62,6 +62,7 @@ from tools.repository.add_model import (
 from tools.repository.build import BuildError, build_bucketed, find_targets, install_tokenizer
 from tools.repository.configs import SHIM
 from tools.repository.sources import SourceError, served_external, served_graph, served_tensors, tokenizer_path
+from tools.spec.buckets import DERIVED
 from tools.spec.serving import SpecError, load_spec, parse_spec
 
 
@@ -95,8 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", action="store_true", help="classifier rows are text pairs (a cross-encoder)")
     parser.add_argument("--query-prefix", default=None, help='put before each query text, e.g. "query: "')
     parser.add_argument("--document-prefix", default=None, help='put before each document text, e.g. "passage: "')
-    parser.add_argument("--buckets", default=None, help="bucket lengths in tokens, comma-separated (default: "
+    parser.add_argument("--buckets", default=None, help="bucket lengths in tokens, comma-separated, or 'derived': "
+                                                        "those that pad the workload's rows least (default: "
                                                         "powers of two to the model's length, at most 256)")
+    parser.add_argument("--bucket-count", type=int, default=None, metavar="N",
+                        help="with --buckets derived: the most buckets to derive (default 5)")
     parser.add_argument("--slo-ms", type=float, default=None, help="p95 latency target (default: 200)")
     parser.add_argument("--expected-rps", type=float, default=None, help="normal requests/s (default: 20)")
     parser.add_argument("--peak-rps", type=float, default=None, help="peak requests/s (default: 50)")
@@ -120,6 +124,8 @@ def overrides(args: argparse.Namespace, root: Path) -> dict[str, object]:
         table["labels"] = [label.strip() for label in args.labels.split(",")]
     if args.pairs:
         table["pairs"] = True
+    if args.bucket_count is not None:
+        table["bucket_count"] = args.bucket_count
     return table
 
 
@@ -127,7 +133,7 @@ def overrides(args: argparse.Namespace, root: Path) -> dict[str, object]:
 NOT_EXTERNAL = {"kind": "--kind", "variable_axis": "--variable-axis", "pad": "--pad", "tokenizer": "--tokenizer",
                 "pooling": "--pooling", "output": "--output", "labels": "--labels", "pairs": "--pairs",
                 "query_prefix": "--query-prefix", "document_prefix": "--document-prefix", "buckets": "--buckets",
-                "workload": "--workload"}
+                "bucket_count": "--bucket-count", "workload": "--workload"}
 
 
 def external_spec_text(args: argparse.Namespace, spec_path: Path, text: str) -> tuple[str, list[str], list[str]]:
@@ -178,7 +184,7 @@ def new_spec_text(args: argparse.Namespace, spec_path: Path) -> tuple[str, list[
     described.table["source"] = source
     if args.pairs and "inputs" in described.table and "token_types" not in described.table["inputs"]:
         raise AddModelError(f"{artifact}: --pairs needs a graph that takes token type ids")
-    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets and args.buckets != DERIVED else args.buckets
     complete(described, max_length=None, buckets=buckets,
              tokenizer=Path(relative_to(tokenizer, root)) if tokenizer else None, overrides=overrides(args, root))
     comment = f" {args.name}: added by `python -m tools add-model`; check the values it chose (see its output)"

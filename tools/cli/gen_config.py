@@ -3,7 +3,8 @@
 Configs are built as `model_config_pb2.ModelConfig` messages and written with protobuf's
 text format; each file starts with what it was generated from and why each batching knob
 has its value. `--check` exits 1 when a config on disk differs from what the spec and
-profile give (the test suite runs it); `--explain` prints every knob with its numbers.
+profile give (the test suite runs it); `--explain` prints every knob with its numbers, and
+each bucketed model's edges against those derived for its workload (padded tokens per row).
 
 An external model's config.pbtxt is the user's, in the user's repository: only its batching
 fields (max_batch_size, dynamic_batching, instance_group) are written, under a `#|` header
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
+from tools.planning.buckets import compare_edges, explain_line
 from tools.planning.derivation import InfeasibleSLO
 from tools.repository.configs import (
     check,
@@ -30,6 +32,7 @@ from tools.repository.configs import (
 )
 from tools.spec.profile import ProfileError, load_profile
 from tools.spec.serving import SpecError, load_spec
+from tools.spec.workload import WorkloadError, load_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
         profile = load_profile(args.profile or spec.profile)
         plan = plan_all(spec, profile)
-    except (SpecError, ProfileError, InfeasibleSLO) as err:
+        edges = [explain_line(compare_edges(m, load_workload(m.workload)))
+                 for m in spec.models if m.workload and args.explain]
+    except (SpecError, ProfileError, InfeasibleSLO, WorkloadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     repository = args.model_repository.resolve()
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     users = external_files(plan)
     if args.explain:
         print(explain(plan, spec, profile))
+        if edges:
+            print("\nbucket edges (each model's workload; rows: share per bucket)", *edges, sep="\n  ")
         return 0
     if args.check:
         problems = check(files, repository) + check_external(plan)

@@ -241,7 +241,7 @@ def describe_hf(path: Path, *, kind: str | None = None, pooling: str | None = No
     return described
 
 
-def complete(described: Described, *, max_length: int | None, buckets: Sequence[int] | None,
+def complete(described: Described, *, max_length: int | None, buckets: Sequence[int] | str | None,
              tokenizer: Path | None, overrides: dict[str, object]) -> Described:
     """The service keys the model does not say: buckets, SLO and rates, the workload (defaults
     the user should check, each noted), then what the command line gave."""
@@ -254,7 +254,10 @@ def complete(described: Described, *, max_length: int | None, buckets: Sequence[
         raise AddModelError(f"{table['source']}: a tensor model bucketed along axis {table['variable_axis']} needs "
                             "--buckets (lengths on that axis) and --workload (the mix of lengths the requests have)")
     if bucketed:
-        chosen = list(buckets) if buckets else buckets_up_to(max_length or table.get("max_length"))  # type: ignore[arg-type]
+        if isinstance(buckets, str):  # "derived": the spec derives the edges from the workload when it is read
+            chosen: list[int] | str = buckets
+        else:
+            chosen = list(buckets) if buckets else buckets_up_to(max_length or table.get("max_length"))  # type: ignore[arg-type]
         table["buckets"] = chosen
         if not buckets:
             described.guessed.append(f"buckets = {chosen}: powers of two to the model's length (at most 256); "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -56,6 +56,33 @@ class LatencyCurve:
     def throughput_rps(self, batch: int) -> float:
         """Rows per second of one instance running batches of `batch` back to back."""
         return batch / self.at(batch) * 1000.0
+
+
+def curve_at_length(curves: Mapping[int, LatencyCurve], seq_len: int) -> LatencyCurve:
+    """An estimate of c(b) at a sequence length that was not measured, from the curves measured
+    at other lengths (`curves`: length -> curve), so that edges can be tried without profiling
+    them. Between the two nearest measured lengths it is linear in length, for each batch size
+    both measured; past the longest it scales the longest's times in proportion to length; it is
+    never below the shortest's times (a shorter row is not assumed cheaper than the shortest
+    measured). A measured length gives its own curve."""
+    if not curves or min(curves) < 1 or seq_len < 1:
+        raise ValueError(f"needs curves at lengths >= 1 and a length >= 1, got {sorted(curves)} and {seq_len}")
+    if seq_len in curves:
+        return curves[seq_len]
+    lengths = sorted(curves)
+    shortest = curves[lengths[0]].compute_ms
+    if seq_len < lengths[0]:
+        return curves[lengths[0]]
+    if seq_len > lengths[-1]:
+        longest = curves[lengths[-1]].compute_ms
+        estimate = {b: ms * seq_len / lengths[-1] for b, ms in longest.items()}
+    else:
+        upper = next(length for length in lengths if length > seq_len)
+        lower = max(length for length in lengths if length < seq_len)
+        low, high = curves[lower].compute_ms, curves[upper].compute_ms
+        weight = (seq_len - lower) / (upper - lower)
+        estimate = {b: low[b] + weight * (high[b] - low[b]) for b in sorted(set(low) & set(high))}
+    return LatencyCurve({b: max(ms, shortest.get(b, ms)) for b, ms in estimate.items()})
 
 
 class ProfileError(ValueError):
@@ -106,6 +133,13 @@ class LatencyProfile:
             raise ProfileError(f"profile {self.path} has no curve for model '{model}'; "
                                f"run `python -m tools profile` (it has {sorted(self.models)})")
         return self.models[model].curve
+
+    def curves_by_length(self, models: Iterable[str]) -> dict[int, LatencyCurve]:
+        """Sequence length -> curve of those of `models` (bucket model names) this profile
+        measured at a length (a fixed-shape bucket, length 0, is left out): what
+        `curve_at_length` estimates other lengths from."""
+        return {self.models[name].seq_len: self.models[name].curve for name in models
+                if name in self.models and self.models[name].seq_len > 0}
 
     def overhead_for(self, router: str) -> Overhead:
         if router not in self.overhead:

@@ -22,7 +22,9 @@ from typing import Annotated, Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     StrictBool,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -40,7 +42,9 @@ from python_backends.embed.pooling import Pooling
 from python_backends.llm.scheduler import BatchingPolicy
 from python_backends.tensor.router import FIXED_BUCKET, bucket_model_name, validate_axis_buckets
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
+from tools.spec.buckets import DEFAULT_BUCKET_COUNT, DERIVED, derived_edges
 from tools.spec.schema import ClosedTable, Table, describe, table_error
+from tools.spec.workload import WorkloadError, load_workload
 
 ENCODER_PRECISIONS = ("fp32", "int8")  # what build-models can make of an encoder version
 LLM_BATCHING = tuple(policy.value for policy in BatchingPolicy)  # the LLM engine's batching policies
@@ -121,6 +125,7 @@ class BucketedModelSpec:
     max_router_instances: int  # cap on router instances (one per host core is derived)
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
     queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
+    bucket_count: int = 0  # buckets = "derived": the most buckets derived from the workload; 0: the spec lists them
     precision: dict[int, str] = field(default_factory=dict)  # version -> "fp32" or "int8" (build recipe)
     traffic: dict[int, float] = field(default_factory=dict)  # version -> weight of unpinned traffic at start
     kind: ModelKind = ModelKind.TEXT_ENCODER  # what a row is and what comes back
@@ -259,6 +264,19 @@ def _versions(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[int
 
 
 Versions = Annotated[tuple[int, ...], WrapValidator(_versions)]
+_LENGTHS = TypeAdapter(tuple[int, ...])
+
+
+def _lengths_or_derived(value: object, handler: ValidatorFunctionWrapHandler) -> tuple[int, ...] | str:
+    """Bucket lengths, or "derived"; a list's errors name the list's item (`buckets[1]`)."""
+    if isinstance(value, str):
+        if value != DERIVED:
+            raise ValueError(f'buckets must be a list of lengths or "{DERIVED}", got {value!r}')
+        return value
+    return _LENGTHS.validate_python(value)
+
+
+Buckets = Annotated[tuple[int, ...] | Literal["derived"], WrapValidator(_lengths_or_derived)]
 
 
 def _member_value(key: str, choices: type[enum.Enum], value: object) -> object:
@@ -458,6 +476,7 @@ BUILT_KINDS = (*TEXT_KINDS, ModelKind.TENSOR)  # kinds whose bucket models the k
 KIND_KEYS = {  # keys that mean something for some kinds only
     "source": BUILT_KINDS,
     "buckets": BUILT_KINDS,
+    "bucket_count": BUILT_KINDS,
     "workload": BUILT_KINDS,
     "encoder_prefix": BUILT_KINDS,
     "precision": BUILT_KINDS,
@@ -547,9 +566,18 @@ class BucketedModelTable(Table):
     workload: Path | None = None
     """Length mix of requests (a loadtest workload TOML: tokens, or positions on a tensor model's
     variable axis), relative to the spec; not needed by a tensor model without a variable axis."""
-    buckets: tuple[int, ...] = ()
+    buckets: Buckets = ()
     """Bucket lengths (tokens, or positions on the variable axis), distinct; read in ascending
-    order. Text buckets are >= 2 (room for the tokenizer's special tokens)."""
+    order. Text buckets are >= 2 (room for the tokenizer's special tokens). Or "derived": the
+    edges that pad the workload's rows least (fewest padded positions per row, at most
+    `bucket_count` buckets), computed from the workload file whenever the spec is read: multiples
+    of 8 up to the workload's longest length, capped by max_length (longer rows are truncated
+    into the last bucket). Bucket models are named by their length, so after a change of the
+    workload that moves an edge, run build-models and profile again. `python -m tools gen-config
+    --explain` compares the edges with the derived ones."""
+    bucket_count: int | None = Field(None, gt=0)
+    """With buckets = "derived": the most buckets to derive; default 5, as many as the built-in
+    embed model has. Fewer come back when the workload has fewer lengths to split."""
     encoder_prefix: str | None = None
     """Bucket model name = prefix + length; default: the model's name and `_`."""
     max_request_rows: int = Field(gt=0)
@@ -560,6 +588,13 @@ class BucketedModelTable(Table):
     """Longest text row accepted, in UTF-8 bytes (text kinds)."""
     queue_timeouts: StrictBool = False
     """Write default_timeout_microseconds on bucket models (see serving.toml for why not by default)."""
+    _derived: tuple[int, ...] = PrivateAttr(())  # buckets = "derived": the edges derived from the workload
+
+    @property
+    def bucket_lens(self) -> tuple[int, ...]:
+        """The bucket lengths, ascending: those listed, or those derived; () for a tensor model
+        without a variable axis."""
+        return self._derived if self.buckets == DERIVED else tuple(sorted(self.buckets))
 
     @field_validator("workload")
     @classmethod
@@ -648,8 +683,8 @@ class BucketedModelTable(Table):
         if self.pairs and not self.inputs.token_types:
             raise table_error("pairs = true needs the graph's token type ids input ([inputs] token_types), so "
                               "the model can tell a pair's members apart")
-        if self.max_length is not None and self.buckets[-1] > self.max_length:
-            raise table_error(f"the largest bucket ({self.buckets[-1]}) is over max_length ({self.max_length}): "
+        if self.max_length is not None and self.bucket_lens[-1] > self.max_length:
+            raise table_error(f"the largest bucket ({self.bucket_lens[-1]}) is over max_length ({self.max_length}): "
                               "the model has no position for the tokens past it")
         if isinstance(self.source, dict):
             missing = [v for v in self.versions if v not in self.source]
@@ -677,15 +712,29 @@ class BucketedModelTable(Table):
             raise table_error("buckets need a variable_axis: a tensor model without one has a single bucket model")
         if self.kind.is_text and self.max_text_bytes is None:
             raise table_error("missing 'max_text_bytes'")
+        if self.bucket_count is not None and self.buckets != DERIVED:
+            raise table_error(f'bucket_count applies to buckets = "{DERIVED}" only; the buckets listed are the '
+                              "model's")
+        if bucketed and self.buckets == DERIVED:
+            self._derived = self._derive()
         if bucketed:
             try:
-                (validate_buckets if self.kind.is_text else validate_axis_buckets)(self.buckets)
+                (validate_buckets if self.kind.is_text else validate_axis_buckets)(self.bucket_lens)
             except ValueError as err:
                 raise table_error(f"buckets: {err}") from None
         if not self.kind.is_text and self.tolerance is None:
             article = "an" if self.kind.value[0] in "aeiou" else "a"
             raise table_error(f"missing 'tolerance': {article} {self.kind.value} model's rollouts compare a new "
                               "version's outputs with the old's within it (the largest absolute difference allowed)")
+
+    def _derive(self) -> tuple[int, ...]:
+        """The edges of buckets = "derived", from the workload file (read here)."""
+        assert self.workload is not None  # a bucketed model's workload is required before this
+        try:
+            workload = load_workload(self.workload)
+        except WorkloadError as err:
+            raise table_error(f'buckets = "{DERIVED}" derives the edges from the workload: {err}') from None
+        return derived_edges(workload, self.bucket_count or DEFAULT_BUCKET_COUNT, self.max_length)
 
     def external_model(self, name: str) -> str:
         """An external model's folder in its repository (the table's name by default)."""
@@ -716,7 +765,8 @@ class BucketedModelTable(Table):
             expected_rps=self.expected_rps,
             peak_rps=self.peak_rps,
             workload=self.workload,
-            bucket_lens=tuple(sorted(self.buckets)) or (FIXED_BUCKET,),
+            bucket_lens=self.bucket_lens or (FIXED_BUCKET,),
+            bucket_count=(self.bucket_count or DEFAULT_BUCKET_COUNT) if self.buckets == DERIVED else 0,
             variable_axis=self.variable_axis,
             pad=dict(self.pad),
             tolerance=self.tolerance,
@@ -802,7 +852,7 @@ class ServingFile(Table):
             if table.kind is ModelKind.EXTERNAL:
                 self._external_found(name, table)
             prefix = table.encoder_prefix if table.encoder_prefix is not None else f"{name}_"
-            for length in table.buckets or (FIXED_BUCKET,):
+            for length in table.bucket_lens or (FIXED_BUCKET,):
                 bucket = (table.external_model(name) if table.kind is ModelKind.EXTERNAL
                           else bucket_model_name(prefix, length))
                 if bucket in owners and table.kind is ModelKind.EXTERNAL:

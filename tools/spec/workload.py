@@ -92,6 +92,22 @@ class Workload(Table):
         bands = rng.choices(self.bands, weights=weights, k=count)
         return [rng.randint(band.min_tokens, band.max_tokens) for band in bands]
 
+    @property
+    def longest(self) -> int:
+        """The longest length the mix produces."""
+        return max(band.max_tokens for band in self.bands)
+
+    def length_probabilities(self) -> dict[int, float]:
+        """Probability of each length the mix produces, ascending by length (uniform within a
+        band, overlapping bands added); lengths of probability 0 are left out. Sums to 1."""
+        total = sum(band.weight for band in self.bands)
+        probabilities: dict[int, float] = {}
+        for band in self.bands:
+            each = band.weight / total / (band.max_tokens - band.min_tokens + 1)
+            for length in range(band.min_tokens, band.max_tokens + 1):
+                probabilities[length] = probabilities.get(length, 0.0) + each
+        return dict(sorted(probabilities.items()))
+
     def share_at_most(self, num_tokens: int) -> float:
         """Fraction of requests with at most `num_tokens` tokens (uniform within a band)."""
         total = sum(band.weight for band in self.bands)
