@@ -112,15 +112,21 @@ def without_tenant_quotas(plan: list[GeneratedModel], model_name: str) -> list[G
 
 
 def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
-    """A model repository for one setup: generated configs, model files hard-linked from the real one."""
+    """A model repository for one setup: generated configs, model files hard-linked from the real
+    one. A bucket model the real repository does not have (an edge derived for another workload)
+    runs the files of the bucket it was estimated from (`GeneratedModel.files_from`): a model's
+    bucket models all run the same graph, at different lengths."""
     target = BENCH_DIR / setup
     shutil.rmtree(target, ignore_errors=True)
     for path, text in expected_files(plan, target).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     for model in plan:
+        folder = model.name
+        if model.files_from and not (DEFAULT_MODEL_REPOSITORY / folder).is_dir():
+            folder = model.files_from
         for version in model.versions:
-            source = DEFAULT_MODEL_REPOSITORY / model.name / str(version)
+            source = DEFAULT_MODEL_REPOSITORY / folder / str(version)
             for item in source.iterdir():
                 if item.is_file() and item.name != "model.py":  # model files; the shim is generated
                     os.link(item, target / model.name / str(version) / item.name)

@@ -26,7 +26,7 @@ from python_backends.embed.kinds import TOKEN_TYPE_IDS, ModelKind, bucket_inputs
 from python_backends.embed.router import RouterParameters
 from python_backends.llm.config import LLMInferParameters, LLMParameters
 from python_backends.tensor.bucket import TensorBucketParameters
-from python_backends.tensor.router import TensorRouterConfig, TensorRouterParameters
+from python_backends.tensor.router import FIXED_BUCKET, TensorRouterConfig, TensorRouterParameters
 from tools.paths import REPO_ROOT
 from tools.planning.derivation import (
     Admission,
@@ -54,7 +54,7 @@ from tools.repository.sources import (
     served_graph,
     served_tensors,
 )
-from tools.spec.profile import LatencyProfile
+from tools.spec.profile import LatencyCurve, LatencyProfile, curve_at_length
 from tools.spec.serving import BucketedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
 from tools.spec.workload import load_workload
 
@@ -100,6 +100,7 @@ class GeneratedModel:
     knobs: BatchingKnobs | None = None  # derived knobs (bucket models)
     user_config: Path | None = None  # an external model: its config.pbtxt in the user's repository
     user_text: str = ""  # an external model: that file's text when planned
+    files_from: str = ""  # a bucket the profile did not measure: the measured bucket whose model files it can run
 
     def config_text(self) -> str:
         if self.user_config is not None:  # the user's config with the managed fields of `config`
@@ -459,6 +460,31 @@ def _lanes_text(hardware: HardwareLimits, lanes: int, cpu_count: int, external: 
     return "one lane: every batch uses the whole device"
 
 
+def bucket_curves(model: BucketedModelSpec, profile: LatencyProfile
+                  ) -> tuple[dict[int, LatencyCurve], dict[int, tuple[str, str]]]:
+    """c(b) of each bucket, by length, and for each bucket the profile did not measure, how it was
+    estimated instead (`curve_at_length` from the lengths of this model's buckets it did measure)
+    and the measured bucket nearest in length (whose files a benchmark copy can run it with), so
+    that edges derived from a new workload can be planned before they are profiled. A
+    ProfileError when the profile measured none of the model's lengths."""
+    curves: dict[int, LatencyCurve] = {}
+    estimated: dict[int, tuple[str, str]] = {}
+    measured = profile.curves_by_length(
+        name for name in profile.models
+        if name.startswith(model.encoder_prefix) and name[len(model.encoder_prefix):].isdigit())
+    for length in model.bucket_lens:
+        name = model.encoder_name(length)
+        if name in profile.models or length == FIXED_BUCKET or not measured:
+            curves[length] = profile.curve(name)  # its measured curve, or the ProfileError that says to profile
+            continue
+        curves[length] = curve_at_length(measured, length)
+        nearest = min(measured, key=lambda measured_length: abs(measured_length - length))
+        estimated[length] = (f"c(b) of {name} is estimated from the lengths the profile measured "
+                             f"({', '.join(str(n) for n in sorted(measured))}); run `python -m tools profile` "
+                             "to measure it", model.encoder_name(nearest))
+    return curves, estimated
+
+
 def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
     """Derive and build the router and bucket configs of one embedding model."""
     hardware = spec.hardware.get(profile.hardware.kind)
@@ -489,7 +515,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     lanes = hardware.lanes(profile.hardware.cpu_count)
     generated: list[GeneratedModel] = []
     bucket_max_batch: dict[int, int] = {}
-    curves = {b: profile.curve(model.encoder_name(b)) for b in model.bucket_lens}
+    curves, estimated = bucket_curves(model, profile)
     slo_fit = plan_slo_fit(model.name, {
         b: BucketFit(model.encoder_name(b), shares[b], model.slo_p95_ms, overhead.p95_ms, curves[b].at(1))
         for b in model.bucket_lens})
@@ -519,7 +545,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     base_utilization = model.peak_rps * router_cpu_ms / 1000.0 / lanes
     shared, utilization = plan_shared_batches(
         [SharedLoad(d.model_name, d.peak_rps, curve, preferred_batch(d, curve))
-         for d in demands.values() for curve in [profile.curve(d.model_name)]],
+         for b, d in demands.items() for curve in [curves[b]]],
         max_utilization=demands[model.bucket_lens[0]].max_utilization,
         lanes=lanes,
         base_utilization=base_utilization,
@@ -530,7 +556,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
     for bucket_len in model.bucket_lens:
         demand = replace(demands[bucket_len], shared_batch=shared[demands[bucket_len].model_name])
         name = demand.model_name
-        knobs = derive_knobs(demand, profile.curve(name))
+        knobs = derive_knobs(demand, curves[bucket_len])
         if bucket_len in slo_fit.warnings:
             knobs = replace(knobs, warnings=(slo_fit.warnings[bucket_len], *knobs.warnings))
         bucket_max_batch[bucket_len] = knobs.max_batch_size
@@ -549,6 +575,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
             "timeout_action: REJECT (the protobuf default, so not written below)",
             *(f"WARNING: {w}" for w in knobs.warnings),
+            *((f"ESTIMATED: {estimated[bucket_len][0]}",) if bucket_len in estimated else ()),
         )
         if external is not None:
             generated.append(GeneratedModel(name=name, config=external_config(name, knobs, hardware), header=header,
@@ -565,6 +592,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             adapter="encoder_model" if graph is not None else "tensor_bucket_model",
             versions=model.versions,
             knobs=knobs,
+            files_from=estimated[bucket_len][1] if bucket_len in estimated else "",
         ))
     try:
         admission = derive_admission(
