@@ -231,6 +231,6 @@ def test_a_derived_models_edges_are_compared_with_powers_of_two(tmp_path):
 def test_gen_config_explain_prints_the_edges_of_every_bucketed_model(capsys):
     assert main(["gen-config", "--explain"]) == 0
     out = capsys.readouterr().out
-    assert ("bucket edges (each model's workload; rows: share per bucket)\n  embed: edges 16,32,64,128,256: 44.8 "
-            "padded tokens/row, rows 50/25/13/8/4%; derived for embed_mix (5 buckets) 16,32,64,128,256: 44.8 padded "
-            "tokens/row, rows 50/25/13/8/4%") in out
+    assert ("bucket edges (each model's workload; rows: share per bucket)\n  embed: edges derived for embed_mix "
+            "(5 buckets) 16,32,64,128,256: 44.8 padded tokens/row, rows 50/25/13/8/4%; powers of two "
+            "16,32,64,128,256: 44.8 padded tokens/row, rows 50/25/13/8/4%") in out
