@@ -17,8 +17,9 @@ import pytest
 from tests.user_models import EXTERNAL_MODEL, audio_conv_onnx, external_repository
 
 REPO = Path(__file__).resolve().parents[2]
-REPORT_KEYS = {"model", "hardware", "slo_ms", "workload", "criterion", "command", "measured_at", "rounds",
-               "load_generator", "setups", "ceiling_rps", "ceiling_rps_by_round", "ceiling", "ratios"}
+REPORT_KEYS = {"model", "hardware", "slo_ms", "workload", "workload_file", "criterion", "command", "measured_at",
+               "rounds", "load_generator", "setups", "ceiling_rps", "ceiling_rps_by_round", "ceiling", "ratios",
+               "light_load", "router_overhead_ms", "router_cpu_ms_per_request", "router_overhead"}
 HOME_SPEC = """# A user's serving home: their audio model only.
 profile = "profiles/cpu.json"
 
@@ -79,6 +80,44 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
         assert bucket["seconds"] == min(ways.values()) and ways[bucket["way"]] == bucket["seconds"]
     assert out.with_suffix(".png").stat().st_size > 1000
     assert set(report) == REPORT_KEYS
+    assert report["workload_file"] == "loadtest/workloads/embed_mix.toml"
+    # Light load, in the short form's first round: the short requests at 10% of expected_rps on the
+    # slo_bucketed server, then one at a time on the linger-free one.
+    light = report["light_load"]
+    assert light["rate_rps"] == pytest.approx(0.1 * 40) and light["short_bucket"] == "16"
+    assert light["rounds"] == 1 and light["num_requests"] == [20] and light["num_errors"] == 0
+    assert light["p50_ms"] > 0 and light["unbatched_p50_ms"] > 0 and light["p95_ms"] >= light["p50_ms"]
+    assert light["ratio"] == pytest.approx(light["p50_ms"] / light["unbatched_p50_ms"], rel=0.01)
+    overhead, detail = report["router_overhead_ms"], report["router_overhead"]
+    assert set(overhead) == {"p50", "p95"}
+    assert detail["num_pairs"] == [40] and detail["num_errors"] == 0
+    router_ms, direct_ms = detail["router_ms"]["p50_ms"], detail["direct_ms"]["p50_ms"]
+    assert router_ms > 0 and direct_ms > 0
+    assert overhead["p50"] == pytest.approx(router_ms - direct_ms, abs=0.002)
+    assert abs(overhead["p50"]) < router_ms  # a difference of two latencies, not a latency
+    assert {"tritonserver", "embed", "encoder_16"} <= set(detail["cpu_ms_per_request_router_phase"])
+    assert report["router_cpu_ms_per_request"] == pytest.approx(
+        sum(ms for part, ms in detail["cpu_ms_per_request_router_phase"].items() if not part.startswith("encoder_"))
+        - sum(ms for part, ms in detail["cpu_ms_per_request_direct_phase"].items() if not part.startswith("encoder_")),
+        abs=0.002)
+
+
+@pytest.mark.slow  # a whole short run on another mix; the unit tests check where each mix goes
+def test_another_mix_gets_configs_derived_for_it_and_a_result_file_beside_the_default(tmp_path):
+    out = tmp_path / "goodput.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tools", "bench", "goodput", "--quick", "--setups", "slo_bucketed",
+         "--start-rps", "8", "--mixes", "embed_bimodal", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not out.exists()  # the spec's own mix was not asked for
+    report = json.loads((tmp_path / "goodput.embed_bimodal.json").read_text())
+    assert (report["workload"], report["workload_file"]) == ("embed_bimodal", "loadtest/workloads/embed_bimodal.toml")
+    assert report["setups"]["slo_bucketed"]["goodput_rps"] >= 8
+    served = (REPO / report["setups"]["slo_bucketed"]["repository"] / "encoder_16" / "config.pbtxt").read_text()
+    assert "embed_bimodal.toml: 70.0%" in served  # the bucket's traffic share is the mix's
+    assert report["light_load"]["p50_ms"] > 0
 
 
 def in_home(home: Path, *args: str) -> subprocess.CompletedProcess:

@@ -30,8 +30,10 @@ from tools.bench.goodput import (
     padded_only_plan,
     payload_fields,
     round_ratios,
+    routed_requests,
     router_of,
     served_version,
+    short_request_indices,
     stack_rows,
     tensor_bucket_configs,
     tensor_bucket_rows,
@@ -335,6 +337,25 @@ def test_a_tensor_models_rows_reach_the_ceiling_padded_to_their_bucket_as_the_ro
     configs = tensor_bucket_configs(plan, model)
     assert configs[16].input_names == ("features", "frame_mask") and configs[16].output_names == ("logits",)
     assert configs[16].inputs[0].dims == (16, user_models.AUDIO_NUM_FEATURES)
+
+
+def test_a_tensor_models_requests_reach_the_router_whole_and_their_bucket_as_the_router_pads_them(tensors):
+    spec, profile, _ = tensors
+    model = find_model(spec, "audio")
+    payload = model_payload(model, load_workload(model.workload), 30)
+    routed = routed_requests(payload, model_plan(spec, profile, model), model)
+    assert len(routed) == len(payload.requests)
+    for request, sent, length in zip(routed, payload.requests, payload.lengths, strict=True):
+        assert request.inputs.keys() == sent.keys() and request.inputs["features"] is sent["features"]
+        bucket = choose_bucket(length, AUDIO_BUCKETS)
+        assert request.bucket_lens == (bucket,) and request.calls[0].model_name == f"audio_{bucket}"
+        assert request.calls[0].tensors["features"].shape == (2, bucket, user_models.AUDIO_NUM_FEATURES)
+    short = short_request_indices([r.bucket_lens for r in routed])
+    assert short == [i for i, n in enumerate(payload.lengths) if n <= AUDIO_BUCKETS[0]]
+    image = find_model(spec, "image")  # a fixed-shape model: every request is a short one
+    fixed = routed_requests(model_payload(image, None, 4), model_plan(spec, profile, image), image)
+    assert {r.bucket_lens for r in fixed} == {(0,)} and short_request_indices([r.bucket_lens for r in fixed]) == [
+        0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(("name", "buckets"), [("audio", {"16", "64"}), ("image", {"fixed"})])

@@ -20,7 +20,10 @@ from tools.bench.goodput import (
     model_plan,
     padded_only_plan,
     plot_goodput,
+    routed_requests,
+    short_request_indices,
     tensor_router_of,
+    unbatched_plan,
 )
 from tools.bench.harness import build_user_repository, copy_user_model, without_tenant_quotas
 from tools.bench.payloads import TensorPayload, find_model, model_payload
@@ -147,3 +150,22 @@ def test_a_report_without_a_ceiling_is_plotted(tmp_path):
               "model": "scorer", "slo_ms": 100, "hardware": {"description": "test cores"}}
     plot_goodput(report, tmp_path / "goodput.png")
     assert (tmp_path / "goodput.png").stat().st_size > 1000
+
+
+def test_an_external_models_requests_go_straight_to_the_users_model_and_its_copy_does_not_linger(user):
+    spec, profile, model, _ = user
+    plan = model_plan(spec, profile, model)
+    payload = model_payload(model, None, 4)
+    routed = routed_requests(payload, plan, model)
+    assert len(routed) == len(payload.requests)
+    assert {r.bucket_lens for r in routed} == {(FIXED_BUCKET,)}  # one bucket: every request is a short one
+    assert short_request_indices([r.bucket_lens for r in routed]) == list(range(len(routed)))
+    assert {call.model_name for r in routed for call in r.calls} == {EXTERNAL_MODEL}
+    unbatched = {m.name: m for m in unbatched_plan(plan, model)}
+    config = unbatched[EXTERNAL_MODEL]
+    assert config.config.dynamic_batching.max_queue_delay_microseconds == 0
+    assert not config.config.dynamic_batching.preferred_batch_size
+    served = parse_config(config.config_text(), "config.pbtxt")  # the user's config with the managed fields
+    assert served.dynamic_batching.max_queue_delay_microseconds == 0
+    assert not served.dynamic_batching.preferred_batch_size
+    assert served.max_batch_size == plan[1].config.max_batch_size

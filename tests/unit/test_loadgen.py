@@ -19,6 +19,7 @@ from tools.bench.loadgen import (
     StepResult,
     called_models,
     default_stats_models,
+    duration_for_arrivals,
     flatten_step,
     http_parameters,
     percentile,
@@ -54,6 +55,20 @@ def test_arrivals_are_sorted_inside_the_window_and_deterministic_for_a_seed():
     assert first != poisson_arrival_times(20.0, 5.0, random.Random(8))
     assert first == sorted(first)
     assert all(0 < t < 5.0 for t in first)
+
+
+@pytest.mark.parametrize(("rate", "count", "seed"), [(4.0, 100, 7), (4.0, 20, 7), (50.0, 1, 0), (0.5, 13, 3)])
+def test_a_step_can_be_as_long_as_a_given_number_of_arrivals(rate, count, seed):
+    duration = duration_for_arrivals(rate, count, seed)
+    assert len(poisson_arrival_times(rate, duration, random.Random(seed))) == count
+    if count >= 100:  # about count / rate: a Poisson count's spread is its square root
+        assert duration == pytest.approx(count / rate, rel=0.3)
+
+
+@pytest.mark.parametrize(("rate", "count"), [(0, 10), (-1.0, 10), (1.0, 0)])
+def test_a_number_of_arrivals_needs_a_positive_rate_and_count(rate, count):
+    with pytest.raises(ValueError, match="must be"):
+        duration_for_arrivals(rate, count, 0)
 
 
 @pytest.mark.parametrize(("rate", "duration"), [(0, 1), (-1, 1), (1, 0)])

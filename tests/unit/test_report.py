@@ -29,7 +29,7 @@ def kit(tmp_path) -> dict[str, Path]:
     results.mkdir()
     for name in RESULT_FILES:
         shutil.copy(REPO_ROOT / "results" / f"{name}.json", results)
-    for path in (REPO_ROOT / "results").glob("goodput_*.json"):  # the per-model goodput results
+    for path in (REPO_ROOT / "results").glob("goodput[_.]*.json"):  # the per-model and per-mix goodput results
         shutil.copy(path, results)
     readme = tmp_path / "README.md"
     shutil.copy(REPO_ROOT / "README.md", readme)
@@ -152,3 +152,59 @@ def test_each_models_goodput_file_is_a_row_of_its_own(kit, capsys):
     assert "| `embed_mix pairs` | 200 |" in row and "**8.5\N{MULTIPLICATION SIGN}**" in row
     assert "[rerank](../results/goodput_rerank.json)" in row
     assert "- `rerank`: `python -m tools bench goodput --model rerank`" in text
+
+
+def test_each_other_mix_is_a_row_beside_its_default_and_not_a_model(kit, capsys):
+    result = json.loads((kit["results"] / "goodput.json").read_text())
+    result.update(workload="embed_long_tail", command="python -m tools bench goodput --mixes embed_long_tail",
+                  ceiling_rps=100.0, ratios={"slo_bucketed_vs_ceiling": 0.44, "slo_bucketed_vs_default_batching": 2.75})
+    result["setups"] = {"slo_bucketed": {**result["setups"]["slo_bucketed"], "goodput_rps": 44.0},
+                        "default_batching": {**result["setups"]["default_batching"], "goodput_rps": 16.0}}
+    (kit["results"] / "goodput.embed_long_tail.json").write_text(json.dumps(result))
+    assert report(kit, "--check") == 1
+    err = capsys.readouterr().err
+    assert "section 'goodput_mixes' differs from the result files" in err
+    assert "goodput_models" not in err  # a mix of embed is no model of its own
+    assert report(kit) == 0
+    text = kit["benchmarks"].read_text()
+    mixes = text[text.index("<!-- report:goodput_mixes -->"):text.index("<!-- /report:goodput_mixes -->")]
+    rows = [line for line in mixes.splitlines() if line.startswith("| `embed` |")]
+    assert len(rows) == 2 and "| `embed_mix` |" in rows[0] and "[goodput.json](../results/goodput.json)" in rows[0]
+    long_tail = rows[1]
+    assert "| `embed_long_tail` | 200 | - | 16.0 | 44.0 | 100.0 | **2.8\N{MULTIPLICATION SIGN}** | 44.0% |" in long_tail
+    assert "[goodput.embed_long_tail.json](../results/goodput.embed_long_tail.json)" in long_tail
+    assert "- `goodput.embed_long_tail.json`: `python -m tools bench goodput --mixes embed_long_tail`" in mixes
+    models = text[text.index("<!-- report:goodput_models -->"):text.index("<!-- /report:goodput_models -->")]
+    assert "embed_long_tail" not in models
+
+
+def test_a_models_other_mix_follows_that_models_own_row(kit):
+    result = json.loads((kit["results"] / "goodput.json").read_text())
+    result.update(model="search", workload="embed_bimodal", command="python -m tools bench goodput --model search")
+    (kit["results"] / "goodput_search.embed_bimodal.json").write_text(json.dumps(result))
+    sections = render_sections(load_results(kit["results"]), "../results/")
+    rows = [line for line in sections["goodput_mixes"].splitlines() if line.startswith("| `")]
+    assert [row.split(" | ")[1] for row in rows][-2:] == ["`embed_mix`", "`embed_bimodal`"]
+    assert rows[-1].startswith("| `search` |") and "goodput_search.embed_bimodal.json" in rows[-1]
+    assert "No other mix" not in sections["goodput_mixes"]
+
+
+def test_the_light_load_and_router_figures_are_rendered_from_the_goodput_result(kit):
+    path = kit["results"] / "goodput.json"
+    result = json.loads(path.read_text())
+    sections = render_sections(load_results(kit["results"]), "../results/")
+    if "light_load" not in result:  # a result file from before these figures says it has none
+        assert "Light load and the router's own cost: not in this result file" in sections["goodput"]
+    result["light_load"] = {"rate_rps": 4.0, "p50_ms": 72.0, "p95_ms": 95.5, "unbatched_p50_ms": 9.0,
+                            "ratio": 8.0, "target_ratio": 2.0, "short_bucket": "16"}
+    result["router_overhead_ms"] = {"p50": 0.8, "p95": 2.5}
+    result["router_cpu_ms_per_request"] = 0.31
+    result["router_overhead"] = {"router_ms": {"p50_ms": 10.3}, "direct_ms": {"p50_ms": 9.5}, "target_p50_ms": 1.0}
+    path.write_text(json.dumps(result))
+    section = render_sections(load_results(kit["results"]), "../results/")["goodput"]
+    assert ("**Light load**: short requests (bucket 16) at 4.0 req/s had p50 72.0 ms (p95 95.5 ms) against 9.0 ms "
+            "one at a time unbatched: **8.0\N{MULTIPLICATION SIGN}**, target ≤ 2\N{MULTIPLICATION SIGN} (missed)."
+            ) in section
+    assert ("**Router overhead**: p50 0.8 ms, p95 2.5 ms over the same rows sent straight to their bucket model "
+            "(10.3 ms against 9.5 ms at p50), target p50 ≤ 1.0 ms (met); the router path's CPU: 0.31 ms per "
+            "request.") in section

@@ -15,8 +15,15 @@ user's own Triton model, any backend) is served from a copy of its folder with t
 config (`tools.bench.harness.build_user_repository`; the user's repository is only read): the
 baselines are the user's config with no dynamic batching or Triton's `dynamic_batching { }`
 (`external_baseline`), slo_bucketed is the kit's router and the managed fields gen-config
-derives; it has no ceiling (`EXTERNAL_CEILING_NOTE`). The round medians, paired ratios, the
-rows' bucket tensors and the per-step CPU breakdown are pure.
+derives; it has no ceiling (`EXTERNAL_CEILING_NOTE`). With slo_bucketed among the setups,
+each round also sends the mix's short requests at light load on its server after the search
+(`run_setup`'s `light_load`), and starts one more server whose bucket models do not linger
+(`unbatched_plan`, `run_unbatched`): the same short requests one at a time, and the router's
+requests in turn with the same rows sent straight to their bucket model (`routed_requests`),
+for the router's latency overhead and CPU per request. A mix other than the spec's is
+benchmarked with its configs derived for it (`for_mix`) and written beside the default result
+(`mix_results_path`). The round medians, paired ratios, the rows' bucket tensors, the short
+requests' selection, the overhead arithmetic and the per-step CPU breakdown are pure.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,15 +60,28 @@ from tools.bench.harness import (
     hardware_report,
     without_tenant_quotas,
 )
-from tools.bench.loadgen import LoadTarget, RateSearch, StepResult, flatten_step, run_open_loop
+from tools.bench.loadgen import (
+    LoadTarget,
+    RateSearch,
+    StepResult,
+    duration_for_arrivals,
+    flatten_step,
+    percentile,
+    run_one_at_a_time,
+    run_open_loop,
+    send_in_turn,
+    split_host_port,
+    wire_tensor,
+)
 from tools.bench.payloads import TensorPayload, TextPayload, model_payload
+from tools.clients.http_infer import encode_infer_request
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
 from tools.repository.external import parse_config
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
 from tools.spec.profile import LatencyProfile
 from tools.spec.serving import BucketedModelSpec, ServingSpec
-from tools.spec.workload import Workload
+from tools.spec.workload import WORKLOAD_DIR, Workload
 
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
@@ -72,6 +92,18 @@ PROTOCOLS = ("http", "grpc")
 EXTERNAL_CEILING_NOTE = ("no ceiling for an external model: its backend runs only inside tritonserver, so "
                          "there is no in-process run to measure what the hardware can do without the server")
 DEFAULT_REPEATS = 3  # rounds of the full goodput run: a median of three outvotes one lucky or unlucky search
+# Light load: short requests at this share of the model's expected_rps, open loop; the target
+# is their p50 within LIGHT_LOAD_TARGET_RATIO of the same requests sent one at a time unbatched.
+LIGHT_LOAD_SHARE = 0.10
+LIGHT_LOAD_TARGET_RATIO = 2.0
+LIGHT_LOAD_REQUESTS = 100  # enough for a p50 and a rough p95 (--quick sends fewer)
+LIGHT_LOAD_SEED = 7  # the arrivals' draw; any fixed seed, so a round's requests are known in advance
+OVERHEAD_REQUESTS = 200  # of each kind, router and direct (--quick sends fewer)
+ROUTER_OVERHEAD_TARGET_MS = 1.0  # the router's p50 latency over the same rows sent straight to the bucket
+OVERHEAD_WARMUP_REQUESTS = 5  # of each kind, sent and discarded before the router measurements
+# The server without linger: the bucket models as generated but with max_queue_delay 0 and no
+# preferred batch sizes, so a request alone runs at once (the unbatched latency, the router's cost).
+UNBATCHED_SETUP = "slo_bucketed_unbatched"
 
 
 @dataclass(frozen=True)
@@ -85,6 +117,11 @@ class GoodputOptions:
     ceiling_rows: int  # rows run through ONNX Runtime for the ceiling
     repeats: int = 1  # rounds of every setup's search and the ceiling; medians are reported
     protocol: str = "http"  # how the load generator sends: "http" (tools.clients.http_infer) or "grpc" (tritonclient)
+    light_load_requests: int = LIGHT_LOAD_REQUESTS  # short requests at light load, and one at a time unbatched
+    overhead_requests: int = OVERHEAD_REQUESTS  # router requests (and as many straight to a bucket) per measurement
+    # Rounds that measure the light load and start the linger-free server (the first ones);
+    # None: every round. The short form measures them once: a server start is 10-25 s on 2 cores.
+    light_load_rounds: int | None = None
 
 
 def median_index(values: Sequence[float]) -> int:
@@ -250,6 +287,221 @@ def served_version(model: BucketedModelSpec) -> int:
     return max(model.traffic, key=lambda version: (model.traffic[version], -version))
 
 
+def text_router(plan: Sequence[GeneratedModel], model: BucketedModelSpec,
+                repository: Path = DEFAULT_MODEL_REPOSITORY) -> EmbedRouter:
+    """A text model's router as served: its generated settings and the tokenizer installed in
+    `repository` (read from disk)."""
+    from python_backends.common.tokenization import TextTokenizer
+
+    tokenizer = TextTokenizer.from_file(repository / model.name / str(ROUTER_VERSIONS[0]) / "tokenizer.json")
+    return EmbedRouter(router_of(plan, model), tokenizer)
+
+
+@dataclass(frozen=True)
+class BucketCall:
+    """One chunk of a request as the router sends it on over BLS."""
+
+    model_name: str  # the bucket model called
+    bucket_len: int  # its length (FIXED_BUCKET for a fixed-shape model's one bucket)
+    tensors: Mapping[str, np.ndarray]  # the bucket model's inputs by name, padded to bucket_len
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """One request of the payload as a client sends it to the model's router, and the same rows
+    as the router sends them on to its bucket models."""
+
+    inputs: Mapping[str, np.ndarray]  # the router's inputs by name: TEXT (and TEXT_PAIR) [rows, 1], or tensors
+    calls: tuple[BucketCall, ...]  # what the router sends on, chunk by chunk
+
+    @property
+    def bucket_lens(self) -> tuple[int, ...]:
+        return tuple(call.bucket_len for call in self.calls)
+
+
+def routed_requests(payload: TextPayload | TensorPayload, plan: Sequence[GeneratedModel], model: BucketedModelSpec,
+                    repository: Path = DEFAULT_MODEL_REPOSITORY) -> list[RoutedRequest]:
+    """Each request of the payload beside its bucket calls, made by the model's own router code
+    (`text_router`, which reads the installed tokenizer, or `TensorRouter`): a text model's
+    rows one a request, a tensor model's requests as the payload has them."""
+    if isinstance(payload, TensorPayload):
+        tensor_router = TensorRouter(tensor_router_of(plan, model))
+        return [RoutedRequest(inputs=dict(request),
+                              calls=tuple(BucketCall(chunk.model_name, chunk.chunk.bucket_len, chunk.tensors)
+                                          for chunk in tensor_router.prepare(request).chunks))
+                for request in payload.requests]
+    router = text_router(plan, model, repository)
+    pairs = payload.pair_texts or (None,) * len(payload.texts)
+    routed = []
+    for text, pair in zip(payload.texts, pairs, strict=True):
+        inputs = {"TEXT": np.array([[text.encode()]], dtype=object)}
+        if pair is not None:
+            inputs["TEXT_PAIR"] = np.array([[pair.encode()]], dtype=object)
+        prepared = router.prepare([text], None, raw_pairs=None if pair is None else [pair])
+        routed.append(RoutedRequest(inputs=inputs, calls=tuple(BucketCall(chunk.model_name, chunk.chunk.bucket_len,
+                                                                          chunk.tensors)
+                                                               for chunk in prepared.chunks)))
+    return routed
+
+
+def short_request_indices(bucket_lens: Sequence[Sequence[int]]) -> list[int]:
+    """The short requests: those whose every chunk goes to the smallest bucket that any request
+    goes to (the smallest bucket of the model unless the mix sends it nothing), by index."""
+    used = [min(lens) for lens in bucket_lens if lens]
+    if not used:
+        return []
+    smallest = min(used)
+    return [index for index, lens in enumerate(bucket_lens) if lens and set(lens) == {smallest}]
+
+
+def payload_subset(payload: TextPayload | TensorPayload, indices: Sequence[int]) -> TextPayload | TensorPayload:
+    """The payload's rows (a text model) or requests (a tensor model) at `indices`, in order."""
+    if isinstance(payload, TensorPayload):
+        return TensorPayload(tuple(payload.requests[index] for index in indices))
+    pairs = tuple(payload.pair_texts[index] for index in indices) if payload.pair_texts else ()
+    return TextPayload(tuple(payload.texts[index] for index in indices), pairs)
+
+
+def unbatched_plan(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> list[GeneratedModel]:
+    """The plan with every bucket model's batcher made linger-free: max_queue_delay 0 and no
+    preferred batch sizes (everything else as generated), so a request alone runs at once."""
+    buckets = {model.encoder_name(length) for length in model.bucket_lens}
+    out = []
+    for generated in plan:
+        if generated.name in buckets and generated.config.HasField("dynamic_batching"):
+            config = mc.ModelConfig()
+            config.CopyFrom(generated.config)
+            config.dynamic_batching.max_queue_delay_microseconds = 0
+            del config.dynamic_batching.preferred_batch_size[:]
+            header = (*generated.header, "Benchmark copy without linger: max_queue_delay_microseconds 0 and no "
+                      "preferred_batch_size (`bench goodput`'s unbatched latency and router overhead).")
+            generated = replace(generated, config=config, header=header)
+        out.append(generated)
+    return out
+
+
+def model_path(name: str, version: int) -> str:
+    """A model's version as Triton's HTTP path names it (`/v2/models/<this>/infer`)."""
+    return f"{name}/versions/{version}"
+
+
+def router_request_bytes(host: str, model: str, request: RoutedRequest) -> bytes:
+    """The HTTP request that sends `request` to the model's router."""
+    return encode_infer_request(host, model, [wire_tensor(name, array) for name, array in request.inputs.items()])
+
+
+def direct_request_bytes(host: str, version: int, call: BucketCall) -> bytes:
+    """The HTTP request that sends a chunk straight to the version of its bucket model the router calls."""
+    return encode_infer_request(host, model_path(call.model_name, version),
+                                [wire_tensor(name, np.asarray(array)) for name, array in call.tensors.items()])
+
+
+def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float | None]:
+    """p50 and p95 of some latencies (None of none)."""
+    if not latencies_ms:
+        return {"p50_ms": None, "p95_ms": None}
+    return {"p50_ms": round(percentile(latencies_ms, 50), 3), "p95_ms": round(percentile(latencies_ms, 95), 3)}
+
+
+def interleaved_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]:
+    """The router's overhead from requests sent in turn, router then direct, pair by pair
+    (`send_in_turn` of [router 1, direct 1, router 2, direct 2, ...]): p50 of the router's
+    latencies minus p50 of the direct ones, the same of p95, over the pairs where both answered."""
+    if len(latencies_ms) % 2:
+        raise ValueError(f"expected router and direct requests in pairs, got {len(latencies_ms)} latencies")
+    pairs = [(router, direct) for router, direct in zip(latencies_ms[0::2], latencies_ms[1::2], strict=True)
+             if router is not None and direct is not None]
+    if not pairs:
+        return {"p50": None, "p95": None, "router_ms": latency_summary([]), "direct_ms": latency_summary([]),
+                "num_pairs": 0}
+    router = [pair[0] for pair in pairs]
+    direct = [pair[1] for pair in pairs]
+    return {"p50": round(percentile(router, 50) - percentile(direct, 50), 3),
+            "p95": round(percentile(router, 95) - percentile(direct, 95), 3),
+            "router_ms": latency_summary(router), "direct_ms": latency_summary(direct), "num_pairs": len(pairs)}
+
+
+def phase_cpu_ms(before: Mapping[str, float], after: Mapping[str, float], num_requests: int) -> dict[str, float]:
+    """The server's CPU ms per request over one phase, by part (`TritonServer.cpu_seconds_by_part`)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    return {part: round(max(seconds - before.get(part, 0.0), 0.0) * 1000.0 / num_requests, 3)
+            for part, seconds in sorted(after.items())}
+
+
+def router_cpu_ms(router_phase: Mapping[str, float], direct_phase: Mapping[str, float],
+                  bucket_models: Collection[str]) -> float:
+    """The router path's extra server CPU per request: the router-only phase's CPU less the
+    direct-only phase's (ms per request each, same count, same rows), over every part but the
+    bucket models. Their stubs run the same batches in both phases, so their share would add
+    only noise: the CPU clock's 10 ms ticks on each of their processes, and their idle polling
+    over the router phase's longer run."""
+    def outside(phase: Mapping[str, float]) -> float:
+        return sum(ms for part, ms in phase.items() if part not in bucket_models)
+
+    return round(outside(router_phase) - outside(direct_phase), 3)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return round(float(statistics.median(present)), 3) if present else None
+
+
+def light_load_report(rate_rps: float, short_bucket: str, light: Sequence[Mapping[str, Any]],
+                      unbatched: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """`light_load` of the report from each round's light-load step on the slo_bucketed server
+    and its unbatched run (`p50_ms`, `p95_ms`, `num_requests`, `num_errors` each): medians of
+    the rounds, the ratio the median of the rounds' paired ratios."""
+    if len(light) != len(unbatched):
+        raise ValueError(f"{len(light)} rounds of light load against {len(unbatched)} unbatched")
+    ratios = [round(ours["p50_ms"] / alone["p50_ms"], 3) if ours["p50_ms"] and alone["p50_ms"] else None
+              for ours, alone in zip(light, unbatched, strict=True)]
+    return {
+        "rate_rps": round(rate_rps, 3),
+        "p50_ms": _median([r["p50_ms"] for r in light]),
+        "p95_ms": _median([r["p95_ms"] for r in light]),
+        "unbatched_p50_ms": _median([r["p50_ms"] for r in unbatched]),
+        "unbatched_p95_ms": _median([r["p95_ms"] for r in unbatched]),
+        "ratio": _median(ratios),
+        "target_ratio": LIGHT_LOAD_TARGET_RATIO,
+        "short_bucket": short_bucket,
+        "rounds": len(light),
+        "num_requests": [r["num_requests"] for r in light],
+        "num_errors": sum(r["num_errors"] for r in light) + sum(r["num_errors"] for r in unbatched),
+        "by_round": {"p50_ms": [r["p50_ms"] for r in light], "unbatched_p50_ms": [r["p50_ms"] for r in unbatched],
+                     "ratio": ratios},
+    }
+
+
+def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """`router_overhead_ms`, `router_cpu_ms_per_request` and the `router_overhead` detail of the
+    report from each round's unbatched run: medians of the rounds, the median round's detail."""
+    overhead = [r["overhead"] for r in rounds]
+    cpu = [r["router_cpu_ms_per_request"] for r in rounds]
+    middle = rounds[median_index(cpu)]
+    return {
+        "router_overhead_ms": {"p50": _median([o["p50"] for o in overhead]),
+                               "p95": _median([o["p95"] for o in overhead])},
+        "router_cpu_ms_per_request": _median(cpu),
+        "router_overhead": {
+            "by_round": [{"p50": o["p50"], "p95": o["p95"]} for o in overhead],
+            "router_ms": {key: _median([o["router_ms"][key] for o in overhead]) for key in ("p50_ms", "p95_ms")},
+            "direct_ms": {key: _median([o["direct_ms"][key] for o in overhead]) for key in ("p50_ms", "p95_ms")},
+            "target_p50_ms": ROUTER_OVERHEAD_TARGET_MS,
+            "num_pairs": [o["num_pairs"] for o in overhead],
+            "num_errors": sum(r["num_errors"] for r in rounds),
+            "cpu_ms_per_request_by_round": cpu,
+            "cpu_ms_per_request_router_phase": middle["cpu_router_phase"],
+            "cpu_ms_per_request_direct_phase": middle["cpu_direct_phase"],
+            "how": ("on a server whose bucket models do not linger (max_queue_delay 0, no preferred batch), "
+                    "one request at a time over HTTP: a router request, then the same rows straight to the "
+                    "bucket model version it calls, in turn; CPU in separate router-only and direct-only "
+                    "phases of as many requests: tritonserver and the router's stubs (the bucket models "
+                    "run the same batches in both)"),
+        },
+    }
+
+
 def measure_ceiling(payload: TextPayload | TensorPayload, profile: LatencyProfile, model: BucketedModelSpec,
                     plan: Sequence[GeneratedModel], repository: Path = DEFAULT_MODEL_REPOSITORY) -> dict:
     """Rows/s of the mix run in-process through ONNX Runtime, ideally bucketed, at the best batch sizes.
@@ -270,10 +522,7 @@ def measure_ceiling(payload: TextPayload | TensorPayload, profile: LatencyProfil
         configs: Mapping[int, EncoderConfig | TensorBucketConfig] = tensor_bucket_configs(plan, model)
         runner: Callable = OnnxTensorModel
     else:
-        from python_backends.common.tokenization import TextTokenizer
-
-        tokenizer = TextTokenizer.from_file(repository / model.name / str(ROUTER_VERSIONS[0]) / "tokenizer.json")
-        rows_by_bucket = bucket_rows(payload, EmbedRouter(router_of(plan, model), tokenizer))
+        rows_by_bucket = bucket_rows(payload, text_router(plan, model, repository))
         configs = bucket_configs(plan, model)
         runner = OnnxEncoder
     version = served_version(model)
@@ -355,19 +604,104 @@ def payload_fields(payload: TextPayload | TensorPayload) -> dict[str, Any]:
     return {"texts": payload.texts, "pair_texts": payload.pair_texts}
 
 
+@dataclass(frozen=True)
+class LightLoad:
+    """What `run_setup` sends after its search, on the same server: the short requests open loop."""
+
+    payload: TextPayload | TensorPayload  # the short requests (`short_request_indices`)
+    rate_rps: float  # LIGHT_LOAD_SHARE of the model's expected_rps
+    num_requests: int  # sent in all (the step's length is chosen for exactly this many)
+
+
+def step_figures(step: StepResult) -> dict[str, Any]:
+    """A light-load or one-at-a-time step's figures for the report."""
+    return {"p50_ms": None if step.p50_ms is None else round(step.p50_ms, 3),
+            "p95_ms": None if step.p95_ms is None else round(step.p95_ms, 3),
+            "num_requests": step.num_sent, "num_errors": step.num_errors + step.num_rejected}
+
+
+def target_of(server: TritonServer, model: str, payload: TextPayload | TensorPayload, rows_per_request: int,
+              slo_ms: float, options: GoodputOptions) -> LoadTarget:
+    """The load generator's target on a started server, sending as `options.protocol` says."""
+    return LoadTarget(grpc_url=server.grpc_url, model=model, **payload_fields(payload),
+                      rows_per_request=rows_per_request, slo_ms=slo_ms,
+                      http_url=server.http_url if options.protocol == "http" else None)
+
+
 def run_setup(setup: str, repository: Path, model: str, payload: TextPayload | TensorPayload, rows_per_request: int,
-              slo_ms: float, options: GoodputOptions, log, extra_repositories: tuple[Path, ...] = ()) -> dict:
+              slo_ms: float, options: GoodputOptions, log, extra_repositories: tuple[Path, ...] = (), *,
+              light_load: LightLoad | None = None) -> dict:
+    """One setup's goodput search on a server of its own; with `light_load`, then the short
+    requests at light load on the same server (the result's `light_load`)."""
     config = ServerConfig(model_repository=repository, extra_repositories=extra_repositories, http_port=free_port(),
                           grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1")
     log(f"  {setup}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
+    light: dict[str, Any] | None = None
     with TritonServer(config, log_path=BENCH_DIR / f"{setup}.log") as server:
-        target = LoadTarget(grpc_url=server.grpc_url, model=model, **payload_fields(payload),
-                            rows_per_request=rows_per_request, slo_ms=slo_ms,
-                            http_url=server.http_url if options.protocol == "http" else None)
+        target = target_of(server, model, payload, rows_per_request, slo_ms, options)
         goodput, steps, breakdowns = asyncio.run(search_goodput(target, options, log, server.cpu_seconds_by_part))
+        if light_load is not None:
+            short = target_of(server, model, light_load.payload, rows_per_request, slo_ms, options)
+            duration_s = duration_for_arrivals(light_load.rate_rps, light_load.num_requests, LIGHT_LOAD_SEED)
+            light = step_figures(asyncio.run(run_open_loop(short, light_load.rate_rps, duration_s,
+                                                           seed=LIGHT_LOAD_SEED)))
+            log(f"  {setup}: light load, {light['num_requests']} short requests at {light_load.rate_rps:g} rps: "
+                f"p50 {light['p50_ms']} ms, p95 {light['p95_ms']} ms, {light['num_errors']} errors")
     log(f"  {setup}: goodput {goodput:.1f} rps")
-    return {"goodput_rps": goodput, "repository": str(repository.relative_to(REPO_ROOT)),
-            "steps": [{**flatten_step(step), **cpu} for step, cpu in zip(steps, breakdowns, strict=True)]}
+    result = {"goodput_rps": goodput, "repository": str(repository.relative_to(REPO_ROOT)),
+              "steps": [{**flatten_step(step), **cpu} for step, cpu in zip(steps, breakdowns, strict=True)]}
+    return result if light is None else {**result, "light_load": light}
+
+
+async def measure_unbatched(server: TritonServer, model: BucketedModelSpec, short: LoadTarget,
+                            routed: Sequence[RoutedRequest], options: GoodputOptions) -> dict[str, Any]:
+    """On the linger-free server: the short requests one at a time through the router, the
+    router's requests in turn with the same rows straight to their bucket models, then the two
+    kinds in separate phases for the server's CPU per request."""
+    host = split_host_port(server.http_url)[0]
+    version = served_version(model)
+    single = [request for request in routed if len(request.calls) == 1]  # one bucket call: one direct request
+    if not single:
+        raise ValueError(f"{model.name}: no request of the mix goes to a single bucket model")
+    count = options.overhead_requests
+    chosen = [single[index % len(single)] for index in range(count)]
+    router = [router_request_bytes(host, model.name, request) for request in chosen]
+    direct = [direct_request_bytes(host, version, request.calls[0]) for request in chosen]
+    warm = OVERHEAD_WARMUP_REQUESTS
+    await send_in_turn(server.http_url, [item for pair in zip(router[:warm], direct[:warm], strict=True)
+                                         for item in pair])
+    unbatched = step_figures(await run_one_at_a_time(short, options.light_load_requests))
+    turns = await send_in_turn(server.http_url, [item for pair in zip(router, direct, strict=True) for item in pair])
+    before = server.cpu_seconds_by_part()
+    router_phase = await send_in_turn(server.http_url, router)
+    middle = server.cpu_seconds_by_part()
+    direct_phase = await send_in_turn(server.http_url, direct)
+    after = server.cpu_seconds_by_part()
+    cpu_router, cpu_direct = phase_cpu_ms(before, middle, count), phase_cpu_ms(middle, after, count)
+    errors = [*turns.errors, *router_phase.errors, *direct_phase.errors]
+    return {"unbatched": unbatched, "overhead": interleaved_overhead(turns.latencies_ms),
+            "cpu_router_phase": cpu_router, "cpu_direct_phase": cpu_direct,
+            "router_cpu_ms_per_request": router_cpu_ms(cpu_router, cpu_direct,
+                                                       {model.encoder_name(length) for length in model.bucket_lens}),
+            "num_errors": len(errors), "error_samples": sorted(set(errors))[:3]}
+
+
+def run_unbatched(repository: Path, model: BucketedModelSpec, short: TextPayload | TensorPayload,
+                  routed: Sequence[RoutedRequest], rows_per_request: int, options: GoodputOptions, log,
+                  extra_repositories: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Start the linger-free server (`unbatched_plan`'s repository) and `measure_unbatched` on it."""
+    config = ServerConfig(model_repository=repository, extra_repositories=extra_repositories, http_port=free_port(),
+                          grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1")
+    log(f"  {UNBATCHED_SETUP}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
+    with TritonServer(config, log_path=BENCH_DIR / f"{UNBATCHED_SETUP}.log") as server:
+        target = target_of(server, model.name, short, rows_per_request, model.slo_p95_ms, options)
+        result = asyncio.run(measure_unbatched(server, model, target, routed, options))
+    overhead, unbatched = result["overhead"], result["unbatched"]
+    log(f"  {UNBATCHED_SETUP}: short requests one at a time p50 {unbatched['p50_ms']} ms; router overhead "
+        f"p50 {overhead['p50']} ms, p95 {overhead['p95']} ms over {overhead['num_pairs']} pairs; router path "
+        f"{result['router_cpu_ms_per_request']} CPU ms per request; {result['num_errors']} errors"
+        + (f" ({'; '.join(result['error_samples'])})" if result["error_samples"] else ""))
+    return result
 
 
 def plot_goodput(report: dict, path: Path) -> None:
@@ -411,13 +745,48 @@ def plot_goodput(report: dict, path: Path) -> None:
 def goodput_options(quick: bool, step_s: float, start_rps: float, max_steps: int, repeats: int | None,
                     protocol: str) -> GoodputOptions:
     """The options of a run: the short form for the test suite (3 s steps, 4 rates, a small
-    ceiling run, one round unless `repeats` is given), or the full one."""
+    ceiling run, a fifth of the light-load and router requests in the first round only, one
+    round unless `repeats` is given), or the full one."""
     repeats = repeats if repeats is not None else (1 if quick else DEFAULT_REPEATS)
     if quick:
         return GoodputOptions(step_s=3.0, start_rps=start_rps, max_steps=4, num_texts=300, ceiling_rows=200,
-                              repeats=repeats, protocol=protocol)
+                              repeats=repeats, protocol=protocol, light_load_requests=LIGHT_LOAD_REQUESTS // 5,
+                              overhead_requests=OVERHEAD_REQUESTS // 5, light_load_rounds=1)
     return GoodputOptions(step_s=step_s, start_rps=start_rps, max_steps=max_steps, num_texts=2000,
                           ceiling_rows=1000, repeats=repeats, protocol=protocol)
+
+
+def repo_relative(path: Path) -> str:
+    """A path as the report names it: relative to the checkout where it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def resolve_mix(value: str, workload_dir: Path = WORKLOAD_DIR) -> Path:
+    """A mix of `--mixes`: a workload file's path, or the name of one under `workload_dir`
+    (`embed_long_tail` for loadtest/workloads/embed_long_tail.toml)."""
+    if not value.strip():
+        raise ValueError("an empty mix name")
+    if "/" in value or value.endswith(".toml"):
+        return Path(value)
+    return workload_dir / f"{value}.toml"
+
+
+def for_mix(model: BucketedModelSpec, workload_path: Path | None) -> BucketedModelSpec:
+    """The model with its workload replaced, so that everything that reads it (the buckets'
+    traffic shares and the configs derived from them, their headers) follows the mix."""
+    return model if workload_path is None else replace(model, workload=workload_path.resolve())
+
+
+def mix_results_path(out: Path, mix: Path | None, default_mix: Path | None) -> Path:
+    """Where one mix's report goes: `out` for the model's own workload (or a model without
+    one), else beside it named by the mix's file (`results/goodput.embed_long_tail.json` beside
+    `results/goodput.json`): the dot keeps it apart from `goodput_<model>.json`."""
+    if mix is None or (default_mix is not None and mix.resolve() == default_mix.resolve()):
+        return out
+    return out.with_name(f"{out.stem}.{mix.stem}{out.suffix}")
 
 
 def payload_text(model: BucketedModelSpec, workload: Workload | None) -> str:
@@ -449,6 +818,7 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
         "hardware": hardware_report(hardware, details=True),
         "slo_ms": model.slo_p95_ms,
         "workload": workload.name if workload is not None else None,
+        "workload_file": repo_relative(model.workload) if model.workload is not None else None,
         "criterion": "highest offered open-loop rate with >= 95% of requests within the SLO and no errors",
         "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -459,16 +829,34 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
     repositories = {setup: build_repository(setup, without_tenant_quotas(plans[setup], model.name))
                     for setup in setups}
     user_repositories = {setup: build_user_repository(setup, plans[setup]) for setup in setups}
+    light_load = routed = None
+    if "slo_bucketed" in setups:  # its light load, then the linger-free server: one more start a round
+        routed = routed_requests(payload, plans["slo_bucketed"], model)
+        short_indices = short_request_indices([request.bucket_lens for request in routed])
+        short_bucket = bucket_key(min(routed[short_indices[0]].bucket_lens))
+        light_load = LightLoad(payload_subset(payload, short_indices), LIGHT_LOAD_SHARE * model.expected_rps,
+                               options.light_load_requests)
+        unbatched = unbatched_plan(plans["slo_bucketed"], model)
+        repositories[UNBATCHED_SETUP] = build_repository(UNBATCHED_SETUP, without_tenant_quotas(unbatched, model.name))
+        user_repositories[UNBATCHED_SETUP] = build_user_repository(UNBATCHED_SETUP, unbatched)
     in_process = model.kind is not ModelKind.EXTERNAL  # an external model's backend runs only in the server
     runs: dict[str, list[dict]] = {setup: [] for setup in setups}
+    unbatched_runs: list[dict] = []
     ceilings: list[dict] = []
     for round_index in range(options.repeats):
         if options.repeats > 1:
             log(f"round {round_index + 1} of {options.repeats}")
+        light_round = light_load is not None and (options.light_load_rounds is None
+                                                  or round_index < options.light_load_rounds)
         for setup in setups:
             runs[setup].append(run_setup(setup, repositories[setup], model.name, payload,
                                          rows_per_request, model.slo_p95_ms, options, log,
-                                         extra_repositories=user_repositories[setup]))
+                                         extra_repositories=user_repositories[setup],
+                                         light_load=light_load if setup == "slo_bucketed" and light_round else None))
+        if light_round and light_load is not None and routed is not None:
+            unbatched_runs.append(run_unbatched(repositories[UNBATCHED_SETUP], model, light_load.payload, routed,
+                                                rows_per_request, options, log,
+                                                extra_repositories=user_repositories[UNBATCHED_SETUP]))
         if not in_process:
             continue
         log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")
@@ -493,6 +881,15 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
     else:
         report.update(ceiling_rps=None, ceiling_rps_by_round=[], ceiling=None, ceiling_note=EXTERNAL_CEILING_NOTE)
         log(f"  ceiling: none ({EXTERNAL_CEILING_NOTE})")
+    if light_load is not None:
+        report["light_load"] = light_load_report(light_load.rate_rps, short_bucket,
+                                                 [run["light_load"] for run in runs["slo_bucketed"]
+                                                  if "light_load" in run],
+                                                 [run["unbatched"] for run in unbatched_runs])
+        report.update(router_cost_report(unbatched_runs))
+        log(f"light load: {report['light_load']['p50_ms']} ms p50 at {light_load.rate_rps:g} rps against "
+            f"{report['light_load']['unbatched_p50_ms']} ms unbatched; router overhead {report['router_overhead_ms']} "
+            f"ms, {report['router_cpu_ms_per_request']} CPU ms per request (medians)")
     goodputs = {name: data["goodput_rps_by_round"] for name, data in report["setups"].items()}
     if "slo_bucketed" in goodputs:
         ours = goodputs["slo_bucketed"]

@@ -9,7 +9,9 @@ The async runners only send requests and record what happened, on one event loop
 `tritonclient.grpc.aio` (one channel), or, with `LoadTarget.http_url`, over Triton's HTTP
 endpoint with the lean keep-alive client of `tools.clients.http_infer`, which takes about half
 the CPU per request from the machine under test (the server's statistics are still read
-over gRPC).
+over gRPC). `run_one_at_a_time` sends a counted number of requests in turn; `send_in_turn`
+sends pre-encoded HTTP requests, each to whichever model it names, one at a time (a router's
+request beside the same rows sent straight to its bucket model).
 
 Latency honesty: in open loop a request's latency runs from its *scheduled* send time, so
 when the generator or the connection falls behind, that wait counts against the server
@@ -72,6 +74,21 @@ def poisson_arrival_times(rate_rps: float, duration_s: float, rng: random.Random
         times.append(now)
         now += rng.expovariate(rate_rps)
     return times
+
+
+def duration_for_arrivals(rate_rps: float, num_arrivals: int, seed: int) -> float:
+    """The step length at which `poisson_arrival_times(rate_rps, ..., Random(seed))`, and so
+    `run_open_loop(..., seed=seed)`, sends exactly `num_arrivals` requests: halfway between the
+    last of them and the next arrival of the same draw."""
+    if not rate_rps > 0:
+        raise ValueError(f"rate_rps must be > 0, got {rate_rps}")
+    if num_arrivals < 1:
+        raise ValueError(f"num_arrivals must be >= 1, got {num_arrivals}")
+    rng = random.Random(seed)
+    last = 0.0
+    for _ in range(num_arrivals):
+        last += rng.expovariate(rate_rps)
+    return last + rng.expovariate(rate_rps) / 2
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -680,6 +697,49 @@ async def run_closed_loop(target: LoadTarget, concurrency: int, duration_s: floa
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
     return await _measure(target, "closed", concurrency, drive)
+
+
+async def run_one_at_a_time(target: LoadTarget, num_requests: int) -> StepResult:
+    """`num_requests` requests, each sent as soon as the last one answered (a closed loop of
+    concurrency 1, counted rather than timed); latency counts from each send."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+
+    async def drive(sender: _Sender, start: float) -> None:
+        for _ in range(num_requests):
+            await sender.send(time.perf_counter())
+
+    return await _measure(target, "closed", 1, drive)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """What `send_in_turn` saw: one entry per request, in the order sent."""
+
+    latencies_ms: tuple[float | None, ...]  # each request's latency; None where it failed
+    errors: tuple[str, ...]  # the failed requests' messages, in order
+
+
+async def send_in_turn(http_url: str, requests: Sequence[bytes], timeout_s: float = 30.0) -> TurnResult:
+    """Send pre-encoded HTTP requests (`tools.clients.http_infer.encode_infer_request`, to any
+    model) one at a time over one keep-alive connection, each as soon as the last one answered."""
+    latencies: list[float | None] = []
+    errors: list[str] = []
+    async with HttpInferClient(*split_host_port(http_url), max_connections=1) as http:
+        for request in requests:
+            sent = time.perf_counter()
+            try:
+                status, body = await http.post(request, timeout_s)
+            except (TimeoutError, OSError, EOFError, ProtocolError) as err:
+                latencies.append(None)
+                errors.append(f"{type(err).__name__}: {err}")
+                continue
+            if status != 200:
+                latencies.append(None)
+                errors.append(f"{status}: {error_message(body)}")
+                continue
+            latencies.append((time.perf_counter() - sent) * 1e3)
+    return TurnResult(tuple(latencies), tuple(errors))
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ Every figure in `docs/benchmarks.md` and in the README's headline table comes fr
 prose. `python -m tools report` rewrites the sections, `--check` says which documents
 disagree with the result files (a unit test runs it, so the docs cannot drift).
 
+The goodput results come in three namings: `goodput.json` (the default model on its spec's
+mix), `goodput_<model>.json` (another model, a row each) and `<either stem>.<mix>.json` (the
+same benchmark on another length mix, `bench goodput --mixes`, a row each beside its default).
+
 Pure: `render_sections` (parsed result files -> Markdown per section), `splice` (a document
 with its sections replaced) and `drift`. I/O: `load_results` reads the result files,
 `update_documents` reads and writes the documents.
@@ -24,6 +28,10 @@ TIMES = "\N{MULTIPLICATION SIGN}"
 
 RESULT_FILES = ("goodput", "llm", "overload", "batch", "loadtest_step")
 MODEL_GOODPUT = "goodput_models"  # the section of results/goodput_<model>.json, one row per model
+# The section of the goodput results of other mixes: results/goodput.<mix>.json beside goodput.json
+# (and goodput_<model>.<mix>.json beside a model's), one row per mix with the default mix's first.
+MIX_GOODPUT = "goodput_mixes"
+DEFAULT_GOODPUT = "goodput"  # the stem of the default model's default mix
 
 MARKER = re.compile(r"<!-- report:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
                     re.DOTALL)
@@ -125,8 +133,42 @@ def render_goodput(result: Mapping[str, Any], results_link: str) -> str:
         f"**{_ratio(ratios['slo_bucketed_vs_default_batching'], 1)}** `default_batching`'s goodput "
         f"({_ratio(ratios['slo_bucketed_vs_no_batching'], 1)} `no_batching`'s).",
         "",
+        render_router_figures(result),
+        "",
         f"![goodput]({results_link}goodput.png)",
     ])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _target(met: bool) -> str:
+    return "met" if met else "missed"
+
+
+def render_router_figures(result: Mapping[str, Any]) -> str:
+    """The light-load and router-cost sentences of a goodput result (`light_load`,
+    `router_overhead_ms`, `router_cpu_ms_per_request`), or a line saying it has none."""
+    light = result.get("light_load")
+    if light is None or "router_overhead_ms" not in result:
+        return ("Light load and the router's own cost: not in this result file (`bench goodput` with "
+                "`slo_bucketed` among its setups measures them).")
+    overhead, detail = result["router_overhead_ms"], result["router_overhead"]
+    ratio, p50 = light["ratio"], overhead["p50"]
+    light_text = (f"**Light load**: short requests (bucket {light['short_bucket']}) at {_num(light['rate_rps'])} "
+                  f"req/s had p50 {_ms(light['p50_ms'])} (p95 {_ms(light['p95_ms'])}) against "
+                  f"{_ms(light['unbatched_p50_ms'])} one at a time unbatched: "
+                  + ("no ratio (a run without answers)." if ratio is None else
+                     f"**{_ratio(ratio, 1)}**, target ≤ {_ratio(light['target_ratio'], 0)} "
+                     f"({_target(ratio <= light['target_ratio'])})."))
+    router_text = (f"**Router overhead**: p50 {_ms(p50)}, p95 {_ms(overhead['p95'])} over the same rows sent "
+                   f"straight to their bucket model ({_ms(detail['router_ms']['p50_ms'])} against "
+                   f"{_ms(detail['direct_ms']['p50_ms'])} at p50)"
+                   + ("" if p50 is None else
+                      f", target p50 ≤ {_ms(detail['target_p50_ms'])} ({_target(p50 <= detail['target_p50_ms'])})")
+                   + f"; the router path's CPU: {result['router_cpu_ms_per_request']:.2f} ms per request.")
+    return f"{light_text}\n{router_text}"
 
 
 def render_llm(result: Mapping[str, Any], results_link: str) -> str:
@@ -346,6 +388,51 @@ def render_goodput_models(results: Mapping[str, Mapping[str, Any]], results_link
     ])
 
 
+def _setup_goodput(result: Mapping[str, Any], setup: str) -> str:
+    data = result["setups"].get(setup)
+    return _num(data["goodput_rps"]) if data is not None else "-"
+
+
+def mix_row(model: str, result: Mapping[str, Any], stem: str, results_link: str) -> list[str]:
+    """One mix's row: its setups' goodput, the ceiling and the kit's ratios ("-" where the run
+    had no such setup or ceiling)."""
+    ratios = result.get("ratios", {})
+    ceiling = result.get("ceiling_rps")
+    versus_default = ratios.get("slo_bucketed_vs_default_batching")
+    versus_ceiling = ratios.get("slo_bucketed_vs_ceiling")
+    return [f"`{model}`", f"`{result['workload']}`", _int(result["slo_ms"]),
+            *(_setup_goodput(result, setup) for setup in GOODPUT_SETUPS),
+            _num(ceiling) if ceiling is not None else "-",
+            f"**{_ratio(versus_default, 1)}**" if versus_default is not None else "-",
+            _pct(versus_ceiling) if versus_ceiling is not None else "-",
+            f"[{stem}.json]({results_link}{stem}.json)"]
+
+
+def render_goodput_mixes(results: Mapping[str, Mapping[str, Any]], results_link: str) -> str:
+    """One row per mix a model's goodput was measured on: the default result file first
+    (results/goodput.json, results/goodput_<model>.json), then each `<that stem>.<mix>.json`."""
+    mixes: Mapping[str, Mapping[str, Any]] = results.get(MIX_GOODPUT, {})
+    bases = sorted({stem.split(".", 1)[0] for stem in mixes} | {DEFAULT_GOODPUT},
+                   key=lambda stem: (stem != DEFAULT_GOODPUT, stem))
+    rows, commands = [], []
+    for base in bases:
+        default = (results[DEFAULT_GOODPUT] if base == DEFAULT_GOODPUT
+                   else results.get(MODEL_GOODPUT, {}).get(base.removeprefix("goodput_")))
+        own = sorted((stem, result) for stem, result in mixes.items() if stem.split(".", 1)[0] == base)
+        for stem, result in ([(base, default)] if default is not None else []) + own:
+            rows.append(mix_row(result.get("model", "embed"), result, stem, results_link))
+            if stem != base:
+                commands.append(f"- `{stem}.json`: `{result['command']}`, measured {result['measured_at']} on "
+                                f"{_hardware(result)}; {result['rounds']} rounds, medians")
+    table = _table(["model", "mix", "SLO p95 (ms)", "`no_batching`", "`default_batching`", "`slo_bucketed`",
+                    "ceiling", "kit vs. default", "of the ceiling", "file"],
+                   ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---"], rows)
+    if not commands:
+        return "\n".join([table, "", "No other mix has a goodput result yet "
+                           "(`python -m tools bench goodput --mixes embed_mix,embed_long_tail,embed_bimodal`)."])
+    return "\n".join([table, "", *commands])
+
+
 SECTION_RENDERERS: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     "goodput": render_goodput,
     "llm": render_llm,
@@ -368,6 +455,11 @@ def render_sections(results: Mapping[str, Mapping[str, Any]], results_link: str)
         sections[MODEL_GOODPUT] = render_goodput_models(results.get(MODEL_GOODPUT, {}), results_link)
     except (KeyError, TypeError, ZeroDivisionError) as error:
         raise ReportError(f"results/goodput_*.json: a field the report needs is missing or malformed "
+                          f"({type(error).__name__}: {error})") from None
+    try:
+        sections[MIX_GOODPUT] = render_goodput_mixes(results, results_link)
+    except (KeyError, TypeError, ZeroDivisionError) as error:
+        raise ReportError(f"results/goodput*.<mix>.json: a field the report needs is missing or malformed "
                           f"({type(error).__name__}: {error})") from None
     try:
         sections["headline"] = render_headline(results, results_link)
@@ -425,11 +517,18 @@ def load_results(results_dir: Path) -> dict[str, dict[str, Any]]:
         except json.JSONDecodeError as error:
             raise ReportError(f"{path}: not valid JSON ({error})") from None
     results[MODEL_GOODPUT] = {}
-    for path in sorted(results_dir.glob("goodput_*.json")):
+    results[MIX_GOODPUT] = {}
+    for path in sorted(results_dir.glob("goodput*.json")):
+        if path.stem != DEFAULT_GOODPUT and "." not in path.stem and not path.stem.startswith("goodput_"):
+            continue  # not a goodput result of this kit's naming
         try:
-            results[MODEL_GOODPUT][path.stem.removeprefix("goodput_")] = json.loads(path.read_text())
+            result = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ReportError(f"{path}: not valid JSON ({error})") from None
+        if "." in path.stem:  # another mix's result beside its default (`bench goodput --mixes`)
+            results[MIX_GOODPUT][path.stem] = result
+        elif path.stem != DEFAULT_GOODPUT:
+            results[MODEL_GOODPUT][path.stem.removeprefix("goodput_")] = result
     return results
 
 

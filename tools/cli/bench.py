@@ -29,6 +29,26 @@ ceiling, and the median of the rounds' paired ratios (a round's goodput over the
 round's ceiling), with every round's figures beside them.
 Every setup runs without the router's per-tenant quotas (one anonymous tenant sends all
 the load; quotas are `bench overload`'s subject); admission and queue bounds stay.
+With slo_bucketed among the setups, each round also measures (medians in the report):
+  light_load        after its search, on the slo_bucketed server: the mix's short requests
+                    (those of the smallest bucket) open loop at 10% of the model's
+                    expected_rps (100 of them; --quick fewer, in its first round only):
+                    p50_ms, p95_ms; and
+                    unbatched_p50_ms, the same requests one at a time through the router on
+                    a server whose bucket models do not linger (max_queue_delay 0, no
+                    preferred batch; one more server start a round); ratio = p50 / unbatched
+  router_overhead_ms  on that server, one request at a time over HTTP, in turn: the router's
+                    request, then the same rows straight to the bucket model version it calls
+                    (200 pairs, --quick fewer); p50 and p95 of the router's latencies less
+                    those of the direct ones
+  router_cpu_ms_per_request  tritonserver's and the router's CPU per request in a router-only
+                    phase less theirs in a direct-only phase of as many requests (the bucket
+                    models run the same batches in both)
+The mix sets both the requests and the configs: `--workload FILE` derives the configs for
+FILE's length mix as if the spec named it, and `--mixes A,B,C` runs the whole benchmark once
+per mix, each with its own configs. The model's own mix writes --out; another mix writes
+OUT_STEM.MIX.json beside it (results/goodput.embed_long_tail.json for
+loadtest/workloads/embed_long_tail.toml), so results/goodput.json stays the spec's mix.
 The load generator runs on the same machine, so its own CPU per request is taken from the
 server it measures (the ceiling pays none): by default it sends over Triton's HTTP endpoint
 with a lean keep-alive client (`tools.clients.http_infer`, about half of tritonclient's gRPC
@@ -108,8 +128,16 @@ def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
     parser.add_argument("--profile", type=Path, default=None, help="latency profile (default: the spec's)")
     parser.add_argument("--workload", type=Path, default=None,
-                        help="length mix, in tokens or positions on a tensor model's variable axis (default: the "
-                             "model's workload in the spec; a fixed-shape model without one sends one row a request)")
+                        help="length mix, in tokens or positions on a tensor model's variable axis: the requests "
+                             "follow it and the configs are derived for it (each bucket's traffic share), as if "
+                             "the spec named it; the result goes beside --out, named by the mix, unless it is the "
+                             "model's own (default: the model's workload in the spec; a fixed-shape model without "
+                             "one sends one row a request)")
+    parser.add_argument("--mixes", type=comma_list, default=None, metavar="MIX,...",
+                        help="run the whole benchmark once per mix, each with its configs derived for it: workload "
+                             "files, or names of files in loadtest/workloads/ (embed_mix,embed_long_tail,"
+                             "embed_bimodal); the model's own mix writes --out, another OUT_STEM.MIX.json beside it "
+                             "(results/goodput.embed_long_tail.json)")
     parser.add_argument("--setups", default=",".join(setups),
                         help=f"comma-separated subset of {', '.join(setups)} (default: all)")
     parser.add_argument("--step-seconds", type=float, default=10.0, help="load per measured rate (default: 10)")
@@ -138,26 +166,40 @@ def run_goodput(args: argparse.Namespace) -> int:
     if options.repeats < 1:
         print(f"error: --repeats must be >= 1, got {options.repeats}", file=sys.stderr)
         return 2
+    if args.mixes is not None and args.workload is not None:
+        print("error: --workload and --mixes: give the mix with one of them", file=sys.stderr)
+        return 2
+    if args.mixes is not None and not args.mixes:
+        print("error: --mixes needs at least one workload file or name", file=sys.stderr)
+        return 2
     try:
         spec = load_spec(args.spec)
         model = find_model(spec, args.model)
         profile = load_profile(args.profile or spec.profile)
-        workload_path = args.workload or model.workload
-        workload = load_workload(workload_path) if workload_path is not None else None
+        mix_paths = ([bench_goodput.resolve_mix(mix) for mix in args.mixes] if args.mixes is not None
+                     else [args.workload or model.workload])
+        # Each mix's file is read before any server starts: a typo fails at once, not an hour in.
+        mixes = [(path, load_workload(path) if path is not None else None) for path in mix_paths]
     except (SpecError, ProfileError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     out = args.out or goodput_results(model.name)
-    try:
-        report = bench_goodput.run_benchmark(spec, model, profile, workload, setups, options, command_line("goodput"),
-                                             log)
-    except ServerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (SpecError, ProfileError, SourceError, InfeasibleSLO) as err:  # its configs or texts cannot be made
-        print(f"error: {err}", file=sys.stderr)
+    outs = [bench_goodput.mix_results_path(out, path, model.workload) for path, _ in mixes]
+    if len(set(outs)) < len(outs):
+        print(f"error: --mixes names one mix twice (result files {', '.join(map(str, outs))})", file=sys.stderr)
         return 2
-    write_report(report, out, bench_goodput.plot_goodput, log)
+    for path, workload in mixes:
+        mix_out = bench_goodput.mix_results_path(out, path, model.workload)
+        try:
+            report = bench_goodput.run_benchmark(spec, bench_goodput.for_mix(model, path), profile, workload, setups,
+                                                 options, command_line("goodput"), log)
+        except ServerError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        except (SpecError, ProfileError, SourceError, InfeasibleSLO) as err:  # its configs or texts cannot be made
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        write_report(report, mix_out, bench_goodput.plot_goodput, log)
     return 0
 
 
