@@ -47,3 +47,15 @@ def test_plan_of_unprofiled_edges_says_so_and_names_the_files_to_run(spec, profi
 def test_a_model_the_profile_never_measured_still_asks_for_a_profile(spec, profile):
     with pytest.raises(ProfileError, match="no curve for model 'other_16'"):
         bucket_curves(embed(spec, encoder_prefix="other_", bucket_lens=(16,)), profile)
+
+
+def test_a_mix_re_derives_the_edges_of_a_model_whose_spec_derives_them(spec):
+    from tools.bench.goodput import for_mix
+    from tools.spec.workload import WORKLOAD_DIR
+
+    model = embed(spec)
+    assert model.bucket_count == 5 and model.bucket_lens == (16, 32, 64, 128, 256)
+    bimodal = for_mix(model, WORKLOAD_DIR / "embed_bimodal.toml")
+    assert bimodal.bucket_lens == (8, 16, 216, 232, 256) and bimodal.workload.name == "embed_bimodal.toml"
+    listed = for_mix(dataclasses.replace(model, bucket_count=0), WORKLOAD_DIR / "embed_bimodal.toml")
+    assert listed.bucket_lens == (16, 32, 64, 128, 256)

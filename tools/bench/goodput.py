@@ -76,12 +76,13 @@ from tools.bench.loadgen import (
 from tools.bench.payloads import TensorPayload, TextPayload, model_payload
 from tools.clients.http_infer import encode_infer_request
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
-from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
+from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, bucket_curves, plan_embed_model
 from tools.repository.external import parse_config
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
+from tools.spec.buckets import derived_edges
 from tools.spec.profile import LatencyProfile
 from tools.spec.serving import BucketedModelSpec, ServingSpec
-from tools.spec.workload import WORKLOAD_DIR, Workload
+from tools.spec.workload import WORKLOAD_DIR, Workload, load_workload
 
 SETUPS = ("no_batching", "default_batching", "slo_bucketed")
 DEFAULT_MAX_BATCH = 32  # a common hand-picked max_batch_size: the "default knobs" baseline
@@ -529,10 +530,13 @@ def measure_ceiling(payload: TextPayload | TensorPayload, profile: LatencyProfil
     cores = os.cpu_count() or 1
     per_bucket = {}
     total_s = 0.0
+    curves, _estimated = bucket_curves(model, profile)  # an edge derived for another mix may not be profiled
+    files_from = {generated.name: generated.files_from for generated in plan if generated.files_from}
     for bucket_len, rows in sorted(rows_by_bucket.items()):
         name = model.encoder_name(bucket_len)
-        onnx_path = repository / name / str(version) / "model.onnx"
-        curve = profile.curve(name)
+        folder = name if (repository / name).is_dir() else files_from.get(name, name)
+        onnx_path = repository / folder / str(version) / "model.onnx"
+        curve = curves[bucket_len]
         best = max(curve.sizes, key=curve.throughput_rps)
         batches = [stack_rows(rows[start:start + best]) for start in range(0, len(rows), best)]
         config = replace(configs[bucket_len], max_batch_size=best, allow_spinning=True)
@@ -776,8 +780,17 @@ def resolve_mix(value: str, workload_dir: Path = WORKLOAD_DIR) -> Path:
 
 def for_mix(model: BucketedModelSpec, workload_path: Path | None) -> BucketedModelSpec:
     """The model with its workload replaced, so that everything that reads it (the buckets'
-    traffic shares and the configs derived from them, their headers) follows the mix."""
-    return model if workload_path is None else replace(model, workload=workload_path.resolve())
+    traffic shares and the configs derived from them, their headers) follows the mix; a model
+    whose spec derives its bucket edges (`buckets = "derived"`) gets the edges derived for the
+    mix (bucket lengths the profile did not measure are planned from estimated curves and run
+    with the files of the nearest measured bucket: `tools.repository.configs.bucket_curves`)."""
+    if workload_path is None:
+        return model
+    mixed = replace(model, workload=workload_path.resolve())
+    if model.bucket_count:
+        mixed = replace(mixed, bucket_lens=derived_edges(load_workload(workload_path), model.bucket_count,
+                                                         model.max_length))
+    return mixed
 
 
 def mix_results_path(out: Path, mix: Path | None, default_mix: Path | None) -> Path:

@@ -126,6 +126,7 @@ class BucketedModelSpec:
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
     queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
     bucket_count: int = 0  # buckets = "derived": the most buckets derived from the workload; 0: the spec lists them
+    max_length: int | None = None  # text kinds: most tokens the model takes (caps derived edges); None: not declared
     precision: dict[int, str] = field(default_factory=dict)  # version -> "fp32" or "int8" (build recipe)
     traffic: dict[int, float] = field(default_factory=dict)  # version -> weight of unpinned traffic at start
     kind: ModelKind = ModelKind.TEXT_ENCODER  # what a row is and what comes back
@@ -767,6 +768,7 @@ class BucketedModelTable(Table):
             workload=self.workload,
             bucket_lens=self.bucket_lens or (FIXED_BUCKET,),
             bucket_count=(self.bucket_count or DEFAULT_BUCKET_COUNT) if self.buckets == DERIVED else 0,
+            max_length=self.max_length,
             variable_axis=self.variable_axis,
             pad=dict(self.pad),
             tolerance=self.tolerance,
