@@ -157,6 +157,14 @@ def profile_to_dict(profile: LatencyProfile) -> dict:
     }
 
 
+def tuned_after_profiling(tuned: Mapping[str, TunedModel], measured: set[str]) -> tuple[dict[str, TunedModel],
+                                                                                         list[str]]:
+    """The tuned entries a re-profile keeps, and the models whose entries it drops: those it
+    measured again (their knobs were tuned on the old curves); the others keep theirs."""
+    kept = {name: entry for name, entry in tuned.items() if name not in measured}
+    return kept, sorted(set(tuned) - set(kept))
+
+
 def tuned_to_dict(tuned: TunedModel) -> dict:
     """A model's `tuned` entry as the profile file holds it."""
     return {
