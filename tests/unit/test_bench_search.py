@@ -27,10 +27,9 @@ from tools.bench.search import (
     payload_by_bucket,
     plan_with,
     serving_one_version,
-    start_rps,
     write_points,
 )
-from tools.planning.search import JOINT, KnobSet, Point, Proposal, predicted_goodput_rps
+from tools.planning.search import JOINT, KnobSet, Point
 from tools.repository.configs import plan_embed_model
 from tools.spec.profile import TunedModel, load_profile
 from tools.spec.serving import load_spec
@@ -115,27 +114,6 @@ def test_the_rows_of_one_bucket_are_those_the_router_sends_there(spec, embed, pr
         assert 16 < len(tokenizer.encode(text).ids) <= 32
     shares = {space.model_name: space.share for space in bucket_spaces(spec, embed, profile)}
     assert len(by_bucket["encoder_16"].texts) / 200 == pytest.approx(shares["encoder_16"], abs=0.1)
-
-
-def spaces(spec, embed, profile):
-    return {space.model_name: space for space in bucket_spaces(spec, embed, profile)}
-
-
-def test_a_rate_search_starts_near_the_goodput_expected_of_its_point(spec, embed, profile):
-    every = spaces(spec, embed, profile)
-    first = Proposal("bucket", "encoder_16", {"encoder_16": KnobSet(8, 1, 0, 2)})
-    assert start_rps(first, [], every, 8.0) == 8.0  # nothing known yet
-    done = Point("bucket", "encoder_16", first.config, 100.0, 20.0)
-    assert start_rps(first, [done], every, 8.0) == pytest.approx(90.0)  # the bucket's last goodput
-    other = Proposal("bucket", "encoder_32", {"encoder_32": KnobSet(4, 1, 0, 2)})
-    calibration = 100.0 / predicted_goodput_rps(KnobSet(8, 1, 0, 2), every["encoder_16"])
-    assert start_rps(other, [done], every, 8.0) == pytest.approx(
-        predicted_goodput_rps(KnobSet(4, 1, 0, 2), every["encoder_32"]) * calibration * 0.9)
-    joint = Proposal("joint", JOINT, {**first.config, **other.config})
-    second = Point("bucket", "encoder_32", other.config, 100.0, 20.0)
-    assert start_rps(joint, [done, second], every, 8.0) == pytest.approx(50.0 * 0.9)
-    measured = Point("joint", JOINT, joint.config, 40.0, 20.0)
-    assert start_rps(joint, [done, second, measured], every, 8.0) == pytest.approx(36.0)
 
 
 def test_a_report_resumes_only_the_same_run_and_says_why_not(spec, embed, profile, tmp_path):

@@ -13,6 +13,7 @@ from tools.planning.search import (
     BucketSpace,
     KnobSet,
     Point,
+    Proposal,
     StructuredSearch,
     TuneClimb,
     best_point,
@@ -22,6 +23,7 @@ from tools.planning.search import (
     merge_points,
     neighbours,
     predicted_goodput_rps,
+    search_start_rps,
 )
 from tools.spec.profile import LatencyCurve
 
@@ -271,3 +273,36 @@ def test_tune_turns_down_a_neighbour_whose_confirmation_falls_back():
 def test_tune_rounds_must_be_positive():
     with pytest.raises(ValueError):
         TuneClimb({"encoder_16": KnobSet(8, 1, 0, 2)}, [space()], rounds=0)
+
+
+def test_a_search_point_starts_near_the_goodput_expected_of_it():
+    every = {s.model_name: s for s in spaces_two()}
+    first = Proposal("bucket", "encoder_16", {"encoder_16": KnobSet(8, 1, 0, 2)})
+    assert search_start_rps(first, [], every, 8.0) == 8.0  # nothing known yet
+    done = Point("bucket", "encoder_16", first.config, 100.0, 20.0)
+    weaker = Point("bucket", "encoder_16", {"encoder_16": KnobSet(4, 1, 0, 2)}, 60.0, 20.0)
+    assert search_start_rps(first, [done, weaker], every, 8.0) == pytest.approx(90.0)  # the bucket's best
+    other = Proposal("bucket", "encoder_256", {"encoder_256": KnobSet(2, 1, 0, 2)})
+    calibration = 100.0 / predicted_goodput_rps(KnobSet(8, 1, 0, 2), every["encoder_16"])
+    assert search_start_rps(other, [done], every, 8.0) == pytest.approx(
+        predicted_goodput_rps(KnobSet(2, 1, 0, 2), every["encoder_256"]) * calibration * 0.9)
+    joint = Proposal("joint", JOINT, {**first.config, **other.config})
+    second = Point("bucket", "encoder_256", other.config, 100.0, 20.0)
+    assert search_start_rps(joint, [done, second], every, 8.0) == pytest.approx(50.0 * 0.9)
+    measured = Point("joint", JOINT, joint.config, 40.0, 20.0)
+    assert search_start_rps(joint, [done, second, measured], every, 8.0) == pytest.approx(36.0)
+
+
+def test_tune_starts_its_neighbours_alike_and_a_confirmation_near_the_better_median():
+    seed = {"encoder_16": KnobSet(8, 1, 0, 2)}
+    climb = TuneClimb(seed, [space()], rounds=2)
+    first = climb.next_point()
+    assert climb.start_rps(first, 8.0) == 8.0
+    climb.record(first, 40.0, 1.0)
+    neighbour = climb.next_point()
+    assert neighbour.phase == "neighbour" and climb.start_rps(neighbour, 8.0) == pytest.approx(36.0)
+    climb.record(neighbour, 60.0, 1.0)
+    while (proposal := climb.next_point()).phase == "neighbour":
+        assert climb.start_rps(proposal, 8.0) == pytest.approx(36.0)
+        climb.record(proposal, 30.0, 1.0)
+    assert proposal.phase == "confirm" and climb.start_rps(proposal, 8.0) == pytest.approx(54.0)

@@ -18,7 +18,7 @@ server. `measure_point` is the one-call form (a session for one point).
 within a time budget, writing every point to a JSON report after each one (`write_points`,
 with a plot beside it, `plot_points`) so an interruption loses at most the point in flight;
 `run_search` resumes from its report. Everything here does I/O but `check_resumable`,
-`new_report`, `start_rps` and the bucket spaces' arithmetic.
+`new_report` and the bucket spaces' arithmetic.
 """
 
 from __future__ import annotations
@@ -61,12 +61,10 @@ from tools.planning.search import (
     Config,
     KnobSet,
     Point,
-    Proposal,
     StructuredSearch,
     TuneClimb,
     config_label,
-    joint_predicted_rps,
-    predicted_goodput_rps,
+    search_start_rps,
     with_config,
 )
 from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
@@ -78,7 +76,6 @@ from tools.spec.workload import Workload, load_workload
 
 SEARCH_DIR = BENCH_DIR / "search"
 PHASE1_BUDGET_SHARE = 0.5  # of the budget, the most phase 1 may take: phase 2 is where the answer is
-START_FRACTION = 0.9  # a rate search starts at this fraction of the goodput expected of its point
 # After a reload Triton unloads the old instances once the new ones are ready: 2.4 s later for
 # embed's router and encoder_16 on 2 vCPU. Their teardown must not land in a measured step.
 SETTLE_S = 3.0
@@ -344,29 +341,6 @@ def measure_point(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
 # ------------------------------------------------------------------ the search and tune runs
 
 
-def start_rps(proposal: Proposal, points: Sequence[Point], spaces: Mapping[str, BucketSpace],
-              default: float) -> float:
-    """Where a point's rate search starts: near the goodput expected of it. A bucket's next point
-    starts from that bucket's last one; its first, from what the profile predicts scaled by how
-    far the measured points fell from their predictions; a joint point from the last joint one,
-    else from what the buckets' phase-1 goodputs predict together; else `default`."""
-    same = [point for point in points if point.bucket == proposal.bucket and point.goodput_rps > 0]
-    if same:
-        return same[-1].goodput_rps * START_FRACTION
-    alone = [point for point in points if point.phase == "bucket" and point.goodput_rps > 0]
-    if proposal.bucket != JOINT and alone:
-        ratios = [point.goodput_rps / predicted_goodput_rps(point.config[point.bucket], spaces[point.bucket])
-                  for point in alone]
-        guess = predicted_goodput_rps(proposal.config[proposal.bucket], spaces[proposal.bucket])
-        return guess * statistics.median(ratios) * START_FRACTION
-    if proposal.bucket == JOINT and alone:
-        best = {}
-        for point in alone:
-            best[point.bucket] = max(best.get(point.bucket, 0.0), point.goodput_rps)
-        return joint_predicted_rps(list(best.values())) * START_FRACTION
-    return default
-
-
 def measured_digest(profile: LatencyProfile) -> str:
     """A digest of what the profile measured (its tuned entries left out, which tune rewrites)."""
     data = {key: value for key, value in profile_to_dict(profile).items() if key != "tuned"}
@@ -534,7 +508,7 @@ def run_search(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProf
             label = proposal.bucket if proposal.bucket != JOINT else "joint"
             log(f"[{len(search.points) + 1}] phase {'1' if proposal.phase == 'bucket' else '2'}, {label}; "
                 f"{budget.left(now) / 60:.1f} min left")
-            start = start_rps(proposal, search.points, spaces, options.start_rps)
+            start = search_start_rps(proposal, search.points, spaces, options.start_rps)
             measured = session.measure(proposal.config, proposal.bucket, start)
             point = search.record(proposal, measured.goodput_rps, measured.measure_s, measured.steps)
             log(f"  goodput {point.goodput_rps:.1f} req/s in {point.measure_s:.0f} s")
@@ -570,9 +544,7 @@ def run_tune(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfil
             what = {"derived": "the derived configuration", "confirm": "again, for the medians"}.get(
                 proposal.phase, f"a neighbour in {proposal.bucket}")
             log(f"[{len(climb.points) + 1}] {what}; {budget.left(now) / 60:.1f} min left")
-            full_mix = [point for point in climb.points if point.goodput_rps > 0]
-            start = full_mix[-1].goodput_rps * START_FRACTION if full_mix else options.start_rps
-            measured = session.measure(proposal.config, JOINT, start)
+            measured = session.measure(proposal.config, JOINT, climb.start_rps(proposal, options.start_rps))
             point = climb.record(proposal, measured.goodput_rps, measured.measure_s, measured.steps)
             log(f"  goodput {point.goodput_rps:.1f} req/s in {point.measure_s:.0f} s")
             write_points(report, climb.points, None, out)

@@ -50,6 +50,7 @@ TUNE_DELAY_LADDER_MS = (*DELAY_LADDER_MS, 160)  # tune's steps: one more, for a 
 INSTANCES_PER_LANE = 2  # search up to this many instances per lane of the device: more only queue for the cores
 PREDICTED_UTILIZATION = 0.8  # the ordering model's planned utilisation (the derivation's target too)
 TIE_TOLERANCE = 0.05  # goodputs within 5% are a tie: the rate search itself stops within 10%
+START_FRACTION = 0.9  # a rate search starts at this fraction of the goodput expected of its point
 MIN_GAIN = 0.05  # tune keeps a neighbour only if its median goodput beats the incumbent's by more than this
 JOINT = "joint"  # the bucket field of a point measured with the full mix
 TRITON_NAMES = {"max_queue_delay_us": "max_queue_delay_microseconds"}  # knob -> its name in config.pbtxt
@@ -375,6 +376,30 @@ class StructuredSearch:
         return best_point(point for point in self.points if point.full_mix)
 
 
+def search_start_rps(proposal: Proposal, points: Sequence[Point], spaces: Mapping[str, BucketSpace],
+                     default: float) -> float:
+    """Where a point's rate search starts: near the goodput expected of it, which saves the
+    doubling steps up to it. A bucket's next point starts from that bucket's best so far (the
+    rate to beat, alike for its candidates); its first, from what the profile predicts scaled by
+    how far the measured points fell from their predictions; a joint point from the best joint
+    one, else from what the buckets' phase-1 goodputs predict together; else `default`."""
+    same = [point.goodput_rps for point in points if point.bucket == proposal.bucket and point.goodput_rps > 0]
+    if same:
+        return max(same) * START_FRACTION
+    alone = [point for point in points if point.phase == "bucket" and point.goodput_rps > 0]
+    if proposal.bucket != JOINT and alone:
+        ratios = [point.goodput_rps / predicted_goodput_rps(point.config[point.bucket], spaces[point.bucket])
+                  for point in alone]
+        guess = predicted_goodput_rps(proposal.config[proposal.bucket], spaces[proposal.bucket])
+        return guess * statistics.median(ratios) * START_FRACTION
+    if proposal.bucket == JOINT and alone:
+        best = {}
+        for point in alone:
+            best[point.bucket] = max(best.get(point.bucket, 0.0), point.goodput_rps)
+        return joint_predicted_rps(list(best.values())) * START_FRACTION
+    return default
+
+
 # ------------------------------------------------------------------ tune's neighbourhood
 
 
@@ -479,11 +504,31 @@ class TuneClimb:
         self.unimproved += 1
         self.bucket_index = (self.bucket_index + 1) % len(self.order)
 
+    def start_rps(self, proposal: Proposal, default: float) -> float:
+        """Where a point's rate search starts: the seed's at `default`; a neighbour's near the
+        incumbent's median, so that every neighbour of one incumbent starts alike; a
+        confirmation near the better of the two medians, so that both start alike."""
+        if proposal.phase == "derived" or not self.count(self.incumbent):
+            return default
+        level = self.median(self.incumbent)
+        if proposal.phase == "confirm" and self.candidate is not None:
+            level = max(level, self.median(self.candidate))
+        return level * START_FRACTION if level > 0 else default
+
     def record(self, proposal: Proposal, goodput_rps: float, measure_s: float, steps: Sequence[dict] = ()) -> Point:
         self.samples.setdefault(config_key(proposal.config), []).append(goodput_rps)
         point = Point(proposal.phase, proposal.bucket, dict(proposal.config), goodput_rps, measure_s, tuple(steps))
         self.points.append(point)
         return point
+
+    def tuned_entry(self, command: str, tuned_at: str, slo_p95_ms: float) -> TunedModel | None:
+        """The profile's tuned entry for the climb's winner; None when the derived configuration held."""
+        changed = self.changed_knobs()
+        if not changed:
+            return None
+        return TunedModel(knobs=changed, tuned_at=tuned_at, command=command, slo_p95_ms=slo_p95_ms,
+                          derived_goodput_rps=self.median(self.seed), tuned_goodput_rps=self.median(self.incumbent),
+                          rounds=min(self.count(self.seed), self.count(self.incumbent)))
 
     def changed_knobs(self) -> dict[str, dict[str, int]]:
         """The incumbent's knobs that differ from the seed, by bucket model: the tuned entry."""
