@@ -156,3 +156,104 @@ def test_the_budget_starts_no_point_it_expects_to_overrun():
     assert budget.affords(started + 60.0, points) and not budget.affords(started + 75.0, points)
     assert not budget.affords(started + 30.0, points, share=0.5)
     assert json.loads(json.dumps(QUICK.as_dict())) == QUICK.as_dict()
+
+
+FRAMES_MIX = """name = "frames"
+rows_per_request = 2
+
+[[lengths]]
+min_tokens = 5
+max_tokens = 80
+weight = 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def tensors(tmp_path_factory):
+    """The repo's spec with the suite's audio model (bucketed by frames, 16 and 64) and image
+    model (fixed shape); their profile borrows embed's curves (the plan needs a curve per bucket)."""
+    import tomllib
+
+    from tests import user_models
+    from tools.spec.serving import parse_spec
+
+    folder = tmp_path_factory.mktemp("tensor-models")
+    audio, image = user_models.audio_conv_onnx(folder), user_models.image_classifier_onnx(folder)
+    (folder / "frames.toml").write_text(FRAMES_MIX)
+    data = tomllib.loads((REPO / "serving.toml").read_text())
+    common = {"kind": "tensor", "tolerance": 0.001, "slo_p95_ms": 200, "expected_rps": 10, "peak_rps": 20,
+              "max_request_rows": 16, "max_router_instances": 2}
+    data["models"]["audio"] = {**common, "source": str(audio), "variable_axis": 0,
+                               "pad": {"features": 0.0, "frame_mask": 0.0}, "buckets": [16, 64],
+                               "workload": str(folder / "frames.toml")}
+    data["models"]["image"] = {**common, "source": str(image)}
+    spec = parse_spec(data, REPO / "serving.toml")
+    profile = load_profile(spec.profile)
+    borrowed = {"audio_16": "encoder_16", "audio_64": "encoder_64", "image_fixed": "encoder_32"}
+    profile = replace(
+        profile, models={**profile.models, **{name: profile.models[source] for name, source in borrowed.items()}},
+        overhead={**profile.overhead, "audio": profile.overhead["embed"], "image": profile.overhead["embed"]})
+    return spec, profile
+
+
+def test_a_tensor_models_rows_go_to_the_bucket_of_their_frames(tensors):
+    from tools.bench.payloads import model_payload
+
+    spec, profile = tensors
+    audio = find_model(spec, "audio")
+    shares = {space.model_name: space.share for space in bucket_spaces(spec, audio, profile)}
+    # Frames of 5..80 in one band; a request longer than the largest bucket is counted into it.
+    assert shares == {"audio_16": pytest.approx(12 / 76), "audio_64": pytest.approx(64 / 76)}
+    payload = model_payload(audio, load_workload(audio.workload), 100)
+    by_bucket = payload_by_bucket(payload, plan_with(spec, audio, profile, {}), audio, REPO / "model_repository")
+    assert set(by_bucket) == {"audio_16", "audio_64"}
+    assert all(length <= 16 for length in by_bucket["audio_16"].lengths)
+    assert all(16 < length <= 64 for length in by_bucket["audio_64"].lengths)
+    assert sum(len(p.requests) for p in by_bucket.values()) == len(payload.requests)
+    plan = {g.name: g for g in plan_with(spec, audio, profile, {"audio_64": KnobSet(4, 2, 10000, 1)})}
+    assert KnobSet.of(plan["audio_64"].knobs) == KnobSet(4, 2, 10000, 1)
+
+
+def test_a_fixed_shape_model_is_one_bucket_searched_with_the_full_mix(tensors):
+    from tools.planning.search import StructuredSearch
+
+    spec, profile = tensors
+    image = find_model(spec, "image")
+    (space,) = bucket_spaces(spec, image, profile)
+    assert (space.model_name, space.share) == ("image_fixed", 1.0)
+    proposal = StructuredSearch([space], points_per_bucket=2, top_k=1).next_point()
+    assert (proposal.phase, proposal.bucket) == ("joint", JOINT)
+    assert "image_fixed" in derived_config(spec, image, profile)
+
+
+def test_an_external_model_is_reloaded_with_the_users_config_and_the_points_knobs(tmp_path):
+    from tests.user_models import EXTERNAL_MODEL, external_repository
+    from tools.bench.payloads import model_payload
+    from tools.bench.search import served_config
+    from tools.spec.profile import Hardware, LatencyCurve, LatencyProfile, ModelProfile, Overhead, save_profile
+
+    external_repository(tmp_path)
+    (tmp_path / "serving.toml").write_text('profile = "cpu.json"\n\n[hardware.cpu]\nmax_instances = 2\n'
+                                           'intra_op_threads = 1\n\n[tenants.auth]\nmode = "off"\n\n'
+                                           '[models.scorer]\nkind = "external"\nrepository = "user-repository"\n'
+                                           'model = "user_scorer"\ntolerance = 0.001\nslo_p95_ms = 100\n'
+                                           'expected_rps = 20\npeak_rps = 50\nmax_request_rows = 64\n'
+                                           'max_router_instances = 2\n')
+    hardware = Hardware(name="cpu", kind="cpu", description="test cores", cpu_count=2,
+                        details={"intra_op_threads": 1})
+    curve = LatencyCurve({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.2, 32: 8.0})
+    save_profile(LatencyProfile(path=None, sha256="", hardware=hardware, measured_at="2026-01-01T00:00:00Z",
+                                models={EXTERNAL_MODEL: ModelProfile(seq_len=0, curve=curve)},
+                                overhead={"scorer": Overhead(p50_ms=1.0, p95_ms=2.0)}), tmp_path / "cpu.json")
+    spec = load_spec(tmp_path / "serving.toml")
+    scorer, profile = find_model(spec, "scorer"), load_profile(tmp_path / "cpu.json")
+    (space,) = bucket_spaces(spec, scorer, profile)
+    assert space.model_name == EXTERNAL_MODEL and space.share == 1.0
+    plan = {g.name: g for g in plan_with(spec, scorer, profile, {EXTERNAL_MODEL: KnobSet(16, 8, 2000, 1)})}
+    loaded = served_config(plan[EXTERNAL_MODEL])
+    assert loaded.name == EXTERNAL_MODEL and loaded.backend == "python"  # the user's config, merged
+    assert (loaded.max_batch_size, list(loaded.dynamic_batching.preferred_batch_size),
+            loaded.dynamic_batching.max_queue_delay_microseconds, loaded.instance_group[0].count) == (16, [8], 2000, 1)
+    payload = model_payload(scorer, None, 10)
+    by_bucket = payload_by_bucket(payload, list(plan.values()), scorer, tmp_path)
+    assert list(by_bucket) == [EXTERNAL_MODEL]
