@@ -4,7 +4,8 @@
 (`harness.build_repository`; an external model's folder copied beside it) on a tritonserver
 in explicit model-control mode, and measures a point (`measure`): it plans the model with the
 point's knobs through gen-config's own path (the profile's tuned entry, `apply_tuned`), so
-what is measured is what gen-config would write; reloads the models whose config changed
+what is measured is what gen-config would write (but for the versions that take no traffic,
+`serving_one_version`); reloads the models whose config changed
 through Triton's model control with the config as an override (the router too when a bucket's
 max_batch_size or preferred size moves its chunking or admission), checks that the served
 configs carry the knobs, and runs the goodput search of `bench goodput`

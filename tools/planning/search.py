@@ -29,9 +29,10 @@ the incumbent only if, re-measured with it in rounds, its median beats the incum
 than the noise (`min_gain`). Buckets are visited in turn, largest share first, until a whole
 round of them brings nothing.
 
-`apply_tuned` writes a profile's tuned entry (`tools.spec.profile.TunedModel`) over a bucket
-model's derived `BatchingKnobs`, with the lines its config header says about it. Everything
-here is pure.
+Each point's rate search starts near the goodput expected of it (`search_start_rps`,
+`TuneClimb.start_rps`), which saves the doubling steps up to it. `apply_tuned` writes a
+profile's tuned entry (`tools.spec.profile.TunedModel`) over a bucket model's derived
+`BatchingKnobs`, with the lines its config header says about it. Everything here is pure.
 """
 
 from __future__ import annotations
