@@ -145,9 +145,13 @@ def test_gen_config_writes_the_tuned_knobs_into_the_buckets_the_router_and_the_h
     assert router.bucket_max_batch[32] == 8  # the router chunks by the tuned batch
     assert router.admission.row_cost_ms[32] == pytest.approx(profile.curve("encoder_32").at(4) / 4, abs=1e-3)
     header = plan["encoder_32"].config_text()
-    assert "# tuned by `python -m tools tune embed` on 2026-11-27: max_batch_size 11 -> 8, preferred_batch_size " \
-           "2 -> 4; the model's goodput 50.0 -> 56.0 req/s (medians of 3 rounds)" in header
-    assert "# max_batch_size: tuned: 8 instead of the derived 11: largest b with o + 2·c(b) <= S" in header
+    was = derived["encoder_32"].knobs
+    assert (was.max_batch_size, was.preferred_batch_size) != (8, 4)
+    assert f"# tuned by `python -m tools tune embed` on 2026-11-27: max_batch_size {was.max_batch_size} -> 8, " \
+           f"preferred_batch_size {was.preferred_batch_size} -> 4; the model's goodput 50.0 -> 56.0 req/s (medians " \
+           "of 3 rounds)" in header
+    assert f"# max_batch_size: tuned: 8 instead of the derived {was.max_batch_size}: " \
+           f"{was.reasons['max_batch_size']}" in header
 
 
 def test_a_search_point_is_planned_through_the_same_tuned_entry():
