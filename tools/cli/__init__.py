@@ -24,10 +24,12 @@ from tools.cli import (
     profile,
     report,
     rollout,
+    search,
     serve,
     sweep,
     tenant_token,
     top,
+    tune,
 )
 
 # verb -> its module in tools/cli/, named as the verb
@@ -39,6 +41,8 @@ COMMANDS = {
     "gen-config": gen_config,
     "sweep": sweep,
     "bench": bench,
+    "search": search,
+    "tune": tune,
     "report": report,
     "rollout": rollout,
     "top": top,

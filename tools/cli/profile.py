@@ -6,7 +6,9 @@ the client are excluded), until a batch costs more than half the SLO. Then the r
 overhead o: single-row requests through the router, minus the bucket's c(1). Written to
 profiles/<hardware>.json with a description of the machine. With --model, only the models
 named are measured, and their curves replace theirs in the existing profile of this hardware
-(a model just added is profiled without measuring the others again).
+(a model just added is profiled without measuring the others again). A model measured again
+loses the knobs `python -m tools tune` chose for it (they were measured on the old curves);
+the tuned knobs of models not measured stay.
 
 An external model (a model of the user's own Triton repository) is measured the same way,
 through the server, loaded with its own config but for the probing fields, on random inputs
@@ -21,6 +23,7 @@ models are reloaded with probing configs (no dynamic batching) and restored afte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import secrets
 import sys
 import time
@@ -33,7 +36,14 @@ from tools.bench.profiler import profile_models
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, PROFILE_DIR
 from tools.server.admin_key import AdminKeyError, add_key_file_argument, admin_headers, key_for_tool
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
-from tools.spec.profile import Hardware, LatencyProfile, ProfileError, load_profile, save_profile
+from tools.spec.profile import (
+    Hardware,
+    LatencyProfile,
+    ProfileError,
+    load_profile,
+    save_profile,
+    tuned_after_profiling,
+)
 from tools.spec.serving import SpecError, load_spec
 
 
@@ -143,9 +153,20 @@ def run(args: argparse.Namespace) -> int:
                     client.load_model(name, headers=headers)
     if merge_into is not None:
         models, overheads = {**merge_into.models, **models}, {**merge_into.overhead, **overheads}
+    # Tuned knobs were measured against the curves they were tuned on: a model measured again
+    # loses its entry; another model's (merged with --model) keeps its own.
+    measured = set(args.model) or {model.name for model in spec.models}
+    tuned = dict(merge_into.tuned) if merge_into is not None else {}
+    if merge_into is None and out.is_file():
+        with contextlib.suppress(ProfileError):
+            tuned = dict(load_profile(out).tuned)
+    tuned, dropped = tuned_after_profiling(tuned, measured)
+    for name in dropped:
+        print(f"dropped the tuned knobs of {name}: it was measured again; `python -m tools tune {name}` tunes it "
+              "on the new curves")
     profile = LatencyProfile(path=out, sha256="", hardware=hardware,
                              measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                             models=models, overhead=overheads)
+                             models=models, overhead=overheads, tuned=tuned)
     save_profile(profile, out)
     for name, m in models.items():
         points = ", ".join(f"{b}:{ms:.1f}" for b, ms in sorted(m.curve.compute_ms.items()))

@@ -44,6 +44,7 @@ from tools.planning.derivation import (
     plan_slo_fit,
     preferred_batch,
 )
+from tools.planning.search import apply_tuned
 from tools.repository.external import MANAGED_FIELDS, loaded_versions, managed_drift, merge_managed
 from tools.repository.sources import (
     ExternalModel,
@@ -559,6 +560,9 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         knobs = derive_knobs(demand, curves[bucket_len])
         if bucket_len in slo_fit.warnings:
             knobs = replace(knobs, warnings=(slo_fit.warnings[bucket_len], *knobs.warnings))
+        # Knobs `python -m tools tune` measured to do better replace the derived ones, with a reason.
+        knobs, tuned_lines = apply_tuned(knobs, profile.tuned.get(model.name), model.name, model.slo_p95_ms,
+                                         curves[bucket_len], {model.encoder_name(b) for b in model.bucket_lens})
         bucket_max_batch[bucket_len] = knobs.max_batch_size
         header = (
             *(provenance(spec, profile) if external is None else external_provenance(spec, profile)),
@@ -573,6 +577,7 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             f"{model.kind.value}: {graph_text(graph) if graph is not None else tensors_text(tensors, external)}.",
             "",
             *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
+            *tuned_lines,
             "timeout_action: REJECT (the protobuf default, so not written below)",
             *(f"WARNING: {w}" for w in knobs.warnings),
             *((f"ESTIMATED: {estimated[bucket_len][0]}",) if bucket_len in estimated else ()),

@@ -1,5 +1,7 @@
 """Latency profiles: measured compute curves c(b) per bucket model and the router overhead o,
-recorded per hardware in `profiles/<name>.json` by `python -m tools profile`.
+recorded per hardware in `profiles/<name>.json` by `python -m tools profile`; and, per model,
+the batching knobs `python -m tools tune` measured to beat the derived ones on that hardware
+(`TunedModel`, the file's `tuned` section), which gen-config applies over the derived knobs.
 
 The file's schema is `ProfileFile` (pydantic); the dataclasses are what gen-config and the
 planners use. `load_profile` and `save_profile` read and write files; the rest is pure."""
@@ -13,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AfterValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
-from tools.spec.schema import Table, describe
+from tools.spec.schema import ClosedTable, Table, describe, table_error
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,26 @@ class Overhead:
     cpu_ms: float | None = None  # server CPU per request outside the bucket model (router, core); None: not measured
 
 
+# The batching knobs of a bucket model that a search or a tuning sets (BatchingKnobs' names);
+# the queue policy stays derived. A preferred_batch_size of 1 writes none: Triton then batches
+# up to max_batch_size.
+TUNABLE_KNOBS = ("max_batch_size", "preferred_batch_size", "max_queue_delay_us", "instance_count")
+
+
+@dataclass(frozen=True)
+class TunedModel:
+    """A model's knobs chosen by `python -m tools tune`: gen-config writes them over the derived
+    ones while the spec's SLO for the model is the one they were tuned for."""
+
+    knobs: dict[str, dict[str, int]]  # bucket model -> {knob of TUNABLE_KNOBS: value}, only the knobs tuning changed
+    tuned_at: str  # UTC timestamp of the tuning
+    command: str  # how it was tuned, e.g. "python -m tools tune embed --budget-min 30"
+    slo_p95_ms: float  # the model's SLO when it was tuned
+    derived_goodput_rps: float  # the derived configuration's goodput, median of the rounds
+    tuned_goodput_rps: float  # the tuned configuration's goodput, median of the rounds
+    rounds: int  # rounds each of the two medians took
+
+
 @dataclass(frozen=True)
 class LatencyProfile:
     path: Path | None  # file it was read from (None before saving)
@@ -127,6 +149,7 @@ class LatencyProfile:
     measured_at: str  # UTC timestamp
     models: dict[str, ModelProfile]  # bucket model name -> curve
     overhead: dict[str, Overhead]  # router model name -> overhead
+    tuned: dict[str, TunedModel] = field(default_factory=dict)  # model name -> its tuned knobs, if tuned
 
     def curve(self, model: str) -> LatencyCurve:
         if model not in self.models:
@@ -164,6 +187,28 @@ def profile_to_dict(profile: LatencyProfile) -> dict:
             }
             for name, m in sorted(profile.models.items(), key=lambda item: item[1].seq_len)
         },
+        **({"tuned": {name: tuned_to_dict(t) for name, t in sorted(profile.tuned.items())}} if profile.tuned else {}),
+    }
+
+
+def tuned_after_profiling(tuned: Mapping[str, TunedModel], measured: set[str]) -> tuple[dict[str, TunedModel],
+                                                                                         list[str]]:
+    """The tuned entries a re-profile keeps, and the models whose entries it drops: those it
+    measured again (their knobs were tuned on the old curves); the others keep theirs."""
+    kept = {name: entry for name, entry in tuned.items() if name not in measured}
+    return kept, sorted(set(tuned) - set(kept))
+
+
+def tuned_to_dict(tuned: TunedModel) -> dict:
+    """A model's `tuned` entry as the profile file holds it."""
+    return {
+        "tuned_at": tuned.tuned_at,
+        "command": tuned.command,
+        "slo_p95_ms": tuned.slo_p95_ms,
+        "goodput_rps": {"derived": round(tuned.derived_goodput_rps, 2), "tuned": round(tuned.tuned_goodput_rps, 2)},
+        "rounds": tuned.rounds,
+        "knobs": {bucket: {knob: values[knob] for knob in TUNABLE_KNOBS if knob in values}
+                  for bucket, values in sorted(tuned.knobs.items())},
     }
 
 
@@ -224,6 +269,60 @@ class ModelTable(Table):
     """Batch size -> executions measured."""
 
 
+class TunedKnobsTable(ClosedTable):
+    """`tuned.<model>.knobs.<bucket model>`: the knobs tuning changed; the others stay derived."""
+
+    max_batch_size: int | None = Field(None, ge=1)
+    """Triton max_batch_size."""
+    preferred_batch_size: int | None = Field(None, ge=1)
+    """dynamic_batching.preferred_batch_size; 1 writes none (batches up to max_batch_size)."""
+    max_queue_delay_us: int | None = Field(None, ge=0)
+    """dynamic_batching.max_queue_delay_microseconds."""
+    instance_count: int | None = Field(None, ge=1)
+    """instance_group count."""
+
+    @model_validator(mode="after")
+    def _some(self) -> TunedKnobsTable:
+        if not self.knob_values():
+            raise table_error(f"names no knob; the knobs are {list(TUNABLE_KNOBS)}")
+        return self
+
+    def knob_values(self) -> dict[str, int]:
+        return {knob: getattr(self, knob) for knob in TUNABLE_KNOBS if getattr(self, knob) is not None}
+
+
+class TunedGoodputTable(ClosedTable):
+    """`tuned.<model>.goodput_rps`: the two configurations' goodput, medians of the rounds."""
+
+    derived: float = Field(ge=0)
+    """The derived configuration's."""
+    tuned: float = Field(ge=0)
+    """The tuned configuration's."""
+
+
+class TunedTable(ClosedTable):
+    """`tuned.<model>`: the knobs `python -m tools tune` chose for a model, and what it measured."""
+
+    tuned_at: str
+    """UTC timestamp of the tuning."""
+    command: str
+    """How it was tuned."""
+    slo_p95_ms: float = Field(gt=0)
+    """The model's SLO when it was tuned: with another SLO in the spec, gen-config writes the derived knobs."""
+    goodput_rps: TunedGoodputTable
+    """Goodput of the derived and the tuned configuration."""
+    rounds: int = Field(ge=1)
+    """Rounds each median took."""
+    knobs: dict[str, TunedKnobsTable]
+    """Bucket model -> the knobs tuning changed."""
+
+    def tuned(self) -> TunedModel:
+        return TunedModel(knobs={bucket: table.knob_values() for bucket, table in self.knobs.items()},
+                          tuned_at=self.tuned_at, command=self.command, slo_p95_ms=self.slo_p95_ms,
+                          derived_goodput_rps=self.goodput_rps.derived, tuned_goodput_rps=self.goodput_rps.tuned,
+                          rounds=self.rounds)
+
+
 class ProfileFile(Table):
     """A latency profile as written by `python -m tools profile`."""
 
@@ -235,6 +334,8 @@ class ProfileFile(Table):
     """Router model name -> overhead."""
     models: dict[str, ModelTable]
     """Bucket model name -> curve."""
+    tuned: dict[str, TunedTable] = {}
+    """Model name -> the knobs `python -m tools tune` chose (absent: none tuned)."""
 
 
 def profile_from_dict(data: dict, path: Path | None = None, sha256: str = "") -> LatencyProfile:
@@ -248,6 +349,7 @@ def profile_from_dict(data: dict, path: Path | None = None, sha256: str = "") ->
         models={name: ModelProfile(seq_len=m.seq_len, curve=LatencyCurve(m.compute_ms), reps=dict(m.executions))
                 for name, m in table.models.items()},
         overhead={name: Overhead(p50_ms=o.p50, p95_ms=o.p95, cpu_ms=o.cpu) for name, o in table.overhead_ms.items()},
+        tuned={name: t.tuned() for name, t in table.tuned.items()},
     )
 
 
