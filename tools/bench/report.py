@@ -433,6 +433,36 @@ def render_goodput_mixes(results: Mapping[str, Mapping[str, Any]], results_link:
     return "\n".join([table, "", *commands])
 
 
+DERIVATION = "derivation"  # results/derivation.json: optional until `bench derivation` has run
+
+
+def render_derivation(result: Mapping[str, Any] | None, results_link: str) -> str:
+    """Per model: the derived, tuned and search-best goodput (medians of the final rounds), the
+    measuring each took, and whether the targets hold."""
+    if not result:
+        return ("No derivation result yet: `python -m tools bench derivation` writes "
+                "`results/derivation.json` (about 90 minutes a model on 2 vCPU).")
+    rows = []
+    for name, entry in sorted(result["models"].items()):
+        targets = entry["targets"]
+        rows.append([
+            f"`{name}`", _num(entry["derived_goodput_rps"]), _num(entry["tuned_goodput_rps"]),
+            _num(entry["search_best_goodput_rps"]), f"**{_pct(entry['derived_vs_search_best'], 0)}**",
+            f"{_num(entry['derived_measure_s'] / 60)} / {_num(entry['tuned_measure_s'] / 60)} / "
+            f"{_num(entry['search_measure_s'] / 60)} ({entry['search_points']} points)",
+            f"**{_pct(entry['derived_measure_share'], 0)}**",
+            ", ".join(f"{'met' if met else 'NOT met'}: {what.replace('_', ' ')}" for what, met in targets.items()),
+        ])
+    table = _table(["model", "derived (req/s)", "tuned", "search best", "derived / best",
+                    "measuring min: derived / tuned / search", "derived's share of the search's time", "targets"],
+                   ["---", "---:", "---:", "---:", "---:", "---", "---:", "---"], rows)
+    return "\n".join([table, "", f"Medians of {result['options']['rounds']} final rounds, measured "
+                      f"{result['measured_at']} on {_hardware(result)} by `{result['command']}` "
+                      f"([derivation.json]({results_link}derivation.json), plot "
+                      f"[derivation.png]({results_link}derivation.png)); every point of the search and of tune is "
+                      f"in `search_MODEL.json` and `tune_MODEL.json` beside it."])
+
+
 SECTION_RENDERERS: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     "goodput": render_goodput,
     "llm": render_llm,
@@ -460,6 +490,11 @@ def render_sections(results: Mapping[str, Mapping[str, Any]], results_link: str)
         sections[MIX_GOODPUT] = render_goodput_mixes(results, results_link)
     except (KeyError, TypeError, ZeroDivisionError) as error:
         raise ReportError(f"results/goodput*.<mix>.json: a field the report needs is missing or malformed "
+                          f"({type(error).__name__}: {error})") from None
+    try:
+        sections[DERIVATION] = render_derivation(results.get(DERIVATION), results_link)
+    except (KeyError, TypeError, ZeroDivisionError) as error:
+        raise ReportError(f"results/{DERIVATION}.json: a field the report needs is missing or malformed "
                           f"({type(error).__name__}: {error})") from None
     try:
         sections["headline"] = render_headline(results, results_link)
@@ -516,6 +551,12 @@ def load_results(results_dir: Path) -> dict[str, dict[str, Any]]:
             raise ReportError(f"{path}: no such result file; its benchmark writes it") from None
         except json.JSONDecodeError as error:
             raise ReportError(f"{path}: not valid JSON ({error})") from None
+    derivation = results_dir / f"{DERIVATION}.json"
+    if derivation.is_file():
+        try:
+            results[DERIVATION] = json.loads(derivation.read_text())
+        except json.JSONDecodeError as error:
+            raise ReportError(f"{derivation}: not valid JSON ({error})") from None
     results[MODEL_GOODPUT] = {}
     results[MIX_GOODPUT] = {}
     for path in sorted(results_dir.glob("goodput*.json")):

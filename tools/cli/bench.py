@@ -69,6 +69,7 @@ from pathlib import Path
 
 from tools.batch.pg_server import LocalPostgres
 from tools.bench import batch as bench_batch
+from tools.bench import derivation as bench_derivation
 from tools.bench import goodput as bench_goodput
 from tools.bench import llm as bench_llm
 from tools.bench import overload as bench_overload
@@ -421,6 +422,99 @@ def run_signals(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ derivation
+
+
+def add_derivation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", default=[], metavar="NAME",
+                        help="a model of the spec to measure (repeatable; default: embed)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON, a PNG beside it, the search's and tune's reports in its folder; a "
+                             "model measured before on this hardware keeps its entry unless measured again "
+                             "(default: results/derivation.json; with --quick build/bench/derivation/)")
+    parser.add_argument("--search-budget-min", type=float, default=60.0,
+                        help="the structured search's budget per model (default: %(default)s)")
+    parser.add_argument("--tune-budget-min", type=float, default=15.0,
+                        help="tune's budget per model (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="final rounds of the derived, tuned and search-best configurations, in turn; "
+                             "medians are reported (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the short form for the test suite: one-minute budgets, short points, one round, "
+                             "a short profile; results go to build/ unless --out is given")
+
+
+def derivation_profile(spec_path: Path, quick: bool) -> Callable:
+    """The derivation's measuring: `python -m tools profile --model NAME` into a copy of the
+    spec's profile under build/bench/derivation/, as a user would run it; the fresh profile."""
+    from tools.cli import profile as profile_cli
+
+    def measure(model) -> object:
+        spec = load_spec(spec_path)
+        out = bench_derivation.DERIVATION_DIR / f"profile_{model.name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(spec.profile, out)
+        parser = argparse.ArgumentParser()
+        profile_cli.add_arguments(parser)
+        argv = ["--spec", str(spec_path), "--model", model.name, "--out", str(out)]
+        if quick:
+            argv += ["--time-per-point", "0.2", "--overhead-requests", "20"]
+        if profile_cli.run(parser.parse_args(argv)) != 0:
+            raise ServerError(f"profiling {model.name} failed (its output is above)")
+        return load_profile(out)
+
+    return measure
+
+
+def run_derivation(args: argparse.Namespace) -> int:
+    import json
+
+    from tools.bench.search import QUICK, ResumeError
+
+    try:
+        spec = load_spec(DEFAULT_SPEC)
+        models = [find_model(spec, name) for name in (args.model or ["embed"])]
+    except (SpecError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.search_budget_min <= 0 or args.tune_budget_min <= 0:
+        print("error: --rounds must be >= 1 and the budgets > 0", file=sys.stderr)
+        return 2
+    options = bench_derivation.DerivationOptions(
+        search_budget_s=args.search_budget_min * 60, tune_budget_s=args.tune_budget_min * 60, rounds=args.rounds)
+    if args.quick:
+        options = bench_derivation.DerivationOptions(search_budget_s=60, tune_budget_s=60, rounds=1, top_k=1,
+                                                     points_per_bucket=1, points=QUICK, final=QUICK)
+    report = bench_derivation.new_report(command_line("derivation"), options)
+    args.out = args.out or (bench_derivation.DERIVATION_DIR / "derivation.json" if args.quick
+                            else Path("results/derivation.json"))
+    if args.out.is_file():  # keep the other models measured on this hardware
+        previous = json.loads(args.out.read_text())
+        if previous.get("hardware", {}).get("description") == report["hardware"]["description"]:
+            report["models"] = {name: entry for name, entry in previous.get("models", {}).items()
+                                if name not in {model.name for model in models}}
+    results_dir = args.out.parent
+    measure_profile = derivation_profile(DEFAULT_SPEC, args.quick)
+    for model in models:
+        try:
+            report["models"][model.name] = {
+                "command": command_line("derivation"),
+                **bench_derivation.run_model(spec, model, measure_profile, options, results_dir,
+                                             command_line("derivation"), log)}
+        except ServerError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        except (ResumeError, SpecError, ProfileError, SourceError, InfeasibleSLO, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        entry = report["models"][model.name]
+        log(f"{model.name}: derived {entry['derived_goodput_rps']:.1f} req/s = {entry['derived_vs_search_best']:.0%} "
+            f"of the search's best {entry['search_best_goodput_rps']:.1f} with {entry['derived_measure_share']:.0%} "
+            f"of its measuring time; tuned {entry['tuned_goodput_rps']:.1f}")
+        write_report(report, args.out, bench_derivation.plot_derivation, log)
+    return 0
+
+
 # benchmark -> (summary, --help text, its options, its run)
 BENCHMARKS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None],
                             Callable[[argparse.Namespace], int]]] = {
@@ -434,4 +528,6 @@ BENCHMARKS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser],
               add_batch_arguments, run_batch),
     "signals": ("record /metrics under steady, overload and fragmented traffic", bench_signals.__doc__,
                 add_signals_arguments, run_signals),
+    "derivation": ("derived knobs vs tune vs a structured search, with measuring times", bench_derivation.__doc__,
+                   add_derivation_arguments, run_derivation),
 }

@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     documents = (
         Document(args.readme, ("headline",), "results/"),
-        Document(args.benchmarks, ("goodput", "goodput_models", "goodput_mixes", "llm", "overload", "batch",
-                                   "loadtest_step"), "../results/"),
+        Document(args.benchmarks, ("goodput", "goodput_models", "goodput_mixes", "derivation", "llm",
+                                   "overload", "batch", "loadtest_step"), "../results/"),
     )
     try:
         problems = update_documents(documents, load_results(args.results), check=args.check)
