@@ -145,6 +145,20 @@ def test_shared_work_sums_every_instance_and_a_restarted_instance_resets_its_slo
         work.close()
 
 
+def test_work_of_a_slot_opened_later_and_higher_is_counted_by_every_instance(tmp_path):
+    # The sums read only the rows up to the highest slot opened: one opened after this
+    # instance, far above it, still counts.
+    path = tmp_path / "work.bin"
+    first = SharedWork(path, 0, buckets=(16,))
+    late = SharedWork(path, 900, buckets=(16,))
+    late.add({16: 7.0})
+    assert first.total_ms() == pytest.approx(7.0)
+    assert first.ahead_by_bucket()[16] == pytest.approx(7.0)
+    assert not first.admit(POLICY, 55.0).admitted  # 7 ms ahead + 55 ms: over the 60 ms bound
+    for work in (first, late):
+        work.close()
+
+
 def test_shared_admit_counts_the_admitted_work_and_not_the_refused(tmp_path):
     work = SharedWork(tmp_path / "work.bin", 3)
     assert work.admit(POLICY, 40.0).admitted
