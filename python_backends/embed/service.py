@@ -156,6 +156,9 @@ class EmbedService:
         # server run, so the buckets live in one shared file; admission counts the work in
         # flight across the instances the same way.
         self.tenants = config.tenants
+        default_priority = config.tenants.tiers[config.tenants.default_tier].priority
+        self.share_of_tier = {name: tier_share(tier.priority, default_priority)  # of the admission bound
+                              for name, tier in config.tenants.tiers.items()}
         self.quota_buckets = SharedBuckets(quota_path)
         self.admission = config.admission
         self.work = SharedWork(work_path, instance_slot(instance_name), config.bucket_lens)
@@ -288,9 +291,8 @@ class EmbedService:
             return self._not_served(pinned)
         version = pinned if pinned is not None else table.pick(self.draw())
         own_work = self.admission.work_by_bucket(prepared.rows_by_bucket()) if self.admission.max_work_ms else {}
-        tier = self.tenants.tier_of(prepared.options.tenant)
-        share = tier_share(tier.priority, self.tenants.tiers[self.tenants.default_tier].priority)
-        admission = self.work.admit(self.admission, own_work, share)
+        admission = self.work.admit(self.admission, own_work, self.share_of_tier[self.tenants.tier_of(
+            prepared.options.tenant).name])
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
@@ -375,30 +377,33 @@ class EmbedService:
         outcomes, latency, inflight = self.metrics.of_version(version)
         try:
             failure, outputs, served_tensors = self._run_chunks(prepared, version)
-        finally:
+        except BaseException:
             inflight.increment(-1)
-            self.work.add({bucket: -ms for bucket, ms in accepted.own_work.items()})
-            self.work.record_latency(self.admission, (time.monotonic() - started) * 1000.0)
+            raise
+        finally:
+            self.work.release(self.admission, accepted.own_work, (time.monotonic() - started) * 1000.0)
         if failure is not None:
+            inflight.increment(-1)
             model_name, error = failure
             response = self._bucket_error(model_name, version, error, pinned is not None)
             code = response.error().code()
             if code != self.pb.TritonError.NOT_FOUND:  # a retired pinned version is the client's mistake
                 outcomes["rejected" if code == self.pb.TritonError.UNAVAILABLE else "error"].increment(1)
             return response
-        self.metrics.observe(latency, time.monotonic() - started)
-        outcomes["ok"].increment(1)
+        # What the request moved, handed to the metrics in one step.
+        moves = [(inflight, -1), (outcomes["ok"], 1)]
+        buckets = self.metrics.buckets
+        for chunk in prepared.chunks:
+            rows, real, padded = buckets[chunk.chunk.bucket_len]
+            moves += ((rows, len(chunk.chunk.row_indices)), (real, chunk.num_real_tokens),
+                      (padded, self.codec.padded(chunk)))
+        if prepared.num_truncated:
+            moves.append((self.metrics.truncated, prepared.num_truncated))
+        self.metrics.add(moves, (latency, time.monotonic() - started))
         baseline = accepted.table.shadows(version, self.draw()) if pinned is None else None
         if baseline is not None and self.shadow_slots.acquire(blocking=False):
             # Repeat the request on the baseline after answering: the client never waits for it.
             self.shadow_pool.submit(self._shadow, prepared, outputs, baseline, version)
-        for chunk in prepared.chunks:
-            rows, real, padded = self.metrics.buckets[chunk.chunk.bucket_len]
-            rows.increment(len(chunk.chunk.row_indices))
-            real.increment(chunk.num_real_tokens)
-            padded.increment(self.codec.padded(chunk))
-        if prepared.num_truncated:
-            self.metrics.truncated.increment(prepared.num_truncated)
         num_rows = len(prepared.token_counts)
         tensors = [self._tensor(name, array, outputs, served_tensors)
                    for name, array in self.codec.answer(prepared, outputs)]

@@ -318,6 +318,20 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
     assert first.bound_ms(ADAPTIVE) == pytest.approx(slow * (1 / 0.95) ** (1 / 19) * 1.02)  # probing again
 
 
+def test_release_gives_the_work_back_and_feeds_the_latency_as_one_step(tmp_path):
+    work, other = SharedWork(tmp_path / "work.bin", 0, (16,)), SharedWork(tmp_path / "work.bin", 1, (16,))
+    other.add({16: 5.0})  # work in flight elsewhere: the server does not drain
+    assert work.admit(ADAPTIVE, {16: 8.0}).admitted
+    work.release(ADAPTIVE, {16: 8.0}, latency_ms=500.0)
+    assert work.ahead_by_bucket()[16] == pytest.approx(5.0)  # only the other instance's work is left
+    assert work.bound_ms(ADAPTIVE) == pytest.approx(57.0)  # the late answer shrank the bound
+    assert work.admit(POLICY, {16: 8.0}).admitted
+    work.release(POLICY, {16: 8.0}, latency_ms=500.0)  # a fixed policy: the work comes back, no bound moves
+    assert work.total_ms() == pytest.approx(5.0) and work.bound_ms(POLICY) == POLICY.max_work_ms
+    for table in (work, other):
+        table.close()
+
+
 def test_an_adaptive_policy_needs_ordered_limits():
     with pytest.raises(ValueError, match="min_work_ms <= max_work_ms <= max_limit_ms"):
         AdmissionPolicy(row_cost_ms={16: 1.0}, lanes=1, max_work_ms=60.0, target_ms=100.0, min_work_ms=80.0,

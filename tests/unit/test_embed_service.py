@@ -268,6 +268,10 @@ def test_a_bug_costs_one_request_its_answer_not_the_instance(serve):
         TritonError.INTERNAL, "internal error in the router: RuntimeError: boom")
     fake.bls = FakeTriton().bls
     assert not answer(service, request([words(10)])).has_error()
+    service.finalize()
+    assert fake.metric("embed_inflight_requests", version="1").value == 0  # the failed one left too
+    assert fake.metric("embed_requests_total", version="1", outcome="ok").value == 1
+    assert fake.metric("embed_request_duration_seconds", version="1").observations == [pytest.approx(0, abs=1)]
 
 
 def test_authentication_failures_are_refused_before_any_model_runs_and_counted_by_reason(serve, tmp_path):
