@@ -10,6 +10,7 @@ together with token type ids, the longer member truncated first. Free of Triton 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -249,6 +250,8 @@ def parse_request_options(parameters_json: str | None,
     `tenant_of` says who the request is from; with tenant authentication on it checks the
     token, and its `AuthError` passes through to the caller untouched.
     """
+    if not parameters_json or parameters_json == "{}":  # most requests: no parameters at all
+        return _options_without_parameters(tenant_of)
     params: object = {}
     if parameters_json:
         try:
@@ -272,6 +275,22 @@ def parse_request_options(parameters_json: str | None,
     if input_type not in INPUT_TYPES:
         raise InvalidInput(f"parameter 'input_type' must be one of {', '.join(INPUT_TYPES)}, got {input_type!r}")
     return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params), input_type=input_type)
+
+
+def _options_without_parameters(tenant_of: Callable[[Mapping[str, object]], str]) -> RequestOptions:
+    """The options of a request that sends no parameters: the defaults, for the tenant
+    `tenant_of` makes of no parameters (its errors pass through as for any request)."""
+    try:
+        tenant = tenant_of({})
+    except ValueError as err:
+        raise InvalidInput(str(err)) from None
+    return _default_options(tenant)
+
+
+@functools.lru_cache(maxsize=64)  # tenant_of({}) names one tenant in practice
+def _default_options(tenant: str) -> RequestOptions:
+    """One shared (frozen) value per tenant, not a new one per request."""
+    return RequestOptions(tenant=tenant)
 
 
 def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int, tensor: str = "TEXT") -> list[str]:
