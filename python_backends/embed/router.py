@@ -299,7 +299,7 @@ def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int, tensor: st
         raise InvalidInput(f"input '{tensor}' has no rows; send at least one string")
     texts: list[str] = []
     for index, raw in enumerate(raw_rows):
-        data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+        data = raw if type(raw) is bytes else raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
         if len(data) > max_text_bytes:
             raise InvalidInput(
                 f"{tensor} row {index} is {len(data)} bytes; the limit is {max_text_bytes} bytes per row"
