@@ -13,6 +13,7 @@ exclusive file lock (a few microseconds per request). The LLM engine is one proc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -174,6 +175,7 @@ class LocalBuckets:
             self._states[key] = charge(self._states.get(key), cost, rate_per_s, burst, now_s)
 
 
+@functools.lru_cache(maxsize=4096)  # a tenant's key is hashed once, not on every request
 def _key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") or 1
 
@@ -197,6 +199,9 @@ class SharedBuckets:
         self.num_slots = num_slots
         # Column views, made once: a view per request would cost more than the update itself.
         self._keys, self._tokens, self._updated = (self.table.rows[name] for name, _ in BUCKET_FIELDS)
+        # Key hash -> its slot, once the slot holds that key: no process ever clears a slot,
+        # so the probe is made once per tenant, not once per request.
+        self._slots: dict[int, int] = {}
 
     def _slot_of(self, key_hash: int) -> int:
         """The key's slot, or the first empty one on its probe path, or (table full) the slot
@@ -212,7 +217,9 @@ class SharedBuckets:
     def _update(self, key: str, step) -> float:
         key_hash = _key_hash(key)
         with self.table.locked():
-            slot = self._slot_of(key_hash)
+            slot = self._slots.get(key_hash)
+            if slot is None:
+                slot = self._slot_of(key_hash)
             stored = int(self._keys[slot])
             # An empty slot starts a full bucket; a shared one (full table) keeps its owner's
             # hash and level, so neither tenant is handed a fresh bucket.
@@ -221,6 +228,8 @@ class SharedBuckets:
             self._keys[slot] = stored or key_hash
             self._tokens[slot] = new_state.tokens
             self._updated[slot] = new_state.updated_s
+            if (stored or key_hash) == key_hash:
+                self._slots[key_hash] = slot
             return wait_s
 
     def take(self, key: str, cost: float, rate_per_s: float, burst: float, now_s: float) -> float:

@@ -106,12 +106,18 @@ def pad_rows(rows: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[n
 def reassemble(num_rows: int, chunks: Sequence[Chunk], outputs: Sequence[np.ndarray]) -> np.ndarray:
     """Put per-chunk outputs back in the client's row order.
 
-    `outputs[k]` holds one output row per row of `chunks[k]`, in the same order.
+    `outputs[k]` holds one output row per row of `chunks[k]`, in the same order. A request
+    served by one chunk in its own order (most are) gets that chunk's output itself, not a copy.
     """
     if len(chunks) != len(outputs):
         raise ValueError(f"{len(chunks)} chunks but {len(outputs)} outputs")
     if not chunks:
         raise ValueError("nothing to reassemble")
+    if len(chunks) == 1 and chunks[0].row_indices == tuple(range(num_rows)):
+        output = np.asarray(outputs[0])
+        if output.shape[0] != num_rows:
+            raise ValueError(f"bucket {chunks[0].bucket_len} returned {output.shape[0]} rows for {num_rows}")
+        return output
     first = np.asarray(outputs[0])
     result = np.empty((num_rows, *first.shape[1:]), dtype=first.dtype)
     filled = np.zeros(num_rows, dtype=bool)

@@ -107,6 +107,16 @@ class RouterMetrics:
         with self.lock:
             self.observations.add(metric, value)
 
+    def add(self, moves, observation=None) -> None:
+        """Several increments (`(BufferedCounter, amount)` pairs) and at most one latency
+        observation (`(histogram, value)`) under one taking of the lock: what one answered
+        request moves (nine lock round trips a request before, two now)."""
+        with self.lock:
+            for counter, amount in moves:
+                self.deltas.add(counter.metric, amount)
+            if observation is not None:
+                self.observations.add(*observation)
+
     def flush(self):
         with self.lock:
             now = time.monotonic()
@@ -129,16 +139,21 @@ class RouterMetrics:
     def tenant_outcome(self, tenant: str, outcome: str) -> None:
         label = self.tenants.metric_label(tenant)
         key = (label, outcome)
-        with self.create_lock:
-            if key not in self.tenant_series:
-                tier = self.tenants.tier_of(tenant).name if label != "other" else self.tenants.default_tier
-                self.tenant_series[key] = self._buffered(self.families[TENANT_COUNTER[0]].Metric(
-                    labels={"model": self.model, "tenant": label, "tier": tier, "outcome": outcome}))
-            metric = self.tenant_series[key]
+        metric = self.tenant_series.get(key)  # made once; only the making needs the lock
+        if metric is None:
+            with self.create_lock:
+                if key not in self.tenant_series:
+                    tier = self.tenants.tier_of(tenant).name if label != "other" else self.tenants.default_tier
+                    self.tenant_series[key] = self._buffered(self.families[TENANT_COUNTER[0]].Metric(
+                        labels={"model": self.model, "tenant": label, "tier": tier, "outcome": outcome}))
+                metric = self.tenant_series[key]
         metric.increment(1)
 
     def of_version(self, version: int):
         """Outcome counters, latency histogram and in-flight gauge of one encoder version."""
+        series = self.versions.get(version)  # made once; only the making needs the lock
+        if series is not None:
+            return series
         with self.create_lock:
             if version not in self.versions:
                 labels = {"model": self.model, "version": str(version)}

@@ -10,6 +10,7 @@ together with token type ids, the longer member truncated first. Free of Triton 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -249,6 +250,8 @@ def parse_request_options(parameters_json: str | None,
     `tenant_of` says who the request is from; with tenant authentication on it checks the
     token, and its `AuthError` passes through to the caller untouched.
     """
+    if not parameters_json or parameters_json == "{}":  # most requests: no parameters at all
+        return _options_without_parameters(tenant_of)
     params: object = {}
     if parameters_json:
         try:
@@ -274,13 +277,29 @@ def parse_request_options(parameters_json: str | None,
     return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params), input_type=input_type)
 
 
+def _options_without_parameters(tenant_of: Callable[[Mapping[str, object]], str]) -> RequestOptions:
+    """The options of a request that sends no parameters: the defaults, for the tenant
+    `tenant_of` makes of no parameters (its errors pass through as for any request)."""
+    try:
+        tenant = tenant_of({})
+    except ValueError as err:
+        raise InvalidInput(str(err)) from None
+    return _default_options(tenant)
+
+
+@functools.lru_cache(maxsize=64)  # tenant_of({}) names one tenant in practice
+def _default_options(tenant: str) -> RequestOptions:
+    """One shared (frozen) value per tenant, not a new one per request."""
+    return RequestOptions(tenant=tenant)
+
+
 def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int, tensor: str = "TEXT") -> list[str]:
     """Check and decode the rows of a BYTES input; the error names the input and the first offending row."""
     if len(raw_rows) == 0:
         raise InvalidInput(f"input '{tensor}' has no rows; send at least one string")
     texts: list[str] = []
     for index, raw in enumerate(raw_rows):
-        data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
+        data = raw if type(raw) is bytes else raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
         if len(data) > max_text_bytes:
             raise InvalidInput(
                 f"{tensor} row {index} is {len(data)} bytes; the limit is {max_text_bytes} bytes per row"

@@ -11,6 +11,7 @@ Everything here is free of Triton imports.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -49,10 +50,21 @@ class RoutingTable:
         if self.candidate is not None and self.candidate == self.baseline:
             raise ValueError(f"candidate and baseline are the same version ({self.candidate})")
 
-    @property
+    @functools.cached_property
     def versions(self) -> tuple[int, ...]:
         """Versions that take unpinned traffic, ascending."""
         return tuple(sorted(v for v, w in self.weights.items() if w > 0))
+
+    @functools.cached_property
+    def _edges(self) -> tuple[tuple[float, int], ...]:
+        """(upper end of its share of [0, 1), version) for each version that takes traffic, in
+        order: worked out once per table, not per request."""
+        total = sum(self.weights.values())
+        edges, edge = [], 0.0
+        for version in self.versions:
+            edge += self.weights[version] / total
+            edges.append((edge, version))
+        return tuple(edges)
 
     def share(self, version: int) -> float:
         """Fraction of unpinned traffic that goes to `version`."""
@@ -60,15 +72,10 @@ class RoutingTable:
 
     def pick(self, draw: float) -> int:
         """The version for a uniform draw in [0, 1): each version takes its share of the range."""
-        total = sum(self.weights.values())
-        edge = 0.0
-        chosen = self.versions[-1]
-        for version in self.versions:
-            edge += self.weights[version] / total
+        for edge, version in self._edges:
             if draw < edge:
-                chosen = version
-                break
-        return chosen
+                return version
+        return self.versions[-1]
 
     def shadows(self, version: int, draw: float) -> int | None:
         """The baseline to repeat a request on, when `version` is the candidate and the draw falls in the sample."""

@@ -133,6 +133,7 @@ class EmbedService:
         self.model = model
         # What a row is: texts through the tokenizer, or a tensor model's own tensors (`codec`).
         self.codec = codec if codec is not None else TextCodec(EmbedRouter(config, tokenizer))
+        self.output_names = list(self.codec.output_names)  # what a BLS call asks its bucket model for
         self.routing = routing
         self.logger = pb.Logger
         self.draw = draw  # uniform [0, 1): the version a request is routed to, and whether it is shadowed
@@ -155,6 +156,9 @@ class EmbedService:
         # server run, so the buckets live in one shared file; admission counts the work in
         # flight across the instances the same way.
         self.tenants = config.tenants
+        default_priority = config.tenants.tiers[config.tenants.default_tier].priority
+        self.share_of_tier = {name: tier_share(tier.priority, default_priority)  # of the admission bound
+                              for name, tier in config.tenants.tiers.items()}
         self.quota_buckets = SharedBuckets(quota_path)
         self.admission = config.admission
         self.work = SharedWork(work_path, instance_slot(instance_name), config.bucket_lens)
@@ -287,9 +291,8 @@ class EmbedService:
             return self._not_served(pinned)
         version = pinned if pinned is not None else table.pick(self.draw())
         own_work = self.admission.work_by_bucket(prepared.rows_by_bucket()) if self.admission.max_work_ms else {}
-        tier = self.tenants.tier_of(prepared.options.tenant)
-        share = tier_share(tier.priority, self.tenants.tiers[self.tenants.default_tier].priority)
-        admission = self.work.admit(self.admission, own_work, share)
+        admission = self.work.admit(self.admission, own_work, self.share_of_tier[self.tenants.tier_of(
+            prepared.options.tenant).name])
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
@@ -321,24 +324,39 @@ class EmbedService:
             message = f"{message} The instance crashed while serving this request; retry."
         return self._error(f"bucket model {model_name} v{version}: {message}", code)
 
+    def _exec(self, chunk, version: int):
+        """One chunk's blocking BLS call to `version` of its bucket model: the response."""
+        pb = self.pb
+        return pb.InferenceRequest(
+            model_name=chunk.model_name,
+            model_version=version,
+            inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
+            requested_output_names=self.output_names,
+        ).exec()
+
     def _run_chunks(self, prepared: PreparedRequest, version: int):
         """Send every chunk to `version` of its bucket model.
 
-        Returns ((model name, error) of the first failure, None), or (None, the reassembled outputs).
+        Returns ((model name, error) of the first failure, None, None), or (None, the
+        reassembled outputs, the bucket's own output tensors by name when one chunk served the
+        whole request: those go back to the client as they are, without a copy).
         """
         pb = self.pb
-        names = list(self.codec.output_names)
-        responses = [None] * len(prepared.chunks)
+        names = self.output_names
+        chunks = prepared.chunks
+        if len(chunks) == 1:  # most requests: no lanes to run
+            response = self._exec(chunks[0], version)
+            if response.has_error():
+                return (chunks[0].model_name, response.error()), None, None
+            tensors = {name: pb.get_output_tensor_by_name(response, name) for name in names}
+            arrays = {name: tensor.as_numpy() for name, tensor in tensors.items()}
+            return None, self.codec.reassemble(prepared, [arrays]), tensors
+
+        responses = [None] * len(chunks)
 
         def run_lane(lane):
             for index in lane:
-                chunk = prepared.chunks[index]
-                responses[index] = pb.InferenceRequest(
-                    model_name=chunk.model_name,
-                    model_version=version,
-                    inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
-                    requested_output_names=names,
-                ).exec()
+                responses[index] = self._exec(chunks[index], version)
                 if responses[index].has_error():
                     return
 
@@ -348,49 +366,61 @@ class EmbedService:
         for lane in pending:
             lane.result()
         # A lane stops at its first failed chunk (later ones stay None); report that failure.
-        for chunk, response in zip(prepared.chunks, responses, strict=True):
+        for chunk, response in zip(chunks, responses, strict=True):
             if response is not None and response.has_error():
-                return (chunk.model_name, response.error()), None
+                return (chunk.model_name, response.error()), None, None
         outputs = [{name: pb.get_output_tensor_by_name(r, name).as_numpy() for name in names} for r in responses]
-        return None, self.codec.reassemble(prepared, outputs)
+        return None, self.codec.reassemble(prepared, outputs), {}
 
     def _serve_admitted(self, accepted: Accepted):
         prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
         outcomes, latency, inflight = self.metrics.of_version(version)
         try:
-            failure, outputs = self._run_chunks(prepared, version)
-        finally:
+            failure, outputs, served_tensors = self._run_chunks(prepared, version)
+        except BaseException:
             inflight.increment(-1)
-            self.work.add({bucket: -ms for bucket, ms in accepted.own_work.items()})
-            self.work.record_latency(self.admission, (time.monotonic() - started) * 1000.0)
+            raise
+        finally:
+            self.work.release(self.admission, accepted.own_work, (time.monotonic() - started) * 1000.0)
         if failure is not None:
+            inflight.increment(-1)
             model_name, error = failure
             response = self._bucket_error(model_name, version, error, pinned is not None)
             code = response.error().code()
             if code != self.pb.TritonError.NOT_FOUND:  # a retired pinned version is the client's mistake
                 outcomes["rejected" if code == self.pb.TritonError.UNAVAILABLE else "error"].increment(1)
             return response
-        self.metrics.observe(latency, time.monotonic() - started)
-        outcomes["ok"].increment(1)
+        # What the request moved, handed to the metrics in one step.
+        moves = [(inflight, -1), (outcomes["ok"], 1)]
+        buckets = self.metrics.buckets
+        for chunk in prepared.chunks:
+            rows, real, padded = buckets[chunk.chunk.bucket_len]
+            moves += ((rows, len(chunk.chunk.row_indices)), (real, chunk.num_real_tokens),
+                      (padded, self.codec.padded(chunk)))
+        if prepared.num_truncated:
+            moves.append((self.metrics.truncated, prepared.num_truncated))
+        self.metrics.add(moves, (latency, time.monotonic() - started))
         baseline = accepted.table.shadows(version, self.draw()) if pinned is None else None
         if baseline is not None and self.shadow_slots.acquire(blocking=False):
             # Repeat the request on the baseline after answering: the client never waits for it.
             self.shadow_pool.submit(self._shadow, prepared, outputs, baseline, version)
-        for chunk in prepared.chunks:
-            rows, real, padded = self.metrics.buckets[chunk.chunk.bucket_len]
-            rows.increment(len(chunk.chunk.row_indices))
-            real.increment(chunk.num_real_tokens)
-            padded.increment(self.codec.padded(chunk))
-        if prepared.num_truncated:
-            self.metrics.truncated.increment(prepared.num_truncated)
         num_rows = len(prepared.token_counts)
-        tensors = [self.pb.Tensor(name, array) for name, array in self.codec.answer(prepared, outputs)]
+        tensors = [self._tensor(name, array, outputs, served_tensors)
+                   for name, array in self.codec.answer(prepared, outputs)]
         tensors.append(self.pb.Tensor("VERSION", np.full((num_rows, 1), version, dtype=np.int32)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
+    def _tensor(self, name: str, array: np.ndarray, outputs: dict, served_tensors: dict):
+        """The answer's tensor `name`: the bucket model's own when the answer is its output
+        unchanged (no copy into a new tensor), else a new one."""
+        served = served_tensors.get(name)
+        if served is not None and outputs.get(name) is array:
+            return served
+        return self.pb.Tensor(name, array)
+
     def _shadow(self, prepared: PreparedRequest, served: dict, baseline: int, candidate: int) -> None:
         try:
-            failure, reference = self._run_chunks(prepared, baseline)
+            failure, reference, _ = self._run_chunks(prepared, baseline)
             if failure is not None:
                 return  # the baseline was busy or is going away: no sample
             codec = self.codec

@@ -145,6 +145,20 @@ def test_shared_work_sums_every_instance_and_a_restarted_instance_resets_its_slo
         work.close()
 
 
+def test_work_of_a_slot_opened_later_and_higher_is_counted_by_every_instance(tmp_path):
+    # The sums read only the rows up to the highest slot opened: one opened after this
+    # instance, far above it, still counts.
+    path = tmp_path / "work.bin"
+    first = SharedWork(path, 0, buckets=(16,))
+    late = SharedWork(path, 900, buckets=(16,))
+    late.add({16: 7.0})
+    assert first.total_ms() == pytest.approx(7.0)
+    assert first.ahead_by_bucket()[16] == pytest.approx(7.0)
+    assert not first.admit(POLICY, 55.0).admitted  # 7 ms ahead + 55 ms: over the 60 ms bound
+    for work in (first, late):
+        work.close()
+
+
 def test_shared_admit_counts_the_admitted_work_and_not_the_refused(tmp_path):
     work = SharedWork(tmp_path / "work.bin", 3)
     assert work.admit(POLICY, 40.0).admitted
@@ -302,6 +316,20 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
     first.record_latency(ADAPTIVE, 100.0)
     first.record_latency(ADAPTIVE, 100.0)
     assert first.bound_ms(ADAPTIVE) == pytest.approx(slow * (1 / 0.95) ** (1 / 19) * 1.02)  # probing again
+
+
+def test_release_gives_the_work_back_and_feeds_the_latency_as_one_step(tmp_path):
+    work, other = SharedWork(tmp_path / "work.bin", 0, (16,)), SharedWork(tmp_path / "work.bin", 1, (16,))
+    other.add({16: 5.0})  # work in flight elsewhere: the server does not drain
+    assert work.admit(ADAPTIVE, {16: 8.0}).admitted
+    work.release(ADAPTIVE, {16: 8.0}, latency_ms=500.0)
+    assert work.ahead_by_bucket()[16] == pytest.approx(5.0)  # only the other instance's work is left
+    assert work.bound_ms(ADAPTIVE) == pytest.approx(57.0)  # the late answer shrank the bound
+    assert work.admit(POLICY, {16: 8.0}).admitted
+    work.release(POLICY, {16: 8.0}, latency_ms=500.0)  # a fixed policy: the work comes back, no bound moves
+    assert work.total_ms() == pytest.approx(5.0) and work.bound_ms(POLICY) == POLICY.max_work_ms
+    for table in (work, other):
+        table.close()
 
 
 def test_an_adaptive_policy_needs_ordered_limits():

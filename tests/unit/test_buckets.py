@@ -111,6 +111,11 @@ def test_reassemble_restores_client_row_order():
     assert reassemble(5, chunks, outputs).ravel().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
+def test_reassemble_of_one_chunk_in_request_order_is_its_output():
+    output = np.array([[0.0], [1.0], [2.0]])
+    assert reassemble(3, [Chunk(16, (0, 1, 2))], [output]) is output
+
+
 def test_plan_then_reassemble_round_trip():
     rng = np.random.default_rng(7)
     lengths = rng.integers(1, 257, size=100).tolist()

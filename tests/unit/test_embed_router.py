@@ -43,6 +43,8 @@ def test_options_take_the_tenant_from_the_given_resolver_and_let_auth_errors_thr
 
     assert parse_request_options('{"tenant_token": "t"}', lambda params: "from-token").tenant == "from-token"
     assert parse_request_options(None, lambda params: f"{len(params)} params").tenant == "0 params"
+    # Requests without parameters share one value of their tenant's options.
+    assert parse_request_options("{}", lambda params: "t") is parse_request_options(None, lambda params: "t")
 
     def refuse(params):
         raise AuthError(AuthFailure.BAD_SIGNATURE, "forged")

@@ -18,7 +18,7 @@ from python_backends.embed.admission import AdmissionPolicy, SharedWork
 from python_backends.embed.router import RouterConfig
 from python_backends.embed.routing import RoutingSource, RoutingTable, write_routing_table
 from python_backends.embed.service import EmbedService
-from tests.fakes.pb_utils import FakeTriton, InferenceResponse, TritonError
+from tests.fakes.pb_utils import FakeTriton, InferenceResponse, TritonError, fake_encoder, get_output_tensor_by_name
 
 TOKENIZER = TextTokenizer.from_file(get_model_path() / "tokenizer.json")
 CONFIG = RouterConfig(bucket_lens=(16, 32, 64), bucket_max_batch={16: 2, 32: 2, 64: 2}, max_text_bytes=4096)
@@ -94,6 +94,25 @@ def test_rows_go_to_their_buckets_and_come_back_in_request_order(serve):
     assert fake.metric("embed_inflight_requests", version="1").value == 0
     assert len(fake.metric("embed_request_duration_seconds", version="1").observations) == 1
     assert fake.metric("embed_tenant_requests_total", tenant="other", outcome="ok").value == 1
+
+
+def test_a_request_served_by_one_chunk_answers_with_the_bucket_models_own_tensor(serve):
+    answered = []
+
+    def encoder(call):
+        answered.append(fake_encoder(call))
+        return answered[-1]
+
+    service = serve(FakeTriton(encoder))
+    response = answer(service, request([words(5), words(9)]))  # both rows in bucket 16, one chunk
+    served = get_output_tensor_by_name(answered[0], "EMBEDDING")
+    assert get_output_tensor_by_name(response, "EMBEDDING") is served  # passed on, not copied
+    assert response.output("TOKENS").reshape(-1).tolist() == [5, 9]
+    # Rows of two buckets are put back in request order: a new tensor.
+    response = answer(service, request([words(40), words(5)]))
+    assert response.output("EMBEDDING")[:, 0].tolist() == [40, 5]
+    assert all(get_output_tensor_by_name(response, "EMBEDDING") is not get_output_tensor_by_name(bucket, "EMBEDDING")
+               for bucket in answered[1:])
 
 
 def test_a_bad_request_is_refused_before_any_model_runs(serve):
@@ -249,6 +268,10 @@ def test_a_bug_costs_one_request_its_answer_not_the_instance(serve):
         TritonError.INTERNAL, "internal error in the router: RuntimeError: boom")
     fake.bls = FakeTriton().bls
     assert not answer(service, request([words(10)])).has_error()
+    service.finalize()
+    assert fake.metric("embed_inflight_requests", version="1").value == 0  # the failed one left too
+    assert fake.metric("embed_requests_total", version="1", outcome="ok").value == 1
+    assert fake.metric("embed_request_duration_seconds", version="1").observations == [pytest.approx(0, abs=1)]
 
 
 def test_authentication_failures_are_refused_before_any_model_runs_and_counted_by_reason(serve, tmp_path):
