@@ -44,6 +44,7 @@ from tools.planning.derivation import (
     plan_slo_fit,
     preferred_batch,
 )
+from tools.planning.regimes import REGIMES_PARAMETER, derive_regimes, unbatched_capacity_rps
 from tools.repository.external import MANAGED_FIELDS, loaded_versions, managed_drift, merge_managed
 from tools.repository.sources import (
     ExternalModel,
@@ -576,6 +577,11 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         raise InfeasibleSLO(f"{model.name}: {err}") from None
     router = derive_router(model.peak_rps, model.slo_p95_ms, profile.hardware.cpu_count, model.max_router_instances,
                            admission.policy)
+    capacity_rps = unbatched_capacity_rps(
+        {d.model_name: shares[b] for b, d in demands.items()}, {d.model_name: curves[b] for b, d in demands.items()},
+        rows, lanes, router_cpu_ms, demands[model.bucket_lens[0]].max_utilization)
+    regimes, regimes_reason = derive_regimes(
+        {g.name: g.knobs.max_queue_delay_us for g in generated if g.knobs is not None}, capacity_rps, model.peak_rps)
     router_header = (
         *provenance(spec, profile),
         "",
@@ -595,11 +601,16 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         "A request refused by either gets UNAVAILABLE (HTTP 503) at once instead of a late answer.",
         f"version_weights: the encoder version split at start (spec `traffic`); {ROUTING_FILE} in this folder,",
         "when present, overrides it live (`python -m tools rollout` writes it); a request may pin `version`.",
+        f"{REGIMES_PARAMETER}: {regimes_reason}.",
     )
+    router_model = (router_config(model, spec, bucket_max_batch, router, admission, graph) if graph is not None else
+                    tensor_router_config(model, spec, tensor_layout(model, tensors, bucket_max_batch), router,
+                                         admission))
+    if regimes is not None:
+        router_model.parameters[REGIMES_PARAMETER].string_value = regimes.to_json()
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=(router_config(model, spec, bucket_max_batch, router, admission, graph) if graph is not None else
-                tensor_router_config(model, spec, tensor_layout(model, tensors, bucket_max_batch), router, admission)),
+        config=router_model,
         header=router_header,
         adapter="embed_model" if graph is not None else "tensor_router_model",
         versions=ROUTER_VERSIONS,
