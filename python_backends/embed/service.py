@@ -11,7 +11,8 @@ module in the server, a fake of it in the unit tests (`tests/fakes/pb_utils.py`)
 `pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL`; nothing here imports Triton.
 
 The decisions are made by the pure modules (`router`, `buckets`, `routing`, `admission`,
-`common.quotas`); this module does their I/O: BLS calls on worker threads, the routing file,
+`common.quotas`, `common.regimes`: which model serves a lingering bucket's rows); this module
+does their I/O: BLS calls on worker threads, the routing file,
 the quota and admission tables shared by the router's instances, the keys file.
 """
 
@@ -34,6 +35,7 @@ from python_backends.common.artifacts import verify_artifacts
 from python_backends.common.drift import drift_rows
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import SharedBuckets, admit
+from python_backends.common.regimes import Regime, RegimeTracker
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
 from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, resolve_tenant
 from python_backends.common.tokenization import TextTokenizer
@@ -158,6 +160,11 @@ class EmbedService:
         self.quota_buckets = SharedBuckets(quota_path)
         self.admission = config.admission
         self.work = SharedWork(work_path, instance_slot(instance_name), config.bucket_lens)
+        # At light load the rows of buckets that linger go to the express model, which does
+        # not: each instance tracks the regime from its own arrivals (`common.regimes`).
+        regimes = config.linger_regimes
+        self.regimes = RegimeTracker(regimes) if regimes is not None else None
+        self.regime_gauge = self.metrics.linger_regime() if regimes is not None else None
         self.metrics.start()
 
     @classmethod
@@ -202,6 +209,8 @@ class EmbedService:
         # requests by a worker when their buckets are back; returning None tells Triton so.
         # Blocking BLS calls on worker threads cost the stub less CPU than asyncio round
         # trips through an executor (measured: 1.9 -> 1.3 CPU ms per request on 2 vCPU).
+        if self.regimes is not None:
+            self._count_arrivals(len(requests))
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -217,6 +226,22 @@ class EmbedService:
                 except RuntimeError:  # the pool is shutting down with the model: serve it here
                     self._finish(sender, accepted)
         return None
+
+    def _count_arrivals(self, count: int) -> None:
+        """Feed the regime tracker; move the regime gauge by this instance's share when it switches."""
+        before = self.regimes.regime
+        after = self.regimes.observe(time.monotonic(), count)
+        if after is not before:
+            share = 1.0 / self.regimes.regimes.instances
+            self.regime_gauge.increment(share if after is Regime.PEAK else -share)
+
+    def _targets(self, prepared: PreparedRequest) -> list[str]:
+        """The model each chunk goes to now: its bucket model, or in the light regime the
+        express model for a bucket that lingers."""
+        if self.regimes is None:
+            return [chunk.model_name for chunk in prepared.chunks]
+        regime, regimes = self.regimes.regime, self.regimes.regimes
+        return [regimes.target(chunk.model_name, regime) for chunk in prepared.chunks]
 
     def _error(self, message: str, code) -> object:
         return self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
@@ -321,24 +346,34 @@ class EmbedService:
             message = f"{message} The instance crashed while serving this request; retry."
         return self._error(f"bucket model {model_name} v{version}: {message}", code)
 
-    def _run_chunks(self, prepared: PreparedRequest, version: int):
-        """Send every chunk to `version` of its bucket model.
+    def _run_chunks(self, prepared: PreparedRequest, version: int, targets: list[str] | None = None):
+        """Send every chunk to `version` of its model in `targets` (by default `_targets`: its
+        bucket model, or the express model); a chunk the express model cannot take because it does
+        not serve `version` goes to its bucket model, and `targets` says so afterwards.
 
         Returns ((model name, error) of the first failure, None), or (None, the reassembled outputs).
         """
         pb = self.pb
         names = list(self.codec.output_names)
         responses = [None] * len(prepared.chunks)
+        targets = targets if targets is not None else self._targets(prepared)
+
+        def send(model_name: str, chunk):
+            return pb.InferenceRequest(
+                model_name=model_name,
+                model_version=version,
+                inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
+                requested_output_names=names,
+            ).exec()
 
         def run_lane(lane):
             for index in lane:
                 chunk = prepared.chunks[index]
-                responses[index] = pb.InferenceRequest(
-                    model_name=chunk.model_name,
-                    model_version=version,
-                    inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
-                    requested_output_names=names,
-                ).exec()
+                responses[index] = send(targets[index], chunk)
+                if (responses[index].has_error() and targets[index] != chunk.model_name
+                        and not pb.is_model_ready(targets[index], str(version))):
+                    targets[index] = chunk.model_name  # the express model is not loaded (at this version)
+                    responses[index] = send(chunk.model_name, chunk)
                 if responses[index].has_error():
                     return
 
@@ -348,17 +383,18 @@ class EmbedService:
         for lane in pending:
             lane.result()
         # A lane stops at its first failed chunk (later ones stay None); report that failure.
-        for chunk, response in zip(prepared.chunks, responses, strict=True):
+        for target, response in zip(targets, responses, strict=True):
             if response is not None and response.has_error():
-                return (chunk.model_name, response.error()), None
+                return (target, response.error()), None
         outputs = [{name: pb.get_output_tensor_by_name(r, name).as_numpy() for name in names} for r in responses]
         return None, self.codec.reassemble(prepared, outputs)
 
     def _serve_admitted(self, accepted: Accepted):
         prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
         outcomes, latency, inflight = self.metrics.of_version(version)
+        targets = self._targets(prepared)
         try:
-            failure, outputs = self._run_chunks(prepared, version)
+            failure, outputs = self._run_chunks(prepared, version, targets)
         finally:
             inflight.increment(-1)
             self.work.add({bucket: -ms for bucket, ms in accepted.own_work.items()})
@@ -376,11 +412,13 @@ class EmbedService:
         if baseline is not None and self.shadow_slots.acquire(blocking=False):
             # Repeat the request on the baseline after answering: the client never waits for it.
             self.shadow_pool.submit(self._shadow, prepared, outputs, baseline, version)
-        for chunk in prepared.chunks:
+        for chunk, target in zip(prepared.chunks, targets, strict=True):
             rows, real, padded = self.metrics.buckets[chunk.chunk.bucket_len]
             rows.increment(len(chunk.chunk.row_indices))
             real.increment(chunk.num_real_tokens)
             padded.increment(self.codec.padded(chunk))
+            if target != chunk.model_name:  # served by the express model: counted under its bucket all the same
+                self.metrics.express_rows(chunk.chunk.bucket_len).increment(len(chunk.chunk.row_indices))
         if prepared.num_truncated:
             self.metrics.truncated.increment(prepared.num_truncated)
         num_rows = len(prepared.token_counts)
