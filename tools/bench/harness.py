@@ -120,7 +120,8 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
         path.write_text(text)
     for model in plan:
         for version in model.versions:
-            source = DEFAULT_MODEL_REPOSITORY / model.name / str(version)
+            # The express model has its bucket models' files: linked from one of them.
+            source = DEFAULT_MODEL_REPOSITORY / (model.files_of or model.name) / str(version)
             for item in source.iterdir():
                 if item.is_file() and item.name != "model.py":  # model files; the shim is generated
                     os.link(item, target / model.name / str(version) / item.name)
