@@ -8,7 +8,8 @@ axis), so a graph that does not fit fails the load with one line that lists ever
 The express model (`python_backends.common.regimes`) runs here too: its config leaves the
 variable axis free (-1) as the router declares it, and since Triton batches only requests of one
 shape, each batch it forms still holds rows of one bucket's length. On a batch the backend stacks
-the requests Triton formed, runs the graph once and splits every output back per request. `OnnxTensorModel` opens the ONNX file (I/O); the rest is pure.
+the requests Triton formed, runs the graph once and splits every output back per request.
+`OnnxTensorModel` opens the ONNX file (I/O); the rest is pure.
 """
 
 from __future__ import annotations
