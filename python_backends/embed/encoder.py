@@ -5,7 +5,10 @@ The backend stacks the batch Triton formed, feeds the kit's tensors (`INPUT_IDS`
 pools the per-token output when the graph does not pool itself (`pooling`, with the
 attention mask), L2-normalises when the spec asks, and splits the result back per request.
 A graph that build-models exported from a Hugging Face folder pools inside the graph
-already (`pooling` none); a raw export (`last_hidden_state`) is pooled here.
+already (`pooling` none); a raw export (`last_hidden_state`) is pooled here. The bucketed
+model's express model (`python_backends.common.regimes`) runs here too, with the length free
+(dims -1, parameter `free_length`): Triton batches only requests of one shape, so each batch
+it forms still holds rows of one bucket's length.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class EncoderConfig:
     """Settings of one bucket encoder model, from its config.pbtxt."""
 
     model_name: str  # Triton model name, for error messages
-    seq_len: int  # the bucket length: dims of INPUT_IDS / ATTENTION_MASK
+    seq_len: int | None  # the bucket length: dims of INPUT_IDS / ATTENTION_MASK; None: free (the express model)
     max_batch_size: int  # Triton's batch limit for this bucket
     inputs: tuple[str, ...] = (INPUT_IDS, ATTENTION_MASK)  # the config's input tensors
     output: str = "EMBEDDING"  # the config's output tensor
@@ -58,6 +61,7 @@ class EncoderParameters(ModelParameters):
     onnx_output: str = "embedding"  # the graph output the model answers with
     pooling: str = "none"  # none (the graph pools), mean, cls or last
     normalize: Flag = False  # L2-normalise each output row
+    free_length: Flag = False  # the express model: rows of any bucket length (dims -1)
 
 
 def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
@@ -67,9 +71,14 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
     for required in (INPUT_IDS, ATTENTION_MASK):
         if required not in inputs:
             raise ValueError(f"model '{name}': config has no input {required}")
+    params = {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+    parameters = EncoderParameters.from_parameters(name, params)
     dims = [int(d) for d in inputs[INPUT_IDS].get("dims", [])]
-    if len(dims) != 1 or dims[0] < 2:
-        raise ValueError(f"model '{name}': {INPUT_IDS} dims must be one fixed length >= 2, got {dims}")
+    if parameters.free_length and dims != [-1]:
+        raise ValueError(f"model '{name}': with free_length, {INPUT_IDS} dims must be [-1] (any length), got {dims}")
+    if not parameters.free_length and (len(dims) != 1 or dims[0] < 2):
+        raise ValueError(f"model '{name}': {INPUT_IDS} dims must be one fixed length >= 2, got {dims} (-1 only "
+                         "with the parameter free_length, as the express model has it)")
     for other, tensor in inputs.items():
         other_dims = [int(d) for d in tensor.get("dims", [])]
         if other_dims != dims:
@@ -80,8 +89,6 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
     max_batch_size = int(model_config.get("max_batch_size", 0))
     if max_batch_size < 1:
         raise ValueError(f"model '{name}': max_batch_size must be >= 1 so Triton can batch it")
-    params = {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
-    parameters = EncoderParameters.from_parameters(name, params)
     unmapped = sorted(set(inputs) - set(parameters.onnx_inputs))
     if unmapped:
         raise ValueError(f"model '{name}': parameter onnx_inputs names no graph input for {unmapped}")
@@ -91,7 +98,7 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
         raise ValueError(f"model '{name}': parameter pooling: {err}") from None
     return EncoderConfig(
         model_name=name,
-        seq_len=dims[0],
+        seq_len=None if parameters.free_length else dims[0],
         max_batch_size=max_batch_size,
         inputs=tuple(inputs),
         output=outputs[0],

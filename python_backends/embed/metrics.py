@@ -20,6 +20,7 @@ from python_backends.embed.router import (
     AUTH_FAILURE_COUNTER,
     BUCKET_COUNTERS,
     LATENCY_BUCKETS_S,
+    LINGER_REGIME,
     ROUTER_COUNTERS,
     TENANT_COUNTER,
     UNAUTHENTICATED_LABELS,
@@ -58,7 +59,7 @@ class RouterMetrics:
                          for name, text in ROUTER_COUNTERS.items()}
         for (name, text), kind in ((VERSION_COUNTER, family.COUNTER), (TENANT_COUNTER, family.COUNTER),
                                    (VERSION_INFLIGHT, family.GAUGE), (VERSION_LATENCY, family.HISTOGRAM),
-                                   (AUTH_FAILURE_COUNTER, family.COUNTER),
+                                   (AUTH_FAILURE_COUNTER, family.COUNTER), (LINGER_REGIME, family.GAUGE),
                                    *(((name, text), family.HISTOGRAM) for name, text, _ in SHADOW_HISTOGRAMS.values())):
             self.families[name] = family(name=name, description=text, kind=kind)
         # Counter and gauge increments are summed here and handed to Triton by a flusher
@@ -78,6 +79,7 @@ class RouterMetrics:
         }
         self.versions = {}
         self.shadows = {}
+        self.express = {}
         self.tenant_series = {}
         self.unauthenticated = self._buffered(self.families[TENANT_COUNTER[0]].Metric(
             labels={"model": model, **UNAUTHENTICATED_LABELS}))
@@ -165,6 +167,18 @@ class RouterMetrics:
                 inflight = self._buffered(self.families[VERSION_INFLIGHT[0]].Metric(labels=labels))
                 self.versions[version] = (outcomes, latency, inflight)
             return self.versions[version]
+
+    def express_rows(self, bucket_len: int):
+        """The counter of bucket `bucket_len`'s rows the express model served (made on first use)."""
+        with self.create_lock:
+            if bucket_len not in self.express:
+                self.express[bucket_len] = self._buffered(self.families["embed_bucket_express_rows_total"].Metric(
+                    labels={"model": self.model, "bucket": str(bucket_len)}))
+            return self.express[bucket_len]
+
+    def linger_regime(self):
+        """The model's regime gauge (`LINGER_REGIME`): each instance moves it by its own share."""
+        return self._buffered(self.families[LINGER_REGIME[0]].Metric(labels={"model": self.model}))
 
     def shadow_histogram(self, series: str, baseline: int, candidate: int):
         """The histogram of one drift series (`common.drift.SHADOW_HISTOGRAMS`) of shadowed rows."""

@@ -22,6 +22,7 @@ from pydantic import PlainSerializer, PlainValidator, model_validator
 from python_backends.common.errors import InvalidInput
 from python_backends.common.params import AuthParameter, Flag, ModelParameters, PositiveInt, TenantsParameter
 from python_backends.common.quotas import UNLIMITED, TenantPolicy, parse_tenant
+from python_backends.common.regimes import LingerRegimes, RegimesParameter
 from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
@@ -37,7 +38,12 @@ ROUTER_COUNTERS = {
     "embed_bucket_real_tokens_total": "Tokens carrying text sent to each bucket (padding excluded)",
     "embed_bucket_padded_tokens_total": "Token slots sent to each bucket, padding included (rows x bucket length)",
     "embed_truncated_rows_total": "Rows cut to the model's token limit",
+    "embed_bucket_express_rows_total": "Rows of each length bucket that the express model served instead of the "
+                                       "bucket model (the light regime); counted in embed_bucket_rows_total too",
 }
+# Per model: which path the router's instances send the lingering buckets' rows to (common.regimes).
+LINGER_REGIME = ("embed_linger_regime", "Share of the router's instances in the peak regime: 0, the lingering "
+                                        "buckets' rows go to the express model (light); 1, to their bucket models")
 # Per encoder version (labels model, version): what the rollout gates read.
 VERSION_COUNTER = ("embed_requests_total", "Routed requests by encoder version and outcome (ok, error, rejected)")
 VERSION_LATENCY = ("embed_request_duration_seconds", "Time the router took to answer a request, by encoder version")
@@ -79,6 +85,7 @@ class RouterConfig:
     document_prefix: str = ""  # put before each text of a document (input_type "document")
     labels: tuple[str, ...] = ()  # classifier label names by logit index; empty: no LABEL output
     pairs: bool = False  # rows may be text pairs (TEXT_PAIR)
+    linger_regimes: LingerRegimes | None = None  # when the express model serves lingering buckets; None: never
 
     @property
     def output(self) -> str:
@@ -203,6 +210,7 @@ class RouterParameters(ModelParameters):
     document_prefix: str = ""  # put before each document text
     labels: LabelsParameter = ()  # classifier label names by logit index
     pairs: Flag = False  # rows may be text pairs (TEXT_PAIR)
+    linger_regimes: RegimesParameter = None  # JSON: when the express model serves the lingering buckets
 
     @model_validator(mode="after")
     def _every_bucket_covered(self) -> RouterParameters:
@@ -212,6 +220,7 @@ class RouterParameters(ModelParameters):
         no_cost = sorted(set(self.bucket_lens) - set(self.admission.row_cost_ms))
         if self.admission.max_work_ms > 0 and no_cost:
             raise ValueError(f"parameter admission has no row cost for buckets {no_cost}")
+        check_regimes(self.linger_regimes, [f"{self.encoder_prefix}{b}" for b in self.bucket_lens])
         return self
 
     def router_config(self) -> RouterConfig:
@@ -221,7 +230,20 @@ class RouterParameters(ModelParameters):
                             tenants=self.tenants, admission=self.admission, auth=self.tenant_auth,
                             max_concurrent_requests=self.max_concurrent_requests, kind=self.kind,
                             token_types=self.token_types, query_prefix=self.query_prefix,
-                            document_prefix=self.document_prefix, labels=self.labels, pairs=self.pairs)
+                            document_prefix=self.document_prefix, labels=self.labels, pairs=self.pairs,
+                            linger_regimes=self.linger_regimes)
+
+
+def check_regimes(regimes: LingerRegimes | None, bucket_models: Sequence[str]) -> None:
+    """The regimes name only this router's bucket models, and an express model that is none of them."""
+    if regimes is None:
+        return
+    unknown = sorted(set(regimes.peak_us) - set(bucket_models))
+    if unknown:
+        raise ValueError(f"parameter linger_regimes names {unknown}, which are not bucket models of this router "
+                         f"({', '.join(bucket_models)})")
+    if regimes.express in bucket_models:
+        raise ValueError(f"parameter linger_regimes: the express model {regimes.express!r} is a bucket model")
 
 
 def parse_router_config(model_name: str, parameters: Mapping[str, str]) -> RouterConfig:

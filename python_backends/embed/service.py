@@ -11,7 +11,8 @@ module in the server, a fake of it in the unit tests (`tests/fakes/pb_utils.py`)
 `pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL`; nothing here imports Triton.
 
 The decisions are made by the pure modules (`router`, `buckets`, `routing`, `admission`,
-`common.quotas`); this module does their I/O: BLS calls on worker threads, the routing file,
+`common.quotas`, `common.regimes`: which model serves a lingering bucket's rows); this module
+does their I/O: BLS calls on worker threads, the routing file,
 the quota and admission tables shared by the router's instances, the keys file.
 """
 
@@ -34,6 +35,7 @@ from python_backends.common.artifacts import verify_artifacts
 from python_backends.common.drift import drift_rows
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import SharedBuckets, admit
+from python_backends.common.regimes import Regime, RegimeTracker
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
 from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, resolve_tenant
 from python_backends.common.tokenization import TextTokenizer
@@ -162,6 +164,11 @@ class EmbedService:
         self.quota_buckets = SharedBuckets(quota_path)
         self.admission = config.admission
         self.work = SharedWork(work_path, instance_slot(instance_name), config.bucket_lens)
+        # At light load the rows of buckets that linger go to the express model, which does
+        # not: each instance tracks the regime from its own arrivals (`common.regimes`).
+        regimes = config.linger_regimes
+        self.regimes = RegimeTracker(regimes) if regimes is not None else None
+        self.regime_gauge = self.metrics.linger_regime() if regimes is not None else None
         self.metrics.start()
 
     @classmethod
@@ -206,6 +213,8 @@ class EmbedService:
         # requests by a worker when their buckets are back; returning None tells Triton so.
         # Blocking BLS calls on worker threads cost the stub less CPU than asyncio round
         # trips through an executor (measured: 1.9 -> 1.3 CPU ms per request on 2 vCPU).
+        if self.regimes is not None:
+            self._count_arrivals(len(requests))
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -221,6 +230,22 @@ class EmbedService:
                 except RuntimeError:  # the pool is shutting down with the model: serve it here
                     self._finish(sender, accepted)
         return None
+
+    def _count_arrivals(self, count: int) -> None:
+        """Feed the regime tracker; move the regime gauge by this instance's share when it switches."""
+        before = self.regimes.regime
+        after = self.regimes.observe(time.monotonic(), count)
+        if after is not before:
+            share = 1.0 / self.regimes.regimes.instances
+            self.regime_gauge.increment(share if after is Regime.PEAK else -share)
+
+    def _targets(self, prepared: PreparedRequest) -> list[str]:
+        """The model each chunk goes to now: its bucket model, or in the light regime the
+        express model for a bucket that lingers."""
+        if self.regimes is None:
+            return [chunk.model_name for chunk in prepared.chunks]
+        regime, regimes = self.regimes.regime, self.regimes.regimes
+        return [regimes.target(chunk.model_name, regime) for chunk in prepared.chunks]
 
     def _error(self, message: str, code) -> object:
         return self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
@@ -324,18 +349,30 @@ class EmbedService:
             message = f"{message} The instance crashed while serving this request; retry."
         return self._error(f"bucket model {model_name} v{version}: {message}", code)
 
-    def _exec(self, chunk, version: int):
-        """One chunk's blocking BLS call to `version` of its bucket model: the response."""
+    def _exec(self, model_name: str, chunk, version: int):
+        """One chunk's blocking BLS call to `version` of `model_name` (its bucket model or the
+        express model): the response."""
         pb = self.pb
         return pb.InferenceRequest(
-            model_name=chunk.model_name,
+            model_name=model_name,
             model_version=version,
             inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
             requested_output_names=self.output_names,
         ).exec()
 
-    def _run_chunks(self, prepared: PreparedRequest, version: int):
-        """Send every chunk to `version` of its bucket model.
+    def _exec_to(self, targets: list[str], index: int, chunk, version: int):
+        """Chunk `index` to its target; a chunk the express model cannot take because it does not
+        serve `version` goes to its bucket model, and `targets` says so afterwards."""
+        response = self._exec(targets[index], chunk, version)
+        if (response.has_error() and targets[index] != chunk.model_name
+                and not self.pb.is_model_ready(targets[index], str(version))):
+            targets[index] = chunk.model_name  # the express model is not loaded (at this version)
+            response = self._exec(chunk.model_name, chunk, version)
+        return response
+
+    def _run_chunks(self, prepared: PreparedRequest, version: int, targets: list[str] | None = None):
+        """Send every chunk to `version` of its model in `targets` (by default `_targets`: its
+        bucket model, or the express model).
 
         Returns ((model name, error) of the first failure, None, None), or (None, the
         reassembled outputs, the bucket's own output tensors by name when one chunk served the
@@ -344,10 +381,11 @@ class EmbedService:
         pb = self.pb
         names = self.output_names
         chunks = prepared.chunks
+        targets = targets if targets is not None else self._targets(prepared)
         if len(chunks) == 1:  # most requests: no lanes to run
-            response = self._exec(chunks[0], version)
+            response = self._exec_to(targets, 0, chunks[0], version)
             if response.has_error():
-                return (chunks[0].model_name, response.error()), None, None
+                return (targets[0], response.error()), None, None
             tensors = {name: pb.get_output_tensor_by_name(response, name) for name in names}
             arrays = {name: tensor.as_numpy() for name, tensor in tensors.items()}
             return None, self.codec.reassemble(prepared, [arrays]), tensors
@@ -356,7 +394,7 @@ class EmbedService:
 
         def run_lane(lane):
             for index in lane:
-                responses[index] = self._exec(chunks[index], version)
+                responses[index] = self._exec_to(targets, index, chunks[index], version)
                 if responses[index].has_error():
                     return
 
@@ -366,17 +404,18 @@ class EmbedService:
         for lane in pending:
             lane.result()
         # A lane stops at its first failed chunk (later ones stay None); report that failure.
-        for chunk, response in zip(chunks, responses, strict=True):
+        for target, response in zip(targets, responses, strict=True):
             if response is not None and response.has_error():
-                return (chunk.model_name, response.error()), None, None
+                return (target, response.error()), None, None
         outputs = [{name: pb.get_output_tensor_by_name(r, name).as_numpy() for name in names} for r in responses]
         return None, self.codec.reassemble(prepared, outputs), {}
 
     def _serve_admitted(self, accepted: Accepted):
         prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
         outcomes, latency, inflight = self.metrics.of_version(version)
+        targets = self._targets(prepared)
         try:
-            failure, outputs, served_tensors = self._run_chunks(prepared, version)
+            failure, outputs, served_tensors = self._run_chunks(prepared, version, targets)
         except BaseException:
             inflight.increment(-1)
             raise
@@ -393,10 +432,12 @@ class EmbedService:
         # What the request moved, handed to the metrics in one step.
         moves = [(inflight, -1), (outcomes["ok"], 1)]
         buckets = self.metrics.buckets
-        for chunk in prepared.chunks:
+        for chunk, target in zip(prepared.chunks, targets, strict=True):
             rows, real, padded = buckets[chunk.chunk.bucket_len]
-            moves += ((rows, len(chunk.chunk.row_indices)), (real, chunk.num_real_tokens),
-                      (padded, self.codec.padded(chunk)))
+            num_rows = len(chunk.chunk.row_indices)
+            moves += ((rows, num_rows), (real, chunk.num_real_tokens), (padded, self.codec.padded(chunk)))
+            if target != chunk.model_name:  # served by the express model: counted under its bucket all the same
+                moves.append((self.metrics.express_rows(chunk.chunk.bucket_len), num_rows))
         if prepared.num_truncated:
             moves.append((self.metrics.truncated, prepared.num_truncated))
         self.metrics.add(moves, (latency, time.monotonic() - started))

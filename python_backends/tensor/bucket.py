@@ -5,8 +5,11 @@ The bucket model's config names the graph's own inputs and outputs (Triton names
 names), with the variable axis fixed to the bucket's length where the router pads it. At load
 the graph is checked against the config (names, data types, ranks, fixed sizes, a free batch
 axis), so a graph that does not fit fails the load with one line that lists every mismatch.
-On a batch the backend stacks the requests Triton formed, runs the graph once and splits
-every output back per request. `OnnxTensorModel` opens the ONNX file (I/O); the rest is pure.
+The express model (`python_backends.common.regimes`) runs here too: its config leaves the
+variable axis free (-1) as the router declares it, and since Triton batches only requests of one
+shape, each batch it forms still holds rows of one bucket's length. On a batch the backend stacks
+the requests Triton formed, runs the graph once and splits every output back per request.
+`OnnxTensorModel` opens the ONNX file (I/O); the rest is pure.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from pydantic import PlainSerializer, PlainValidator, ValidationInfo, model_vali
 from python_backends.common.errors import InvalidInput
 from python_backends.common.params import AuthParameter, ModelParameters, PositiveInt, TenantsParameter
 from python_backends.common.quotas import UNLIMITED, TenantPolicy
+from python_backends.common.regimes import LingerRegimes, RegimesParameter
 from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.embed.buckets import Chunk, choose_bucket, reassemble
@@ -49,6 +50,7 @@ from python_backends.embed.router import (
     RequestOptions,
     RoutingFile,
     VersionWeights,
+    check_regimes,
 )
 from python_backends.embed.routing import RoutingTable
 
@@ -191,6 +193,7 @@ class TensorRouterConfig:
     admission: AdmissionPolicy = ADMIT_ALL  # how much work may be in flight (derived from the profile)
     auth: AuthConfig = AUTH_OFF  # how a request proves its tenant (spec [tenants.auth])
     max_concurrent_requests: int = 32  # requests one instance serves at once (its worker threads)
+    linger_regimes: LingerRegimes | None = None  # when the express model serves lingering buckets; None: never
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -228,6 +231,10 @@ class TensorRouterConfig:
         for bucket in self.bucket_lens:
             if self.bucket_max_batch[bucket] < 1:
                 raise ValueError(f"bucket_max_batch for bucket {bucket} must be >= 1")
+        if self.fixed_model and self.linger_regimes is not None:
+            raise ValueError(f"parameter linger_regimes: the external model {self.fixed_model!r} has no express model "
+                             "(its backend is the user's)")
+        check_regimes(self.linger_regimes, [self.model_for(bucket) for bucket in self.bucket_lens])
 
     @property
     def carriers(self) -> tuple[TensorSpec, ...]:
@@ -342,6 +349,7 @@ class TensorRouterParameters(ModelParameters):
     admission: AdmissionParameter = ADMIT_ALL  # how much work may be in flight
     tenant_auth: AuthParameter = AUTH_OFF  # how a request proves its tenant
     max_concurrent_requests: PositiveInt = 32  # requests one instance serves at once
+    linger_regimes: RegimesParameter = None  # JSON: when the express model serves the lingering buckets
 
     @model_validator(mode="after")
     def _consistent(self) -> TensorRouterParameters:
@@ -361,7 +369,8 @@ class TensorRouterParameters(ModelParameters):
             bucket_lens=self.bucket_lens if axis is not None else (FIXED_BUCKET,),
             bucket_max_batch=self.bucket_max_batch, encoder_prefix=self.encoder_prefix, fixed_model=self.fixed_model,
             default_routing=self.version_weights, routing_file=self.routing_file, tenants=self.tenants,
-            admission=self.admission, auth=self.tenant_auth, max_concurrent_requests=self.max_concurrent_requests)
+            admission=self.admission, auth=self.tenant_auth, max_concurrent_requests=self.max_concurrent_requests,
+            linger_regimes=self.linger_regimes)
 
 
 def parse_tensor_router_config(model_name: str, parameters: Mapping[str, str]) -> TensorRouterConfig:

@@ -133,10 +133,6 @@ def model_counts(client: httpclient.InferenceServerClient, model: str) -> tuple[
     return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
 
-def all_counts(client) -> dict[str, tuple[int, int]]:
-    return {f"encoder_{b}": model_counts(client, f"encoder_{b}") for b in BUCKETS}
-
-
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import shlex
 import subprocess
-import threading
 import time
 import urllib.request
 
@@ -15,10 +13,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
 from tests.integration.helpers import (
     BUCKETS,
     ROUTER_COUNTERS_LAG_S,
-    all_counts,
     as_tenant,
     cosines,
     grpc_embed,
@@ -107,18 +105,26 @@ def test_rows_of_one_request_in_different_buckets_come_back_in_order(http_client
 def test_each_length_lands_in_its_bucket(http_client, num_tokens):
     text = text_with_tokens(num_tokens)
     expected = next(b for b in BUCKETS if token_count(text) <= b)
-    before = all_counts(http_client)
+    regimes = LingerRegimes.from_json(
+        http_client.get_model_config("embed")["parameters"][REGIMES_PARAMETER]["string_value"])
+    models = [*(f"encoder_{b}" for b in BUCKETS), regimes.express]
+    before = {model: model_counts(http_client, model) for model in models}
     http_embed(http_client, [text])
-    wanted = {f"encoder_{b}": int(b == expected) for b in BUCKETS}
+    # A bucket that lingers at peak has its rows served by the express model while traffic is
+    # light (as here, unless an earlier test left the router's regime at peak); padded to the
+    # bucket either way (test_router_metric_counts_rows_per_bucket).
+    wanted = [{f"encoder_{expected}": 1}]
+    if f"encoder_{expected}" in regimes.peak_us:
+        wanted.append({regimes.express: 1})
     # Triton records a model's statistics just after it responds; give it a moment.
     deadline = time.monotonic() + 5
     while True:
-        after = all_counts(http_client)
-        delta = {model: after[model][0] - before[model][0] for model in after}
-        if delta == wanted or time.monotonic() > deadline:
+        after = {model: model_counts(http_client, model) for model in models}
+        delta = {model: after[model][0] - before[model][0] for model in after if after[model] != before[model]}
+        if delta in wanted or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert delta == wanted
+    assert delta in wanted
 
 
 def test_router_metric_counts_rows_per_bucket(triton, http_client):
@@ -141,61 +147,6 @@ def test_router_metric_counts_rows_per_bucket(triton, http_client):
     assert after["16"] - before["16"] == 2
     assert after["128"] - before["128"] == 1
     assert after["32"] == before["32"]
-
-
-def test_concurrent_requests_are_batched_by_the_bucket_model(triton, grpc_client):
-    """A burst of single-row requests reaches encoder_16 as a few large batches."""
-    import tritonclient.grpc as grpcclient
-
-    text = text_with_tokens(12)
-    data = np.array([[text.encode()]], dtype=object)
-    # A burst of 16 requests sent 2 ms apart: all in flight together (encoder_16 lingers for
-    # its batch) and below its max_batch_size. Not all in the same millisecond: the router's
-    # queue is a small hand-off buffer in front of its instances, and a same-instant burst
-    # larger than instances + queue may be refused before an instance takes it.
-    encoder = triton_http(triton).get_model_config("encoder_16")
-    num_requests = min(16, int(encoder["max_batch_size"]))
-    inference_before, exec_before = model_counts(triton_http(triton), "encoder_16")
-    done = threading.Semaphore(0)
-    results: list = [None] * num_requests
-
-    def callback(index, result, error):
-        results[index] = error if error is not None else result.as_numpy("EMBEDDING")
-        done.release()
-
-    for index in range(num_requests):
-        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-        tensor.set_data_from_numpy(data)
-        grpc_client.async_infer("embed", [tensor], callback=functools.partial(callback, index))
-        time.sleep(0.002)
-    for _ in range(num_requests):
-        assert done.acquire(timeout=120)
-    embeddings = [r for r in results if isinstance(r, np.ndarray)]
-    failures = [r for r in results if not isinstance(r, np.ndarray)]
-    # Only retryable rejections are acceptable: a burst all at once is what admission control
-    # may partly turn away, the more so when earlier tests left its adaptive bound low.
-    assert all(f.status() == "StatusCode.UNAVAILABLE" for f in failures), failures
-    assert len(embeddings) >= num_requests // 2, [f.message() for f in failures][:3]
-
-    deadline = time.monotonic() + 5
-    while True:  # statistics land just after the responses
-        inference_after, exec_after = model_counts(triton_http(triton), "encoder_16")
-        if inference_after - inference_before >= len(embeddings) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    inferences = inference_after - inference_before
-    executions = exec_after - exec_before
-    assert inferences == len(embeddings)
-    # Batched: a mean batch size above 2 (the bucket's linger and the execution in flight
-    # hold the requests that arrive meanwhile).
-    assert executions * 2 < inferences, f"{inferences} requests ran in {executions} executions"
-    # And batching does not change the answer.
-    stacked = np.concatenate(embeddings)
-    assert cosines(stacked, np.repeat(stacked[:1], len(embeddings), axis=0)).min() >= 0.9999
-
-
-def triton_http(triton) -> httpclient.InferenceServerClient:
-    return httpclient.InferenceServerClient(triton.http_url)
 
 
 def test_tenant_token_and_priority_are_accepted_over_all_protocols(triton, http_client, grpc_client):

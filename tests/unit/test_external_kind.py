@@ -248,7 +248,8 @@ def test_the_external_config_is_not_among_the_kit_s_files(user):
     from tools.spec.profile import load_profile
 
     plan = plan_all(spec, load_profile(user / "cpu.json"))
-    assert [m.name for m in plan] == ["scorer", EXTERNAL_MODEL]
+    assert [m.name for m in plan] == ["scorer", EXTERNAL_MODEL]  # no express model: the backend is the user's
+    assert "linger_regimes: none: the external model user_scorer gets no express model" in plan[0].config_text()
     files = expected_files(plan, user / "model_repository")
     assert all(path.is_relative_to(user / "model_repository") for path in files)
     assert list(external_files(plan)) == [config_path(user)]

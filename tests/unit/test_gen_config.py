@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
+from google.protobuf.json_format import MessageToDict
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.quotas import TenantPolicy
+from python_backends.embed.encoder import parse_encoder_config
 from python_backends.embed.router import parse_router_config
 from python_backends.embed.routing import RoutingTable
 from tools.repository.configs import add_encoder_warmup, check, expected_files, plan_all, write_files
@@ -521,3 +523,45 @@ def test_every_generated_parameter_reads_back_through_the_schema_it_was_written_
         schema = schemas[model.adapter]
         assert set(written) <= set(schema.model_fields), model.name  # nothing written that nobody reads
         assert schema.from_parameters(model.name, written).to_parameters() == written, model.name
+
+
+# --- the express model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured_plan(spec):
+    """The plan from the committed profile, in which encoder_16 and encoder_32 linger at peak."""
+    return {model.name: model for model in plan_all(spec, load_profile(REPO / "profiles" / "cpu.json"))}
+
+
+def test_a_model_whose_buckets_linger_gets_an_express_model_without_a_linger(measured_plan):
+    express = measured_plan["encoder_express"]
+    parameters = measured_plan["embed"].config.parameters
+    router = parse_router_config("embed", {key: value.string_value for key, value in parameters.items()})
+    regimes = router.linger_regimes
+    assert regimes.express == "encoder_express" and set(regimes.peak_us) == {"encoder_16", "encoder_32"}
+    assert regimes.instances == measured_plan["embed"].config.instance_group[0].count
+    assert 0 < regimes.down_rps < regimes.up_rps < 100  # under the spec's peak_rps
+    config, bucket = express.config, measured_plan["encoder_16"].config
+    assert config.max_batch_size == max(measured_plan[name].config.max_batch_size for name in regimes.peak_us)
+    assert [list(tensor.dims) for tensor in config.input] == [[-1], [-1]]
+    assert config.parameters["free_length"].string_value == "1"
+    assert config.dynamic_batching.max_queue_delay_microseconds == 0
+    assert not config.dynamic_batching.preferred_batch_size
+    assert config.instance_group[0].count == 2  # the device's lanes
+    assert list(config.version_policy.specific.versions) == list(bucket.version_policy.specific.versions)
+    assert {(w.batch_size, tuple(w.inputs["INPUT_IDS"].dims)) for w in config.model_warmup} == {(1, (16,)), (22, (16,))}
+    assert (config.backend, express.adapter, express.files_of) == ("python", "encoder_model", "encoder_16")
+    for key in ("onnx_inputs", "onnx_output", "pooling", "intra_op_threads"):
+        assert config.parameters[key] == bucket.parameters[key]
+    assert "the router sends their rows here instead while its arrival rate is light" in express.config_text()
+    assert parse_encoder_config(MessageToDict(config, preserving_proto_field_name=True)).seq_len is None
+
+
+def test_a_model_whose_buckets_never_linger_gets_no_express_model(plan):
+    # The small profile: every bucket runs unbatched at peak.
+    assert "encoder_express" not in {model.name for model in plan}
+    router = plan[0]
+    assert "linger_regimes" not in router.config.parameters
+    assert "linger_regimes: no bucket lingers at peak" in router.config_text()
+

@@ -10,6 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
+from python_backends.common.regimes import LingerRegimes
 from tools.bench import sweep
 from tools.bench.inputs import Fill
 from tools.bench.loadgen import (
@@ -242,6 +243,12 @@ def test_a_router_calls_the_bucket_models_its_config_names():
     assert called_models({"name": "image", "parameters": tensor}) == ("image_fixed",)
     external = {**tensor, "fixed_model": {"string_value": "user_scorer"}}
     assert called_models({"name": "scorer", "parameters": external}) == ("user_scorer",)
+    # A router whose buckets linger at peak also calls its express model.
+    regimes = LingerRegimes(up_rps=40.0, down_rps=20.0, hold_s=30.0, instances=2, express="encoder_express",
+                            peak_us={"encoder_16": 60000})
+    lingering = router_config("16,32", "encoder_")
+    lingering["parameters"]["linger_regimes"] = {"string_value": regimes.to_json()}
+    assert called_models(lingering) == ("encoder_16", "encoder_32", "encoder_express")
 
 
 def test_default_stats_models_add_the_routers_ready_buckets():

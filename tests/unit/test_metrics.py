@@ -175,3 +175,19 @@ def test_parse_exposition_unescapes_label_values_and_reads_special_values():
     assert series[("embed_tenant_requests_total", (("outcome", "ok"), ("tenant", 'a"b\\c')))] == 3
     assert math.isnan(series[("llm_kv_blocks_used", (("model", "llm"),))])
     assert series[("x_bucket", (("le", "+Inf"),))] == math.inf
+
+
+def bucket_text(rows: int, express: int) -> str:
+    labels = 'model="embed",bucket="16"'
+    return "\n".join([
+        "# TYPE embed_bucket_rows_total counter", f"embed_bucket_rows_total{{{labels}}} {rows}",
+        "# TYPE embed_bucket_real_tokens_total counter", f"embed_bucket_real_tokens_total{{{labels}}} {rows * 8}",
+        "# TYPE embed_bucket_padded_tokens_total counter", f"embed_bucket_padded_tokens_total{{{labels}}} {rows * 16}",
+        "# TYPE embed_bucket_express_rows_total counter", f"embed_bucket_express_rows_total{{{labels}}} {express}", ""])
+
+
+def test_top_shows_the_share_of_a_bucket_s_rows_the_express_model_served():
+    from tools.observe.top import padding_rows
+
+    window = Window(snap(0, bucket_text(100, 40)), snap(10, bucket_text(200, 115)))
+    assert padding_rows(window) == [("embed", "16", 10.0, 2.0, 0.75)]

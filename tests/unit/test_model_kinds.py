@@ -101,6 +101,16 @@ def test_bucket_model_names_must_not_collide_across_models():
                                                                         ("rerank_16", "rerank_32")]
 
 
+def test_the_express_model_name_is_reserved():
+    # gen-config adds `<prefix>express` when a bucket lingers at peak: no other model may be called so.
+    data = copy.deepcopy(BASE)
+    data["models"]["embed_express"] = {**data["models"]["embed"], "encoder_prefix": "other_"}
+    with pytest.raises(SpecError, match=r"\[models.embed\]: its express model 'embed_express' \(the bucket models' "
+                                        r"twin without a linger\) is also a model of 'embed_express'"):
+        parse_spec(data, SPEC)
+    assert [m.express_name for m in parse_spec(copy.deepcopy(BASE), SPEC).models] == ["embed_express"]
+
+
 # --- what the bucket models run -----------------------------------------------------------
 
 

@@ -25,7 +25,8 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys):
     existed = ROUTING.exists()
     assert rollout(tmp_path, "embed", "--to", "2", "--dry-run") == 0
     out = capsys.readouterr().out
-    assert "encoder version 1 -> 2 on encoder_16, encoder_32, encoder_64, encoder_128, encoder_256" in out
+    assert ("encoder version 1 -> 2 on encoder_16, encoder_32, encoder_64, encoder_128, encoder_256, encoder_express"
+            in out)
     assert "1% -> 5% -> 25% -> 50% -> 100%" in out
     assert "p95 <= 200 ms (SLO)" in out and "mean cosine vs v1 >= 0.98" in out
     assert "dry run: nothing changed" in out

@@ -244,3 +244,20 @@ def test_the_adapter_refuses_a_changed_graph(graphs, tmp_path, adapter):
     with pytest.raises(ArtifactError, match="model 'audio_16' version 1: refusing to load"):
         module.TritonPythonModel().initialize(
             {**args, "model_config": json.dumps(bucket_model_config(AUDIO_ROUTER, 16))})
+
+
+def test_the_express_model_takes_every_bucket_s_padded_rows_with_the_axis_free(graphs):
+    # As gen-config writes it: the inputs as the router declares them (the frames axis -1).
+    free_inputs = [{"name": spec.name, "data_type": spec.data_type, "dims": [str(size) for size in spec.dims]}
+                   for spec in AUDIO_ROUTER.inputs]
+    express = parse_tensor_bucket_config(bucket_model_config(AUDIO_ROUTER, 16, name="audio_express",
+                                                             input=free_inputs))
+    assert express.inputs[0].dims == (-1, NUM_FEATURES)
+    model = OnnxTensorModel(graphs["audio"], express)
+    router = TensorRouter(AUDIO_ROUTER)
+    for bucket in (16, 32):
+        bucket_model = OnnxTensorModel(graphs["audio"], parse_tensor_bucket_config(bucket_model_config(AUDIO_ROUTER,
+                                                                                                       bucket)))
+        (chunk,) = router.prepare(audio_rows(2, bucket - 3, seed=bucket)).chunks
+        np.testing.assert_allclose(model.run(chunk.tensors)["logits"], bucket_model.run(chunk.tensors)["logits"],
+                                   rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from python_backends.common.errors import InvalidInput
+from python_backends.common.regimes import LingerRegimes
 from python_backends.embed.admission import AdmissionPolicy
 from python_backends.embed.buckets import Chunk
 from python_backends.embed.router import RequestOptions
@@ -330,3 +331,18 @@ def test_config_built_in_code_is_checked_too():
     assert TensorSpec("m", "BOOL", (-1,), pad_value=0).dtype == np.bool_
     with pytest.raises(ValueError, match=r"pad 0\.0 does not fit BOOL"):
         TensorSpec("m", "BOOL", (-1,), pad_value=0.0)
+
+
+AUDIO_REGIMES = LingerRegimes(up_rps=40.0, down_rps=20.0, hold_s=30.0, instances=2, express="audio_express",
+                              peak_us={"audio_16": 30000})
+
+
+def test_linger_regimes_are_read_and_checked_against_the_buckets():
+    read = parse_tensor_router_config("audio", audio_parameters(linger_regimes=AUDIO_REGIMES.to_json()))
+    assert read == audio_config(linger_regimes=AUDIO_REGIMES)
+    assert parse_tensor_router_config("audio", audio_parameters()).linger_regimes is None
+    with pytest.raises(ValueError, match=r"names \['resnet_16'\], which are not bucket models of this router"):
+        audio_config(linger_regimes=LingerRegimes(**{**AUDIO_REGIMES.__dict__, "peak_us": {"resnet_16": 1}}))
+    with pytest.raises(ValueError, match="the external model 'classifier' has no express model"):
+        image_config(fixed_model="classifier", linger_regimes=LingerRegimes(
+            **{**AUDIO_REGIMES.__dict__, "peak_us": {"classifier": 1000}}))

@@ -35,7 +35,7 @@ import numpy as np
 
 from tools.bench.harness import BENCH_DIR, detect_hardware, hardware_report
 from tools.clients.retrying import Outcome, classify
-from tools.paths import REPO_ROOT
+from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 from tools.spec.serving import ServingSpec
 from tools.spec.workload import TextFactory, Workload
@@ -143,7 +143,7 @@ def run_benchmark(spec: ServingSpec, workload: Workload, engines: Sequence[str],
     hardware = detect_hardware(None)
     config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
                           model_control_mode=ModelControlMode.EXPLICIT,
-                          load_models=(model.name, *(model.encoder_name(b) for b in model.bucket_lens)))
+                          load_models=(model.name, *model.bucket_models(DEFAULT_MODEL_REPOSITORY)))
     log(f"batch benchmark on {hardware.description}: {items} texts, {rounds} round(s) of each setup, "
         f"{rows} rows per request")
     setups = ["direct", *(SETUP_OF_ENGINE[engine] for engine in engines)]

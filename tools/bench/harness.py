@@ -114,17 +114,30 @@ def without_tenant_quotas(plan: list[GeneratedModel], model_name: str) -> list[G
 def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
     """A model repository for one setup: generated configs, model files hard-linked from the real
     one. A bucket model the real repository does not have (an edge derived for another workload)
-    runs the files of the bucket it was estimated from (`GeneratedModel.files_from`): a model's
+    runs the files of the bucket it was estimated from (`GeneratedModel.files_from`), the express
+    model those of a bucket (`files_of`) when the repository has none of its own: a model's
     bucket models all run the same graph, at different lengths."""
     target = BENCH_DIR / setup
     shutil.rmtree(target, ignore_errors=True)
     for path, text in expected_files(plan, target).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    by_name = {model.name: model for model in plan}
+
+    def files_folder(model: GeneratedModel) -> str:
+        """The real repository's folder whose files `model` runs: its own, else the one it names
+        (the express model's bucket, itself perhaps an unprofiled edge)."""
+        seen = []
+        while not (DEFAULT_MODEL_REPOSITORY / model.name).is_dir() and (model.files_from or model.files_of):
+            seen.append(model.name)
+            name = model.files_from or model.files_of
+            model = by_name.get(name, dataclasses.replace(model, name=name, files_from="", files_of=""))
+            if model.name in seen:
+                break
+        return model.name
+
     for model in plan:
-        folder = model.name
-        if model.files_from and not (DEFAULT_MODEL_REPOSITORY / folder).is_dir():
-            folder = model.files_from
+        folder = files_folder(model)
         for version in model.versions:
             source = DEFAULT_MODEL_REPOSITORY / folder / str(version)
             for item in source.iterdir():

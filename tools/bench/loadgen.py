@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
 from python_backends.tensor.router import FIXED_BUCKET, bucket_model_name
 from tools.clients.http_infer import (
     HttpInferClient,
@@ -296,9 +297,10 @@ def server_times_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> d
 
 def called_models(model_config: Mapping[str, Any]) -> tuple[str, ...]:
     """The bucket models a router model calls over BLS, from its config (Triton's JSON form,
-    `get_model_config(as_json=True)["config"]`): `encoder_prefix` + each of `bucket_lens`; a
-    tensor router without a variable axis calls its one model (`fixed_model`, an external
-    model, else `<prefix>fixed`). Empty for a model that does its work itself."""
+    `get_model_config(as_json=True)["config"]`): `encoder_prefix` + each of `bucket_lens`, and
+    the express model its `linger_regimes` names; a tensor router without a variable axis calls
+    its one model (`fixed_model`, an external model, else `<prefix>fixed`). Empty for a model
+    that does its work itself."""
     parameters = model_config.get("parameters") or {}
 
     def value(key: str) -> str:
@@ -308,9 +310,11 @@ def called_models(model_config: Mapping[str, Any]) -> tuple[str, ...]:
     prefix = value(PREFIX_PARAMETER) or DEFAULT_PREFIX
     if not lens.strip() and value("fixed_model"):
         return (value("fixed_model"),)
+    regimes = value(REGIMES_PARAMETER)
+    express = (LingerRegimes.from_json(regimes).express,) if regimes else ()
     if not lens.strip() and value("inputs"):  # a tensor router: its one fixed-shape bucket model
-        return (bucket_model_name(prefix, FIXED_BUCKET),)
-    return tuple(f"{prefix}{length.strip()}" for length in lens.split(",") if length.strip())
+        return (bucket_model_name(prefix, FIXED_BUCKET), *express)
+    return (*(f"{prefix}{length.strip()}" for length in lens.split(",") if length.strip()), *express)
 
 
 def default_stats_models(model: str, repository_index: Sequence[Mapping[str, Any]],

@@ -289,7 +289,7 @@ def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[st
     factory = TextFactory()
     texts = factory.texts_for(workload, 2000, seed=7)
     repository = DEFAULT_MODEL_REPOSITORY
-    embed_models = [model.name, *(model.encoder_name(b) for b in model.bucket_lens)]
+    embed_models = [model.name, *model.bucket_models(repository)]
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
                           load_models=tuple(embed_models))

@@ -150,7 +150,7 @@ def record(spec: ServingSpec, scenarios: Sequence[str], out_dir: Path, goodput_r
     out_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(model_repository=DEFAULT_MODEL_REPOSITORY, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
-                          load_models=(model.name, *(model.encoder_name(b) for b in model.bucket_lens)))
+                          load_models=(model.name, *model.bucket_models(DEFAULT_MODEL_REPOSITORY)))
     with TritonServer(config, log_path=BENCH_DIR / "signals.log") as server:
         asyncio.run(drive(server.grpc_url, [Phase(3.0, 10.0, tuple(mix))], model.name, credentials))  # warm-up
         for name in scenarios:

@@ -84,5 +84,10 @@ def run(args: argparse.Namespace) -> int:
     for model in plan:
         for warning in model.knobs.warnings if model.knobs else ():
             print(f"WARNING: {warning}", file=sys.stderr)
+        unbuilt = [v for v in model.versions if model.files_of and not (repository / model.name / str(v) /
+                                                                          "model.onnx").is_file()]
+        if unbuilt:
+            print(f"note: {model.name} has no model files yet (versions {', '.join(map(str, unbuilt))}); "
+                  f"`python -m tools build-models` links {model.files_of}'s")
     print(f"{len(written)} file(s) written, {len(files) + len(users) - len(written)} unchanged")
     return 0

@@ -7,7 +7,8 @@ Reads /metrics every --interval seconds and shows what happened over the last wi
   versions the router's split over encoder versions, with each version's p95 and outcomes;
   tenants  requests per tenant and tier: served, rejected (server busy), over quota, refused for a bad
            tenant credential (tenant "unknown");
-  buckets  padding waste per length bucket (padded token slots / real tokens);
+  buckets  padding waste per length bucket (padded token slots / real tokens), and the share of
+           its rows the express model served (light traffic; the bucket model lingers at peak);
   llm      running and waiting sequences, KV-cache blocks in use.
 
   python -m tools top                                   # refresh every 2 s until Ctrl-C

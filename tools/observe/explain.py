@@ -342,7 +342,9 @@ def service_layout(name: str, spec_path: Path | None = None) -> ServiceLayout:
     except (OSError, ValueError):
         pass
     for model in spec.models:
-        buckets = tuple(model.encoder_name(length) for length in model.bucket_lens)
+        # The express model, where there is one, takes the lingering buckets' rows at light load.
+        buckets = tuple(model.encoder_name(length) for length in model.bucket_lens) + (
+            (model.express_name,) if model.express_name else ())
         if name == model.name:
             return ServiceLayout(name, buckets, model.slo_p95_ms, lanes)
         if name in buckets:

@@ -43,6 +43,7 @@ TENANT_REQUESTS = "embed_tenant_requests_total"
 BATCH_ROWS = "embed_bucket_batch_rows"
 REAL_TOKENS = "embed_bucket_real_tokens_total"
 PADDED_TOKENS = "embed_bucket_padded_tokens_total"
+EXPRESS_ROWS = "embed_bucket_express_rows_total"  # rows of a bucket its express model served
 LLM_TTFT = "llm_time_to_first_token_seconds"
 LLM_RUNNING = "llm_running_sequences"
 LLM_WAITING = "llm_waiting_sequences"

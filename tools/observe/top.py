@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tools.observe.metrics import (
     BATCH_ROWS,
+    EXPRESS_ROWS,
     LLM_BLOCKS_TOTAL,
     LLM_BLOCKS_USED,
     LLM_RUNNING,
@@ -113,17 +114,20 @@ def tenant_rows(window: Window) -> list[tuple[str, str, dict[str, float]]]:
     return [(tenant, tier, outcomes) for (tenant, tier), outcomes in sorted(rows.items()) if sum(outcomes.values())]
 
 
-def padding_rows(window: Window) -> list[tuple[str, str, float, float | None]]:
-    """(router, bucket, rows/s, padded / real tokens) per bucket with traffic (pure)."""
+def padding_rows(window: Window) -> list[tuple[str, str, float, float | None, float]]:
+    """(router, bucket, rows/s, padded / real tokens, share of the rows the express model
+    served) per bucket with traffic (pure)."""
     out = []
     for router in sorted(window.label_values(REAL_TOKENS, "model")):
         real = window.increase_by("bucket", REAL_TOKENS, model=router)
         padded = window.increase_by("bucket", PADDED_TOKENS, model=router)
         rows = window.increase_by("bucket", "embed_bucket_rows_total", model=router)
+        express = window.increase_by("bucket", EXPRESS_ROWS, model=router)
         for bucket in sorted(real, key=natural_key):
             if rows.get(bucket):
                 out.append((router, bucket, rows[bucket] / window.duration_s,
-                            padded.get(bucket, 0.0) / real[bucket] if real[bucket] else None))
+                            padded.get(bucket, 0.0) / real[bucket] if real[bucket] else None,
+                            express.get(bucket, 0.0) / rows[bucket]))
     return out
 
 
@@ -176,10 +180,10 @@ def render(window: Window, slos: Mapping[str, float]):
     padding = padding_rows(window)
     if padding:
         table = Table(title="buckets", title_justify="left")
-        for column in ("router", "bucket", "rows/s", "padding waste"):
+        for column in ("router", "bucket", "rows/s", "padding waste", "express"):
             table.add_column(column, justify="left" if column == "router" else "right")
-        for router, bucket, rate, waste in padding:
-            table.add_row(router, bucket, f"{rate:.1f}", "-" if waste is None else f"{waste:.2f}x")
+        for router, bucket, rate, waste, express in padding:
+            table.add_row(router, bucket, f"{rate:.1f}", "-" if waste is None else f"{waste:.2f}x", f"{express:.0%}")
         parts.append(table)
     engines = llm_rows(window)
     if engines:

@@ -139,7 +139,8 @@ class RolloutPlan:
         lines = [
             f"roll out {self.model.name}: encoder version {self.baseline} -> {self.candidate} "
             f"on {', '.join(self.encoders)}",
-            f"  load v{self.candidate} of every bucket model (warm-up runs before it reports ready)",
+            f"  load v{self.candidate} of every bucket model (and the express model, where there is one; "
+            "warm-up runs before it reports ready)",
             "  steps (candidate share of unpinned traffic): " + " -> ".join(f"{s:g}%" for s in self.steps),
             f"  each step lasts at least {self.min_step_s:g} s, at most {self.max_step_s:g} s waiting for data",
             f"  gates: error rate <= {g.max_error_rate:.1%}; p95 <= {g.slo_p95_ms:g} ms (SLO); "
@@ -455,8 +456,9 @@ def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, f
         raise RolloutError(str(err)) from None
     if baseline == to:
         raise RolloutError(f"--from and --to are both version {to}")
-    encoders = tuple(model.encoder_name(length) for length in model.bucket_lens)
     buckets = model.bucket_repository(repository)
+    # The express model serves the same versions as the bucket models: it loads and unloads with them.
+    encoders = model.bucket_models(buckets)
 
     def has_version(encoder: str) -> bool:
         """The kit's bucket folders hold a model.py shim; an external model's whatever its backend reads."""

@@ -89,8 +89,10 @@ def find_targets(repository: Path, spec: ServingSpec) -> Targets:
     bucketed = []
     built = [model for model in spec.models if model.kind is not ModelKind.EXTERNAL]  # the user's own files
     for model in built:
+        # The express model, where gen-config made one, gets the same files as the bucket models.
         bucket_dirs = {v: folders_v for v in model.versions
-                       if (folders_v := tuple(d for name in model.bucket_names for d in folders(name, (v,))))}
+                       if (folders_v := tuple(d for name in model.bucket_models(repository)
+                                              for d in folders(name, (v,))))}
         if bucket_dirs:
             bucketed.append(ModelTargets(model, bucket_dirs, folders(model.name, (1,))))
     if not bucketed and (built or not spec.models):  # a spec of external models only has none to build
@@ -355,6 +357,28 @@ def make_graph(model: BucketedModelSpec, version: int, graph: ServedGraph | None
     return out
 
 
+def link_from_built(bucket_dirs: dict[int, tuple[Path, ...]], stale: dict[int, list[Path]],
+                    fingerprints: dict[int, dict[str, str]], repository: Path,
+                    log: Callable[[str], None]) -> dict[int, list[Path]]:
+    """Install a version's up-to-date graph, where another folder of that version has it, into
+    the version's stale folders (a model folder added since the last build, as the express model
+    is when a bucket starts to linger), instead of building it again; the versions still to build."""
+    left = {}
+    for version, folders in stale.items():
+        built = next((folder for folder in bucket_dirs[version] if folder not in folders
+                      and made_here(folder, "model.onnx") and is_up_to_date(folder, "model.onnx",
+                                                                            fingerprints[version])), None)
+        if built is None:
+            left[version] = folders
+            continue
+        for folder in folders:
+            install_file(built / "model.onnx", folder / "model.onnx")
+            write_build_info(folder, "model.onnx", fingerprints[version])
+            write_manifest(folder, ["model.onnx"])
+            log(f"      {folder.relative_to(repository)}/model.onnx: linked from {built.relative_to(repository)}")
+    return left
+
+
 def build_bucketed(targets: ModelTargets, force: bool, repository: Path, log: Callable[[str], None]) -> None:
     """Make each stale version's graph once (and its INT8 form where the spec says so), install
     it into every bucket model folder of that version."""
@@ -372,6 +396,8 @@ def build_bucketed(targets: ModelTargets, force: bool, repository: Path, log: Ca
     stale = {version: to_build(folders, "model.onnx", lambda _, v=version: fingerprints[v], force, log)
              for version, folders in targets.bucket_dirs.items()}
     stale = {version: folders for version, folders in stale.items() if folders}
+    if not force:
+        stale = link_from_built(targets.bucket_dirs, stale, fingerprints, repository, log)
     total = sum(len(folders) for folders in targets.bucket_dirs.values())
     if not stale:
         log(f"      {model.name}: all {total} bucket model versions up to date, nothing to do")

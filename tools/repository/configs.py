@@ -20,6 +20,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.quotas import TenantPolicy
+from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
 from python_backends.common.tenant_auth import AuthConfig, AuthMode
 from python_backends.embed.encoder import EncoderParameters
 from python_backends.embed.kinds import TOKEN_TYPE_IDS, ModelKind, bucket_inputs
@@ -44,6 +45,7 @@ from tools.planning.derivation import (
     plan_slo_fit,
     preferred_batch,
 )
+from tools.planning.regimes import derive_express, derive_regimes, unbatched_capacity_rps
 from tools.planning.search import apply_tuned
 from tools.repository.external import MANAGED_FIELDS, loaded_versions, managed_drift, merge_managed
 from tools.repository.sources import (
@@ -102,6 +104,7 @@ class GeneratedModel:
     user_config: Path | None = None  # an external model: its config.pbtxt in the user's repository
     user_text: str = ""  # an external model: that file's text when planned
     files_from: str = ""  # a bucket the profile did not measure: the measured bucket whose model files it can run
+    files_of: str = ""  # the model whose version folders hold the same model files (the express model: a bucket's)
 
     def config_text(self) -> str:
         if self.user_config is not None:  # the user's config with the managed fields of `config`
@@ -138,19 +141,22 @@ def _tensor(target, name: str, data_type: int, dims: list[int]) -> None:
 
 
 def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: HardwareLimits,
-                   versions: tuple[int, ...], graph: ServedGraph, kind: ModelKind) -> mc.ModelConfig:
-    """A bucket model: the graph at one sequence length, with the derived batching knobs."""
+                   versions: tuple[int, ...], graph: ServedGraph, kind: ModelKind, *,
+                   free_length: bool = False) -> mc.ModelConfig:
+    """A bucket model: the graph at one sequence length, with the derived batching knobs. With
+    `free_length`, the express model: any length (dims -1), warmed up at `seq_len`."""
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=knobs.max_batch_size)
     config.version_policy.specific.versions.extend(versions)
     inputs = bucket_inputs(TOKEN_TYPE_IDS in graph.onnx_inputs)
     for tensor in inputs:
-        _tensor(config.input, tensor, mc.TYPE_INT64, [seq_len])
+        _tensor(config.input, tensor, mc.TYPE_INT64, [-1 if free_length else seq_len])
     _tensor(config.output, kind.output, mc.TYPE_FP32, [graph.output_dim])
     _batching(config, knobs, hardware)
     add_encoder_warmup(config, seq_len, inputs)
     parameters = EncoderParameters(intra_op_threads=hardware.intra_op_threads, allow_spinning=hardware.ort_spinning,
                                    onnx_inputs=graph.onnx_inputs, onnx_output=graph.onnx_output,
-                                   pooling=graph.pooling.value, normalize=graph.normalize)
+                                   pooling=graph.pooling.value, normalize=graph.normalize,
+                                   **({"free_length": True} if free_length else {}))
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
@@ -193,12 +199,15 @@ def tensor_layout(model: BucketedModelSpec, tensors: TensorGraph, bucket_max_bat
 
 
 def tensor_bucket_config(name: str, bucket_len: int, knobs: BatchingKnobs, hardware: HardwareLimits,
-                         versions: tuple[int, ...], layout: TensorRouterConfig) -> mc.ModelConfig:
-    """A tensor model's bucket model: the graph's own tensors, the variable axis fixed to the bucket."""
+                         versions: tuple[int, ...], layout: TensorRouterConfig, *,
+                         free_length: bool = False) -> mc.ModelConfig:
+    """A tensor model's bucket model: the graph's own tensors, the variable axis fixed to the
+    bucket. With `free_length`, the express model: the axis free as declared, warmed up at `bucket_len`."""
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=knobs.max_batch_size)
     config.version_policy.specific.versions.extend(versions)
     for spec in layout.inputs:
-        _tensor(config.input, spec.name, mc.DataType.Value(spec.data_type), list(layout.bucket_dims(spec, bucket_len)))
+        dims = spec.dims if free_length else layout.bucket_dims(spec, bucket_len)
+        _tensor(config.input, spec.name, mc.DataType.Value(spec.data_type), list(dims))
     for spec in layout.outputs:
         _tensor(config.output, spec.name, mc.DataType.Value(spec.data_type), list(spec.dims))
     _batching(config, knobs, hardware)
@@ -249,7 +258,8 @@ def _router_base(model: BucketedModelSpec, spec: ServingSpec, router: RouterPlan
 
 
 def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: TensorRouterConfig,
-                         router: RouterPlan, admission: Admission) -> mc.ModelConfig:
+                         router: RouterPlan, admission: Admission,
+                         regimes: LingerRegimes | None = None) -> mc.ModelConfig:
     """A tensor model's router: the graph's inputs (the variable axis free) in, its outputs back."""
     config = _router_base(model, spec, router, admission)
     for tensor in layout.inputs:
@@ -265,14 +275,16 @@ def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: Te
         **({"fixed_model": model.external_model} if model.external_model else {}),
         version_weights=model.traffic, routing_file=ROUTING_FILE, tenants=spec.tenant_policy(),
         admission=admission.policy, tenant_auth=spec.auth_config(),
-        max_concurrent_requests=router.max_concurrent_requests)
+        max_concurrent_requests=router.max_concurrent_requests,
+        **({REGIMES_PARAMETER: regimes} if regimes is not None else {}))
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
 
 
 def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
-                  router: RouterPlan, admission: Admission, graph: ServedGraph) -> mc.ModelConfig:
+                  router: RouterPlan, admission: Admission, graph: ServedGraph,
+                  regimes: LingerRegimes | None = None) -> mc.ModelConfig:
     """A text model's router: TEXT (and TEXT_PAIR) in; the bucket output, TOKENS, VERSION (and LABEL) back."""
     config = _router_base(model, spec, router, admission)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
@@ -293,7 +305,8 @@ def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch:
         **{key: value for key, value in (("token_types", TOKEN_TYPE_IDS in graph.onnx_inputs),
                                          ("query_prefix", model.query_prefix),
                                          ("document_prefix", model.document_prefix), ("labels", model.labels),
-                                         ("pairs", model.pairs)) if value})  # what a plain encoder leaves out
+                                         ("pairs", model.pairs), (REGIMES_PARAMETER, regimes))
+           if value})  # what a plain encoder leaves out
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
@@ -609,6 +622,18 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         raise InfeasibleSLO(f"{model.name}: {err}") from None
     router = derive_router(model.peak_rps, model.slo_p95_ms, profile.hardware.cpu_count, model.max_router_instances,
                            admission.policy)
+    capacity_rps = unbatched_capacity_rps(
+        {d.model_name: shares[b] for b, d in demands.items()}, {d.model_name: curves[b] for b, d in demands.items()},
+        rows, lanes, router_cpu_ms, demands[model.bucket_lens[0]].max_utilization)
+    if external is not None:
+        regimes, regimes_reason = None, (f"none: the external model {model.external_model} gets no express model "
+                                         "(its backend is the user's), so its linger holds at every rate")
+    else:
+        regimes, regimes_reason = derive_regimes(
+            {g.name: g.knobs.max_queue_delay_us for g in generated if g.knobs is not None}, capacity_rps,
+            model.peak_rps, instances=router.instance_count, express=model.express_name)
+    if regimes is not None:
+        generated.append(plan_express(model, spec, profile, regimes, generated, hardware, lanes, graph, tensors))
     router_header = (
         *provenance(spec, profile),
         "",
@@ -628,16 +653,57 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         "A request refused by either gets UNAVAILABLE (HTTP 503) at once instead of a late answer.",
         f"version_weights: the encoder version split at start (spec `traffic`); {ROUTING_FILE} in this folder,",
         "when present, overrides it live (`python -m tools rollout` writes it); a request may pin `version`.",
+        f"{REGIMES_PARAMETER}: {regimes_reason}.",
     )
+    router_model = (router_config(model, spec, bucket_max_batch, router, admission, graph, regimes)
+                    if graph is not None else
+                    tensor_router_config(model, spec, tensor_layout(model, tensors, bucket_max_batch), router,
+                                         admission, regimes))
     generated.insert(0, GeneratedModel(
         name=model.name,
-        config=(router_config(model, spec, bucket_max_batch, router, admission, graph) if graph is not None else
-                tensor_router_config(model, spec, tensor_layout(model, tensors, bucket_max_batch), router, admission)),
+        config=router_model,
         header=router_header,
         adapter="embed_model" if graph is not None else "tensor_router_model",
         versions=ROUTER_VERSIONS,
     ))
     return generated
+
+
+def plan_express(model: BucketedModelSpec, spec: ServingSpec, profile: LatencyProfile, regimes: LingerRegimes,
+                 buckets: list[GeneratedModel], hardware: HardwareLimits, lanes: int, graph: ServedGraph | None,
+                 tensors: TensorGraph | None) -> GeneratedModel:
+    """The express model: the lingering buckets' graph and versions with the length free and no
+    linger; the router sends it their rows in the light regime (`linger_regimes`)."""
+    by_name = {generated.name: generated for generated in buckets}
+    lingering = {length: by_name[model.encoder_name(length)].knobs for length in model.bucket_lens
+                 if model.encoder_name(length) in regimes.peak_us}
+    name, shortest = regimes.express, min(lingering)
+    knobs = derive_express(name, lingering, lanes)
+    header = (
+        *provenance(spec, profile),
+        "",
+        f"The express model of `{model.name}`: the graph of its bucket models with the length free, so it takes",
+        f"the rows of {', '.join(k.model_name for _, k in sorted(lingering.items()))} padded as for their bucket "
+        "(Triton batches requests of one shape",
+        "only, so a batch still holds one bucket's rows). Those buckets linger for a batch that fills only near peak;",
+        f"the router sends their rows here instead while its arrival rate is light (`{REGIMES_PARAMETER}` in",
+        f"{model.name}/config.pbtxt), so that a request at light load runs at once instead of waiting the linger out.",
+        f"Versions {', '.join(versions_text(model))}, the model files of the bucket models'; warm-up at "
+        f"{shortest}, the shortest bucket it serves.",
+        "Not profiled: a batch of one bucket's rows costs here what it costs in that bucket model.",
+        "",
+        *(f"{knob}: {reason}" for knob, reason in knobs.reasons.items()),
+        "timeout_action: REJECT (the protobuf default, so not written below)",
+    )
+    if graph is not None:
+        config = encoder_config(name, shortest, knobs, hardware, model.versions, graph, model.kind, free_length=True)
+    else:
+        config = tensor_bucket_config(name, shortest, knobs, hardware, model.versions,
+                                      tensor_layout(model, tensors, {b: 1 for b in model.bucket_lens}),
+                                      free_length=True)
+    return GeneratedModel(name=name, config=config, header=header,
+                          adapter="encoder_model" if graph is not None else "tensor_bucket_model",
+                          versions=model.versions, knobs=knobs, files_of=model.encoder_name(shortest))
 
 
 def plan_all(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
@@ -689,7 +755,7 @@ def check(files: dict[Path, str], repository: Path) -> list[str]:
 
 
 ROUTER_KNOBS = ("tenants", "tenant_auth", "bucket_max_batch", "instance_count", "max_concurrent_requests",
-                "admission", "admission_bound", "max_queue_size", "version_weights")
+                "admission", "admission_bound", "max_queue_size", "version_weights", "linger_regimes")
 
 
 def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfile) -> str:

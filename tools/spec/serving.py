@@ -35,6 +35,7 @@ from pydantic import (
 
 from python_backends.common.quotas import TENANT_PATTERN, TenantPolicy
 from python_backends.common.quotas import TierPolicy as TenantTier  # a tier of the spec is the policy's tier
+from python_backends.common.regimes import express_model_name
 from python_backends.common.tenant_auth import ANONYMOUS_TENANT, MAX_CLOCK_SKEW_S, AuthConfig, AuthMode
 from python_backends.embed.buckets import validate_buckets
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
@@ -171,6 +172,20 @@ class BucketedModelSpec:
     @property
     def bucket_names(self) -> tuple[str, ...]:
         return tuple(self.encoder_name(length) for length in self.bucket_lens)
+
+    @property
+    def express_name(self) -> str:
+        """The name of the express model gen-config adds when a bucket lingers at peak
+        (`python_backends.common.regimes`); "" for an external model, which has none (its
+        backend is the user's). Reserved either way: no other model may take it."""
+        return "" if self.kind is ModelKind.EXTERNAL else express_model_name(self.encoder_prefix)
+
+    def bucket_models(self, repository: Path) -> tuple[str, ...]:
+        """Every model serving this model's rows: the bucket models and, where gen-config wrote
+        one into `repository` (the kit's), the express model."""
+        express = self.express_name
+        has_express = bool(express) and (repository / express / "config.pbtxt").is_file()
+        return (*self.bucket_names, *((express,) if has_express else ()))
 
     @property
     def token_types(self) -> bool:
@@ -864,6 +879,13 @@ class ServingFile(Table):
                     raise table_error(f"[models.{name}]: bucket model {bucket!r} is also a model of "
                                       f"{owners[bucket]!r}; give the model another encoder_prefix")
                 owners[bucket] = name
+            express = express_model_name(prefix) if table.kind is not ModelKind.EXTERNAL else ""
+            if express in owners:
+                raise table_error(f"[models.{name}]: its express model {express!r} (the bucket models' twin without "
+                                  f"a linger) is also a model of {owners[express]!r}; give the model another "
+                                  "encoder_prefix")
+            if express:
+                owners[express] = name
         return self
 
     @staticmethod
