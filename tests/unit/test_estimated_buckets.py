@@ -59,3 +59,16 @@ def test_a_mix_re_derives_the_edges_of_a_model_whose_spec_derives_them(spec):
     assert bimodal.bucket_lens == (8, 16, 216, 232, 256) and bimodal.workload.name == "embed_bimodal.toml"
     listed = for_mix(dataclasses.replace(model, bucket_count=0), WORKLOAD_DIR / "embed_bimodal.toml")
     assert listed.bucket_lens == (16, 32, 64, 128, 256)
+
+
+def test_light_load_waits_out_the_routers_peak_regime(spec, profile):
+    from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
+    from tools.bench.goodput import regime_settle_s
+
+    model = embed(spec)
+    plan = plan_embed_model(model, spec, profile)
+    router = next(generated for generated in plan if generated.name == "embed")
+    regimes = LingerRegimes.from_json(router.config.parameters[REGIMES_PARAMETER].string_value)
+    assert regime_settle_s(plan, model) == regimes.window_s + regimes.hold_s + 1.0
+    del router.config.parameters[REGIMES_PARAMETER]
+    assert regime_settle_s(plan, model) == 0.0

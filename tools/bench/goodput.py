@@ -41,6 +41,7 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
 from python_backends.embed.encoder import EncoderConfig, parse_encoder_config
 from python_backends.embed.kinds import ModelKind
 from python_backends.embed.router import EmbedRouter, RouterConfig, parse_router_config
@@ -123,6 +124,9 @@ class GoodputOptions:
     # Rounds that measure the light load and start the linger-free server (the first ones);
     # None: every round. The short form measures them once: a server start is 10-25 s on 2 cores.
     light_load_rounds: int | None = None
+    # Light load sent unmeasured first, until the router has switched to its light regime
+    # (`regime_settle_s`: 36 s for embed). The short form skips it: it checks the figures exist.
+    regime_settle: bool = True
 
 
 def median_index(values: Sequence[float]) -> int:
@@ -608,6 +612,16 @@ def payload_fields(payload: TextPayload | TensorPayload) -> dict[str, Any]:
     return {"texts": payload.texts, "pair_texts": payload.pair_texts}
 
 
+def regime_settle_s(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> float:
+    """How long light load must run before the router serves it in its light regime (the rate
+    window plus the hold of its `linger_regimes`, and a second), 0 for a router without regimes."""
+    router = next(generated for generated in plan if generated.name == model.name)
+    if REGIMES_PARAMETER not in router.config.parameters:
+        return 0.0
+    regimes = LingerRegimes.from_json(router.config.parameters[REGIMES_PARAMETER].string_value)
+    return regimes.window_s + regimes.hold_s + 1.0
+
+
 @dataclass(frozen=True)
 class LightLoad:
     """What `run_setup` sends after its search, on the same server: the short requests open loop."""
@@ -615,6 +629,7 @@ class LightLoad:
     payload: TextPayload | TensorPayload  # the short requests (`short_request_indices`)
     rate_rps: float  # LIGHT_LOAD_SHARE of the model's expected_rps
     num_requests: int  # sent in all (the step's length is chosen for exactly this many)
+    settle_s: float = 0.0  # light load sent first and not measured: the router's switch to its light regime
 
 
 def step_figures(step: StepResult) -> dict[str, Any]:
@@ -646,6 +661,9 @@ def run_setup(setup: str, repository: Path, model: str, payload: TextPayload | T
         goodput, steps, breakdowns = asyncio.run(search_goodput(target, options, log, server.cpu_seconds_by_part))
         if light_load is not None:
             short = target_of(server, model, light_load.payload, rows_per_request, slo_ms, options)
+            if light_load.settle_s:  # after the search's peak rates, the router holds its peak regime a while
+                log(f"  {setup}: {light_load.settle_s:.0f} s of light load first, for the router's light regime")
+                asyncio.run(run_open_loop(short, light_load.rate_rps, light_load.settle_s, seed=LIGHT_LOAD_SEED + 1))
             duration_s = duration_for_arrivals(light_load.rate_rps, light_load.num_requests, LIGHT_LOAD_SEED)
             light = step_figures(asyncio.run(run_open_loop(short, light_load.rate_rps, duration_s,
                                                            seed=LIGHT_LOAD_SEED)))
@@ -749,13 +767,13 @@ def plot_goodput(report: dict, path: Path) -> None:
 def goodput_options(quick: bool, step_s: float, start_rps: float, max_steps: int, repeats: int | None,
                     protocol: str) -> GoodputOptions:
     """The options of a run: the short form for the test suite (3 s steps, 4 rates, a small
-    ceiling run, a fifth of the light-load and router requests in the first round only, one
-    round unless `repeats` is given), or the full one."""
+    ceiling run, a fifth of the light-load and router requests in the first round only, without
+    waiting for the router's light regime, one round unless `repeats` is given), or the full one."""
     repeats = repeats if repeats is not None else (1 if quick else DEFAULT_REPEATS)
     if quick:
         return GoodputOptions(step_s=3.0, start_rps=start_rps, max_steps=4, num_texts=300, ceiling_rows=200,
                               repeats=repeats, protocol=protocol, light_load_requests=LIGHT_LOAD_REQUESTS // 5,
-                              overhead_requests=OVERHEAD_REQUESTS // 5, light_load_rounds=1)
+                              overhead_requests=OVERHEAD_REQUESTS // 5, light_load_rounds=1, regime_settle=False)
     return GoodputOptions(step_s=step_s, start_rps=start_rps, max_steps=max_steps, num_texts=2000,
                           ceiling_rows=1000, repeats=repeats, protocol=protocol)
 
@@ -848,7 +866,8 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
         short_indices = short_request_indices([request.bucket_lens for request in routed])
         short_bucket = bucket_key(min(routed[short_indices[0]].bucket_lens))
         light_load = LightLoad(payload_subset(payload, short_indices), LIGHT_LOAD_SHARE * model.expected_rps,
-                               options.light_load_requests)
+                               options.light_load_requests,
+                               regime_settle_s(plans["slo_bucketed"], model) if options.regime_settle else 0.0)
         unbatched = unbatched_plan(plans["slo_bucketed"], model)
         repositories[UNBATCHED_SETUP] = build_repository(UNBATCHED_SETUP, without_tenant_quotas(unbatched, model.name))
         user_repositories[UNBATCHED_SETUP] = build_user_repository(UNBATCHED_SETUP, unbatched)

@@ -32,7 +32,9 @@ the load; quotas are `bench overload`'s subject); admission and queue bounds sta
 With slo_bucketed among the setups, each round also measures (medians in the report):
   light_load        after its search, on the slo_bucketed server: the mix's short requests
                     (those of the smallest bucket) open loop at 10% of the model's
-                    expected_rps (100 of them; --quick fewer, in its first round only):
+                    expected_rps (100 of them; --quick fewer, in its first round only),
+                    after as much light load unmeasured as the router takes to switch to its
+                    light regime (its linger_regimes: rate window + hold; not with --quick):
                     p50_ms, p95_ms; and
                     unbatched_p50_ms, the same requests one at a time through the router on
                     a server whose bucket models do not linger (max_queue_delay 0, no
