@@ -9,12 +9,17 @@ linger, no preferred size; requests that come while its instances are busy still
 router runs this state machine over its arrival rate and, in the light regime, sends the rows
 of every lingering bucket to the express model, padded as for their bucket.
 
-The rate is each router instance's own arrivals over `window_s` times `instances`: Triton
-spreads a model's requests over its instances, not evenly at light load (an idle instance
-takes the next request), so one instance may see more than its share. The hysteresis absorbs
-that error: the switch up is at half the rate the device carries unbatched, the switch down
-at under a third held `hold_s`, and every instance decides for itself (an instance that
-switches early sends its requests to the other path, both of which serve them).
+The rate is each router instance's own arrivals times `instances`: Triton spreads a model's
+requests over its instances, not evenly at light load (an idle instance takes the next
+request), so one instance may see more than its share. The hysteresis absorbs that error: the
+switch up is at half the rate the device carries unbatched, the switch down at under a third
+held `hold_s`, and every instance decides for itself (an instance that switches early sends its
+requests to the other path, both of which serve them). The switch down reads the rate over
+`window_s`; the switch up also reads the last `RECENT_SLOTS` slots (one second), so that
+traffic jumping from idle to peak leaves the express model within a second: with the 5 s
+window alone, 96 req/s after an idle spell sent 171 to 177 rows (about 2 s) to the express
+model unbatched, and those 20 s steps met the SLO for 2 to 5 points fewer requests than the
+same steps through a router without regimes, on the same server (2 vCPU).
 
 Pure: the clock is passed in (`now`, seconds, monotonic). The router's config carries
 `LingerRegimes` as the JSON parameter `linger_regimes`; `tools.planning.regimes` derives it.
@@ -34,6 +39,7 @@ from pydantic import PlainSerializer, PlainValidator
 REGIMES_PARAMETER = "linger_regimes"  # the router config parameter holding `LingerRegimes.to_json()`
 RATE_WINDOW_S = 5.0  # the arrival rate is measured over this window
 RATE_SLOTS = 10  # ... counted in this many slots
+RECENT_SLOTS = 2  # the switch up also reads the rate over the last this many slots (1 s of 5)
 EXPRESS_SUFFIX = "express"  # the express model is <prefix>express: a bucket's suffix is a length (or "fixed")
 
 
@@ -115,9 +121,11 @@ class RegimeState:
     below_since: float | None = None  # when the rate last went under down_rps (peak only)
 
 
-def next_state(state: RegimeState, rate_rps: float, now: float, regimes: LingerRegimes) -> RegimeState:
-    """The regime after a rate measured at `now` (seconds, monotonic)."""
-    if rate_rps >= regimes.up_rps:
+def next_state(state: RegimeState, rate_rps: float, now: float, regimes: LingerRegimes,
+               recent_rps: float = 0.0) -> RegimeState:
+    """The regime after the rates measured at `now` (seconds, monotonic): `rate_rps` over the
+    window, `recent_rps` over its last second (which only hastens the switch up)."""
+    if max(rate_rps, recent_rps) >= regimes.up_rps:
         return RegimeState(Regime.PEAK)
     if state.regime is Regime.LIGHT:
         return state
@@ -159,10 +167,15 @@ class ArrivalRate:
         self.advance(now)
         self.counts[self.slot % len(self.counts)] += count
 
-    def rate(self, now: float) -> float:
+    def rate(self, now: float, num_slots: int | None = None) -> float:
+        """Arrivals per second over the last `num_slots` slots (all by default): the full ones
+        before the current slot and the current one as far as it has run."""
         self.advance(now)
+        num_slots = len(self.counts) if num_slots is None else min(max(num_slots, 1), len(self.counts))
         elapsed_in_slot = min(max(now - self.slot * self.slot_s, 0.0), self.slot_s)
-        return sum(self.counts) / ((len(self.counts) - 1) * self.slot_s + elapsed_in_slot)
+        counted = sum(self.counts[(self.slot - back) % len(self.counts)] for back in range(num_slots))
+        span = (num_slots - 1) * self.slot_s + elapsed_in_slot
+        return counted / span if span > 0 else 0.0
 
 
 class RegimeTracker:
@@ -182,9 +195,14 @@ class RegimeTracker:
     def regime(self) -> Regime:
         return self.state.regime
 
-    def model_rate(self, now: float) -> float:
-        """The model's arrival rate as this instance estimates it (its own, times the instances)."""
-        return self.rate.rate(now) * self.regimes.instances
+    def model_rate(self, now: float, num_slots: int | None = None) -> float:
+        """The model's arrival rate as this instance estimates it (its own, times the instances),
+        over the window or its last `num_slots` slots."""
+        return self.rate.rate(now, num_slots) * self.regimes.instances
+
+    def _step(self, now: float) -> None:
+        self.state = next_state(self.state, self.model_rate(now), now, self.regimes,
+                                self.model_rate(now, RECENT_SLOTS))
 
     def observe(self, now: float, arrivals: int = 1) -> Regime:
         """Count `arrivals` requests at `now` and return the regime they are served in."""
@@ -192,9 +210,8 @@ class RegimeTracker:
             first = self.rate.slot_of(self.last) + 1
             last = min(self.rate.slot_of(now), first + len(self.rate.counts))  # empty from there on
             for slot in range(first, last + 1):
-                boundary = slot * self.rate.slot_s
-                self.state = next_state(self.state, self.model_rate(boundary), boundary, self.regimes)
+                self._step(slot * self.rate.slot_s)
         self.last = now if self.last is None else max(self.last, now)
         self.rate.add(now, arrivals)
-        self.state = next_state(self.state, self.model_rate(now), now, self.regimes)
+        self._step(now)
         return self.state.regime

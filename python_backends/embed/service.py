@@ -12,8 +12,8 @@ module in the server, a fake of it in the unit tests (`tests/fakes/pb_utils.py`)
 
 The decisions are made by the pure modules (`router`, `buckets`, `routing`, `admission`,
 `common.quotas`, `common.regimes`: which model serves a lingering bucket's rows); this module
-does their I/O: BLS calls on worker threads, the routing file,
-the quota and admission tables shared by the router's instances, the keys file.
+does their I/O: BLS calls on worker threads, the routing file, the quota and admission tables
+shared by the router's instances, the keys file.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ SPEC = load_spec(REPO / "serving.toml")
 EMBED = SPEC.models[0]
 SERVED = ("embed", "encoder_16", EMBED.express_name)
 SHORT = ["a short query", "where is my order", "reset my password", "hello there"]  # under 16 tokens each
-UP_RPS, DOWN_RPS, HOLD_S, WINDOW_S = 12.0, 6.0, 2.0, 2.0
+UP_RPS, DOWN_RPS, HOLD_S, WINDOW_S = 12.0, 6.0, 2.0, 5.0
 
 
 def express_repository(target: Path) -> tuple[Path, LingerRegimes, int]:

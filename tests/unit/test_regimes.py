@@ -169,3 +169,24 @@ def test_the_express_knobs_batch_as_the_largest_bucket_and_never_linger():
     assert timed.default_timeout_us == 120000 and timed.instance_count == 1
     with pytest.raises(ValueError, match="need at least one lingering bucket"):
         derive_express("e_express", {}, 2)
+
+
+def test_the_recent_rate_reads_the_last_slots_only():
+    rate = ArrivalRate(window_s=5.0, num_slots=10)
+    for tick in range(40):  # 10 per second for 4 s, then nothing
+        rate.add(tick / 10)
+    assert rate.rate(3.99, num_slots=2) == pytest.approx(10.0, rel=0.1)
+    assert rate.rate(5.0, num_slots=2) == 0.0  # the last second was quiet
+    assert rate.rate(5.0) == pytest.approx(35 / 4.5)  # the window (since 0.5 s) still holds 35 of them
+
+
+def test_traffic_jumping_from_idle_to_peak_switches_up_within_a_second():
+    tracker = RegimeTracker(REGIMES)
+    tracker.observe(0.0)
+    switched = next(index for index in range(500) if tracker.observe(60.0 + index / 48) is Regime.PEAK)
+    assert switched / 48 < 1.0  # 48 req/s at this instance: 96 for the model
+    quiet = RegimeTracker(REGIMES)
+    assert steady(quiet, 2.0, 0.0, 60.0) is Regime.LIGHT  # 4 req/s for the model never goes up
+    assert next_state(RegimeState(Regime.LIGHT), 10.0, 0.0, REGIMES, recent_rps=40.0).regime is Regime.PEAK
+    assert next_state(RegimeState(Regime.PEAK), 10.0, 0.0, REGIMES, recent_rps=25.0) == RegimeState(
+        Regime.PEAK, below_since=0.0)  # the recent rate never holds peak: the window decides the way down

@@ -24,8 +24,9 @@ costs nothing, so it can happen on every request.
 
 The switch up comes at `UP_SHARE` of that capacity, well before it, since each router instance
 estimates the model's rate from its own arrivals (times the instances) and may be early or
-late; the switch down waits until the rate has stayed under `DOWN_SHARE` for `HOLD_S` seconds,
-so a rate near the boundary does not flap. Pure.
+late (the last second of its window hastens it: traffic jumping from idle to peak otherwise
+stays on the unbatched path for seconds); the switch down waits until the rate has stayed
+under `DOWN_SHARE` for `HOLD_S` seconds, so a rate near the boundary does not flap. Pure.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def derive_regimes(peak_us: Mapping[str, int], capacity_rps: float, peak_rps: fl
                      f"utilisation) their rows go to their bucket models; below {down:.1f} req/s ({down_share:.0%}) "
                      f"held {hold_s:.0f} s, to {express}, which does not linger (the lanes are mostly idle, so a "
                      f"request runs at once); each of the {instances} router instance(s) measures its own arrivals "
-                     f"over {regimes.window_s:.0f} s, times {instances}")
+                     f"(over {regimes.window_s:.0f} s, and over its last second for the switch up), times "
+                     f"{instances}")
 
 
 def derive_express(name: str, lingering: Mapping[int, BatchingKnobs], lanes: int) -> BatchingKnobs:
