@@ -54,19 +54,21 @@ def test_build_exports_once_then_skips_until_the_source_changes(tmp_path):
     assert "1 up to date" in second.stdout
     assert onnx_16.stat().st_mtime_ns == built_at
 
-    # A stale fingerprint (e.g. new weights) rebuilds just that folder.
+    # A folder whose fingerprint is stale while a sibling of its version is up to date gets
+    # the sibling's graph (the buckets of a version run one graph); the others are untouched.
     info_path = repository / "encoder_32" / "1" / "BUILD_INFO.json"
     info = json.loads(info_path.read_text())
     info["source"]["weights_sha256"] = "0" * 64
     info_path.write_text(json.dumps(info))
     third = build(repository)
-    assert "embed: building fp32 for 1 bucket model version(s)" in third.stdout
+    assert "encoder_32/1/model.onnx: linked from " in third.stdout, third.stdout
+    assert "building fp32" not in third.stdout
     assert onnx_16.stat().st_mtime_ns == built_at
 
     # So does a folder without a manifest (a build from before manifests, or a deleted one).
     (onnx_32.parent / MANIFEST).unlink()
     fourth = build(repository)
-    assert "building fp32 for 1 bucket model version(s)" in fourth.stdout
+    assert "encoder_32/1/model.onnx: linked from " in fourth.stdout, fourth.stdout
     verify_artifacts(onnx_32.parent, "encoder_32", required=["model.onnx"])
 
     # The exported graph has dynamic batch and sequence axes.

@@ -41,7 +41,7 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 from tritonclient.grpc import model_config_pb2 as mc
 
-from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
+from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes, express_model_name
 from python_backends.embed.encoder import EncoderConfig, parse_encoder_config
 from python_backends.embed.kinds import ModelKind
 from python_backends.embed.router import EmbedRouter, RouterConfig, parse_router_config
@@ -369,10 +369,19 @@ def payload_subset(payload: TextPayload | TensorPayload, indices: Sequence[int])
 
 def unbatched_plan(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> list[GeneratedModel]:
     """The plan with every bucket model's batcher made linger-free: max_queue_delay 0 and no
-    preferred batch sizes (everything else as generated), so a request alone runs at once."""
+    preferred batch sizes (everything else as generated), so a request alone runs at once.
+    Without lingers there is no light regime to serve: the router's `linger_regimes` and the
+    express model are left out, so the router calls the bucket models a direct request calls."""
     buckets = {model.encoder_name(length) for length in model.bucket_lens}
     out = []
     for generated in plan:
+        if generated.name == model.name and REGIMES_PARAMETER in generated.config.parameters:
+            config = mc.ModelConfig()
+            config.CopyFrom(generated.config)
+            del config.parameters[REGIMES_PARAMETER]
+            generated = replace(generated, config=config)
+        elif generated.name == express_model_name(model.encoder_prefix):
+            continue
         if generated.name in buckets and generated.config.HasField("dynamic_batching"):
             config = mc.ModelConfig()
             config.CopyFrom(generated.config)

@@ -166,7 +166,9 @@ def serving_one_version(plan: Sequence[GeneratedModel], version: int) -> list[Ge
 def derived_config(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile) -> Config:
     """The derived knobs of every bucket model (the seed `tune` starts from)."""
     plan = plan_embed_model(model, spec, without_tuned(profile, model.name))
-    return {generated.name: KnobSet.of(generated.knobs) for generated in plan if generated.knobs is not None}
+    buckets = set(model.bucket_names)  # the express model is not searched: it serves light load only
+    return {generated.name: KnobSet.of(generated.knobs) for generated in plan
+            if generated.knobs is not None and generated.name in buckets}
 
 
 def served_config(model: GeneratedModel) -> mc.ModelConfig:
