@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
 from pathlib import Path
 
 from tools.paths import REPO_ROOT
@@ -34,6 +37,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def command_line() -> str:
+    """How this run was started, `python -m tools ...`, after `KIT_HOME=...` when the run
+    served another home than the checkout."""
+    home = f"KIT_HOME={os.environ['KIT_HOME']} " if os.environ.get("KIT_HOME") else ""
+    return f"{home}python -m tools {shlex.join(sys.argv[1:])}"
 
 
 def add_point_measuring(parser: argparse.ArgumentParser) -> None:

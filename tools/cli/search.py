@@ -18,14 +18,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 from pathlib import Path
 
 from tools.bench.payloads import ModelLookupError, find_model
 from tools.bench.search import QUICK, ResumeError, SearchOptions, run_search
-from tools.cli._options import add_point_measuring, positive_int
+from tools.cli._options import add_point_measuring, command_line, positive_int
 from tools.paths import DEFAULT_SPEC
 from tools.planning import search as search_policy
 from tools.planning.derivation import InfeasibleSLO
@@ -41,12 +39,6 @@ POINTS_PER_BUCKET = 4
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-def command_line() -> str:
-    """How this run was started (with KIT_HOME when it serves another home)."""
-    home = f"KIT_HOME={os.environ['KIT_HOME']} " if os.environ.get("KIT_HOME") else ""
-    return f"{home}python -m tools {shlex.join(sys.argv[1:])}"
 
 
 def measuring_options(args: argparse.Namespace) -> SearchOptions:

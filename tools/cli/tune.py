@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tools.bench.payloads import ModelLookupError, find_model
 from tools.bench.search import QUICK, SearchOptions, run_tune
-from tools.cli._options import add_point_measuring, positive_int
+from tools.cli._options import add_point_measuring, non_negative, positive_int
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.planning import search as search_policy
 from tools.planning.derivation import InfeasibleSLO
@@ -54,13 +54,6 @@ def log(message: str) -> None:
 def command_line() -> str:
     """How this run was started: the tuned entry's `command` (where it was run is the profile's)."""
     return f"python -m tools {shlex.join(sys.argv[1:])}"
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
