@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.common.regimes import REGIMES_PARAMETER, express_model_name
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS
 from tests import user_models
 from tools.bench.goodput import (
@@ -128,7 +130,14 @@ def test_the_unbatched_server_has_the_generated_configs_without_linger(embed):
     unbatched = {m.name: m for m in unbatched_plan(plan, model)}
     generated = {m.name: m for m in plan}
     assert [m.config.SerializeToString() for m in plan] == before  # the generated plan is left alone
-    assert unbatched["embed"] is generated["embed"]  # the router as generated
+    # The router as generated, less its light-load regimes; no express model to send rows to.
+    assert REGIMES_PARAMETER in generated["embed"].config.parameters
+    router = mc.ModelConfig()
+    router.CopyFrom(generated["embed"].config)
+    del router.parameters[REGIMES_PARAMETER]
+    assert unbatched["embed"].config == router
+    assert express_model_name(model.encoder_prefix) in generated
+    assert express_model_name(model.encoder_prefix) not in unbatched
     assert any(generated[model.encoder_name(b)].config.dynamic_batching.max_queue_delay_microseconds
                for b in model.bucket_lens)  # what there is to take out
     for length in model.bucket_lens:
