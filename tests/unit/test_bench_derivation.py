@@ -38,9 +38,10 @@ def test_tuned_is_level_with_the_best_within_the_rounds_spread():
 
 def test_report_section_without_and_with_a_result():
     assert "python -m tools bench derivation" in render_derivation(None, "../results/")
-    result = {"models": {"embed": figures([100, 110, 104], [112, 108, 110], [108, 104, 106])},
+    result = {"models": {"embed": {**figures([100, 110, 104], [112, 108, 110], [108, 104, 106]),
+                                   "search_best_edges": [24, 64, 128, 256]}},
               "options": {"rounds": 3}, "measured_at": "2026-11-26T00:00:00Z", "command": "python -m tools bench "
               "derivation", "hardware": {"description": "2 x AMD EPYC", "cpu_count": 2, "gpu": None}}
     text = render_derivation(result, "../results/")
-    assert "| `embed` | 104.0 | 110.0 | 106.0 | **98%** |" in text
+    assert "| `embed` | 104.0 | 110.0 | 106.0 | 24,64,128,256 | **98%** |" in text
     assert "2.0 / 15.0 / 60.0 (40 points)" in text and "met: derived within 95pct of search best" in text

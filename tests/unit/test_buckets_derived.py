@@ -13,12 +13,14 @@ from tests.unit.test_gen_config import REPO
 from tests.unit.test_spec_schema import SPEC, with_changes
 from tools.cli import main
 from tools.planning.buckets import (
+    MAX_SEARCH_EDGE_SETS,
     compare_edges,
     compute_edges,
     compute_row_cost,
     edge_sets,
     explain_line,
     powers_of_two,
+    search_edge_sets,
 )
 from tools.spec.buckets import (
     DEFAULT_BUCKET_COUNT,
@@ -202,6 +204,24 @@ def test_a_search_gets_one_edge_set_per_bucket_count_that_changes_them():
     sets = edge_sets(parse_workload({"lengths": [{"min_tokens": 3, "max_tokens": 20, "weight": 1}]}), [1, 2, 3, 4])
     assert sets == {1: (24,), 2: (16, 24), 3: (8, 16, 24)}  # a fourth bucket has no lengths to split
     assert edge_sets(EMBED_MIX, [5])[5] == POWERS
+
+
+def test_a_search_tries_other_edges_ending_where_the_models_own_end():
+    sets = search_edge_sets(EMBED_MIX, POWERS, CPU_CURVES)
+    probabilities = EMBED_MIX.length_probabilities()
+    assert POWERS not in sets and len(sets) == len(set(sets)) <= MAX_SEARCH_EDGE_SETS
+    assert all(edges[-1] == 256 for edges in sets)
+    # embed_mix: with 5 buckets both the fewest padded tokens and the least compute at full
+    # batches are its own powers of two, so what is left is a bucket fewer and one more.
+    assert compute_edges(probabilities, 5, 256, CPU_CURVES, batch_size=32) == POWERS
+    assert sets == [optimal_edges(probabilities, 4, 256), optimal_edges(probabilities, 6, 256)]
+    assert sets == [(24, 64, 128, 256), (8, 16, 32, 64, 128, 256)]  # as docs/tuning.md says
+    bimodal = search_edge_sets(BIMODAL, POWERS, CPU_CURVES)
+    assert bimodal[0] == derived_edges(BIMODAL, 5) and POWERS not in bimodal and len(bimodal) == MAX_SEARCH_EDGE_SETS
+    assert bimodal[1] == compute_edges(BIMODAL.length_probabilities(), 5, 256, CPU_CURVES, batch_size=32)
+    assert search_edge_sets(EMBED_MIX, (16, 64, 128), CPU_CURVES, limit=1)[0][-1] == 128  # capped at its last
+    with pytest.raises(ValueError, match="no bucket edges"):
+        search_edge_sets(EMBED_MIX, (), CPU_CURVES)
 
 
 # --- the explanation ------------------------------------------------------------------------------

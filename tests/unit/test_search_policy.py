@@ -163,6 +163,31 @@ def test_a_bucket_without_traffic_is_not_measured_alone():
     assert {p.bucket for p in search.phase1} == {"encoder_16"}
 
 
+def test_other_edges_are_measured_with_the_full_mix_after_phase_one_and_can_win():
+    other = {"encoder_24": KnobSet(8, 4, 5000, 2), "encoder_256": KnobSet(2, 1, 0, 2)}
+    search = StructuredSearch(spaces_two(), points_per_bucket=1, top_k=1, edge_points={(24, 256): other})
+    phases = []
+    while (proposal := search.next_point()) is not None:
+        phases.append(proposal.phase)
+        if proposal.phase == "edges":
+            assert proposal.bucket == JOINT and proposal.edges == (24, 256) and proposal.config == other
+        search.record(proposal, 70.0 if proposal.phase == "edges" else 50.0, 1.0)
+    assert phases == ["bucket", "bucket", "edges", "joint"]
+    best = search.best()
+    assert best.edges == (24, 256) and best.config == other
+    assert Point.from_dict(best.to_dict()) == best and best.to_dict()["edges"] == [24, 256]
+    resumed = StructuredSearch(spaces_two(), points_per_bucket=1, top_k=1, edge_points={(24, 256): other},
+                               measured=search.points)
+    assert resumed.next_point() is None  # the edges point is known by its edges too
+
+
+def test_a_tie_goes_to_the_models_own_edges():
+    own = point(60.0)
+    other = Point("edges", JOINT, own.config, 61.0, 10.0, edges=(24, 256))
+    assert best_point([other, own]) is own
+    assert own.key != other.key and Point.from_dict(own.to_dict()).edges == ()
+
+
 def test_joint_prediction_adds_up_each_buckets_share_of_the_device():
     assert joint_predicted_rps([100.0, 100.0]) == pytest.approx(50.0)
     assert joint_predicted_rps([60.0, 0.0]) == 0.0

@@ -5,7 +5,8 @@ For each model named: (1) the measuring the derivation needs, timed: a fresh lat
 of the model (`measure_profile`, the same measuring as `python -m tools profile --model NAME`,
 into a copy of the spec's profile under build/bench/derivation/); everything after it uses
 that profile; (2) `python -m tools search`'s structured search within its budget
-(`run_search`: every point to results/search_MODEL.json with a plot); (3) `python -m tools
+(`run_search`: every point to results/search_MODEL.json with a plot; other bucket edges are
+among its points); (3) `python -m tools
 tune` from the derived configuration within its budget (`run_tune`: results/tune_MODEL.json);
 (4) the three winners measured again side by side on one server, `rounds` rounds in turn
 (derived, tuned, search best in each round), with the longer steps of the final measure; the
@@ -102,15 +103,20 @@ def knobs_of(config: Config) -> dict[str, dict[str, int]]:
 
 
 def final_rounds(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile, configs: Mapping[str, Config],
-                 options: DerivationOptions, start_rps: float, log: Callable[[str], None]) -> dict[str, list[float]]:
+                 options: DerivationOptions, start_rps: float, log: Callable[[str], None],
+                 edges: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, list[float]]:
     """Each configuration's goodput in `options.rounds` rounds, the configurations in turn within
-    a round, on one server (reloading what changes between them)."""
+    a round, on one server (reloading what changes between them); `edges`: setup -> the bucket
+    edges it runs, where not the model's own."""
+    edges = {setup: tuple(e) for setup, e in (edges or {}).items() if e}
     goodputs: dict[str, list[float]] = {setup: [] for setup in configs}
-    with PointSession(spec, model, profile, options.final, log) as session:
+    with PointSession(spec, model, profile, options.final, log, edge_sets=list(dict.fromkeys(edges.values()))
+                      ) as session:
         for round_index in range(options.rounds):
             for setup, config in configs.items():
                 log(f"final round {round_index + 1} of {options.rounds}: {setup}")
-                measured = session.measure(config, start_rps=max(goodputs[setup] or [start_rps]))
+                measured = session.measure(config, start_rps=max(goodputs[setup] or [start_rps]),
+                                           edges=edges.get(setup, ()))
                 goodputs[setup].append(measured.goodput_rps)
                 log(f"  {setup}: {measured.goodput_rps:.1f} req/s")
     return goodputs
@@ -139,7 +145,8 @@ def run_model(spec: ServingSpec, model: BucketedModelSpec,
     tune, climb = run_tune(spec, model, profile, options.points, options.tune_budget_s, options.tune_rounds,
                            options.tune_min_gain, tune_out, command, log)
     configs: dict[str, Config] = {"derived": {}, "tuned": dict(climb.incumbent), "search_best": search_best.config}
-    goodputs = final_rounds(spec, model, profile, configs, options, search_best.goodput_rps, log)
+    goodputs = final_rounds(spec, model, profile, configs, options, search_best.goodput_rps, log,
+                            {"search_best": search_best.edges})
     summary = summarize(goodputs, derived_measure_s, tune["measure_s"], search["measure_s"], len(search["points"]))
     return {
         **summary,
@@ -148,6 +155,8 @@ def run_model(spec: ServingSpec, model: BucketedModelSpec,
         "profile": str(profile.path),
         "configs": {setup: knobs_of(config) for setup, config in configs.items() if config},
         "search_best_label": config_label(search_best.config),
+        "search_best_edges": list(search_best.edges) or list(model.bucket_lens),
+        "search_edge_sets": search.get("edge_sets", []),
         "tuned_changed": tune.get("changed", []),
         "search_report": str(search_out),
         "tune_report": str(tune_out),

@@ -447,15 +447,16 @@ def render_derivation(result: Mapping[str, Any] | None, results_link: str) -> st
         targets = entry["targets"]
         rows.append([
             f"`{name}`", _num(entry["derived_goodput_rps"]), _num(entry["tuned_goodput_rps"]),
-            _num(entry["search_best_goodput_rps"]), f"**{_pct(entry['derived_vs_search_best'], 0)}**",
+            _num(entry["search_best_goodput_rps"]), ",".join(map(str, entry.get("search_best_edges") or [])) or "-",
+            f"**{_pct(entry['derived_vs_search_best'], 0)}**",
             f"{_num(entry['derived_measure_s'] / 60)} / {_num(entry['tuned_measure_s'] / 60)} / "
             f"{_num(entry['search_measure_s'] / 60)} ({entry['search_points']} points)",
             f"**{_pct(entry['derived_measure_share'], 0)}**",
             ", ".join(f"{'met' if met else 'NOT met'}: {what.replace('_', ' ')}" for what, met in targets.items()),
         ])
-    table = _table(["model", "derived (req/s)", "tuned", "search best", "derived / best",
+    table = _table(["model", "derived (req/s)", "tuned", "search best", "search best's edges", "derived / best",
                     "measuring min: derived / tuned / search", "derived's share of the search's time", "targets"],
-                   ["---", "---:", "---:", "---:", "---:", "---", "---:", "---"], rows)
+                   ["---", "---:", "---:", "---:", "---", "---:", "---", "---:", "---"], rows)
     return "\n".join([table, "", f"Medians of {result['options']['rounds']} final rounds, measured "
                       f"{result['measured_at']} on {_hardware(result)} by `{result['command']}` "
                       f"([derivation.json]({results_link}derivation.json), plot "

@@ -38,6 +38,7 @@ from typing import Any
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from python_backends.embed.kinds import ModelKind
 from tools.bench.goodput import (
     GoodputOptions,
     payload_fields,
@@ -56,6 +57,8 @@ from tools.bench.harness import (
 )
 from tools.bench.loadgen import LoadTarget, StepResult
 from tools.bench.payloads import TensorPayload, TextPayload, model_payload
+from tools.planning.buckets import search_edge_sets
+from tools.planning.derivation import InfeasibleSLO
 from tools.planning.search import (
     JOINT,
     BucketSpace,
@@ -68,7 +71,7 @@ from tools.planning.search import (
     search_start_rps,
     with_config,
 )
-from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, plan_embed_model
+from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, bucket_curves, plan_embed_model
 from tools.server.control import ControlError, ServerControl
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 from tools.spec.profile import LatencyProfile, profile_to_dict
@@ -163,6 +166,21 @@ def serving_one_version(plan: Sequence[GeneratedModel], version: int) -> list[Ge
     return out
 
 
+def with_edges(model: BucketedModelSpec, edges: Sequence[int]) -> BucketedModelSpec:
+    """The model with other bucket edges; () leaves it as it is."""
+    return replace(model, bucket_lens=tuple(edges)) if edges else model
+
+
+def searchable_edges(model: BucketedModelSpec, profile: LatencyProfile) -> list[tuple[int, ...]]:
+    """The edges a search tries besides the model's own (`search_edge_sets` on its workload
+    and measured curves); none for an external model (one model behind every bucket) or a
+    model without a length mix."""
+    if model.kind is ModelKind.EXTERNAL or model.workload is None or len(model.bucket_lens) < 1:
+        return []
+    curves, _ = bucket_curves(model, profile)
+    return search_edge_sets(load_workload(model.workload), model.bucket_lens, curves)
+
+
 def derived_config(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile) -> Config:
     """The derived knobs of every bucket model (the seed `tune` starts from)."""
     plan = plan_embed_model(model, spec, without_tuned(profile, model.name))
@@ -239,8 +257,9 @@ class PointSession:
     """One tritonserver serving one model of the spec, reloaded point by point (see the module)."""
 
     def __init__(self, spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProfile, options: SearchOptions,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], edge_sets: Sequence[Sequence[int]] = ()):
         self.spec, self.model, self.profile, self.options, self.log = spec, model, profile, options, log
+        self.edge_sets = [tuple(edges) for edges in edge_sets if edges]  # other edges its points may run
         self.server: TritonServer | None = None
         self.loaded: dict[str, bytes] = {}  # model -> the serialized config it is served with
         self.start_s = 0.0  # seconds the server took to start
@@ -249,7 +268,12 @@ class PointSession:
         started = time.perf_counter()
         plan = plan_with(self.spec, self.model, self.profile, {})
         setup = f"search/{self.model.name}"
-        self.repository = build_repository(setup, plan)
+        # The other edges' bucket models are in the repository from the start, loaded when a point runs them.
+        others = {generated.name: generated for edges in self.edge_sets
+                  for generated in plan_with(self.spec, with_edges(self.model, edges), self.profile, {})
+                  if generated.name in with_edges(self.model, edges).bucket_names}
+        self.repository = build_repository(setup, [*plan, *(g for n, g in others.items()
+                                                            if n not in {p.name for p in plan})])
         user_repositories = build_user_repository(setup, plan)
         config = ServerConfig(model_repository=self.repository, extra_repositories=user_repositories,
                               http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
@@ -283,8 +307,10 @@ class PointSession:
             self.server.stop()
             self.server = None
 
-    def reload(self, plan: Sequence[GeneratedModel]) -> list[str]:
-        """Reload the models whose config changed (bucket models first, the router last); the names."""
+    def reload(self, plan: Sequence[GeneratedModel], buckets: Sequence[str] = ()) -> list[str]:
+        """Reload the models whose config changed (bucket models first, the router last), then
+        unload the bucket models loaded but not in `buckets` (those of other edges); the names
+        reloaded."""
         changed = [generated for generated in plan
                    if served_config(generated).SerializeToString(deterministic=True) != self.loaded.get(generated.name)]
         changed.sort(key=lambda generated: generated.name == self.model.name)
@@ -303,14 +329,34 @@ class PointSession:
                     raise ServerError(f"{generated.name} serves {served.label()} after its reload, "
                                       f"not {wanted.label()}")
             self.loaded[generated.name] = config.SerializeToString(deterministic=True)
+        if buckets:
+            for name in sorted(set(self.loaded) & self.all_buckets - set(buckets)):
+                try:
+                    self.control.unload(name)
+                except ControlError as err:
+                    raise ServerError(f"unloading {name} (a bucket of other edges) failed: {err}") from None
+                del self.loaded[name]
         return [generated.name for generated in changed]
 
-    def measure(self, config: Config, bucket: str = JOINT, start_rps: float | None = None) -> Measured:
+    @property
+    def all_buckets(self) -> set[str]:
+        """The bucket models of the model's own edges and of the session's other edges."""
+        return {name for edges in ((), *self.edge_sets) for name in with_edges(self.model, edges).bucket_names}
+
+    def measure(self, config: Config, bucket: str = JOINT, start_rps: float | None = None,
+                edges: Sequence[int] = ()) -> Measured:
         """The goodput of `config` (bucket models not named run their derived knobs) with the full
-        mix, or with `bucket`'s rows only offered at its share of the rate."""
+        mix, or with `bucket`'s rows only offered at its share of the rate; with `edges` (one of
+        the session's `edge_sets`), the model runs those bucket edges instead of its own."""
         assert self.server is not None, "enter the session first"
+        edges = tuple(edges)
+        if edges and edges not in self.edge_sets:
+            raise ValueError(f"edges {edges} are not among the session's {self.edge_sets}")
+        if edges and bucket != JOINT:
+            raise ValueError("a point with other edges runs the full mix")
         started = time.perf_counter()
-        reloaded = self.reload(plan_with(self.spec, self.model, self.profile, config))
+        model = with_edges(self.model, edges)
+        reloaded = self.reload(plan_with(self.spec, model, self.profile, config), model.bucket_names)
         if reloaded:
             time.sleep(SETTLE_S)
         if bucket == JOINT:
@@ -320,7 +366,8 @@ class PointSession:
                 raise ValueError(f"no rows of {bucket} in the workload's payload")
             payload, share = self.bucket_payloads[bucket], self.shares[bucket]
         start = max(start_rps or self.options.start_rps, 1.0)
-        self.log(f"  {config_label(config) or 'derived'}" + (f" (reloaded {', '.join(reloaded)})" if reloaded else "")
+        self.log(f"  {config_label(config) or 'derived'}" + (f", edges {','.join(map(str, edges))}" if edges else "")
+                 + (f" (reloaded {', '.join(reloaded)})" if reloaded else "")
                  + ("" if bucket == JOINT else f"; {bucket}'s rows only, offered at its share {share:.1%} of the rate"))
         target = LoadTarget(grpc_url=self.server.grpc_url, model=self.model.name, **payload_fields(payload),
                             rows_per_request=self.rows_per_request, slo_ms=self.model.slo_p95_ms,
@@ -409,8 +456,8 @@ def write_points(report: dict, points: Sequence[Point], best: Point | None, out:
     plot_points(report, out.with_suffix(".png"))
 
 
-PHASE_COLORS = {"bucket": "#6c8ebf", "joint": "#2e7d32", "derived": "#999999", "neighbour": "#6c8ebf",
-                "confirm": "#f0a030"}
+PHASE_COLORS = {"bucket": "#6c8ebf", "edges": "#8e44ad", "joint": "#2e7d32", "derived": "#999999",
+                "neighbour": "#6c8ebf", "confirm": "#f0a030"}
 
 
 def plot_points(report: Mapping[str, Any], path: Path) -> None:
@@ -427,6 +474,7 @@ def plot_points(report: Mapping[str, Any], path: Path) -> None:
         xs = [i + 1 for i, p in enumerate(points) if p["phase"] == phase]
         if xs:
             label = {"bucket": "phase 1: one bucket at its share (as req/s of the mix)",
+                     "edges": "other edges, their derived knobs, full mix",
                      "joint": "phase 2: joint, full mix"}.get(phase, phase)
             ax.plot(xs, [points[i - 1]["goodput_rps"] for i in xs], "o", color=color, label=label)
     best = report.get("best")
@@ -485,16 +533,26 @@ def run_search(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProf
         report["started_at"] = previous["started_at"]
         report["server_start_s"] = previous.get("server_start_s", [])
         log(f"resuming {out}: {len(earlier)} point(s) measured before are not measured again")
-    search = StructuredSearch(list(spaces.values()), points_per_bucket, top_k, measured=earlier)
+    edge_points: dict[tuple[int, ...], Config] = {}
+    for edges in searchable_edges(model, profile):
+        try:
+            edge_points[edges] = derived_config(spec, with_edges(model, edges), profile)
+        except InfeasibleSLO as err:  # the SLO out of reach with these edges: nothing to measure
+            log(f"edges {','.join(map(str, edges))} left out: {err}")
+    report["edge_sets"] = [list(edges) for edges in edge_points]
+    search = StructuredSearch(list(spaces.values()), points_per_bucket, top_k, measured=earlier,
+                              edge_points=edge_points)
     log(f"search {model.name}: {len(spaces)} bucket model(s), grids of "
         + ", ".join(f"{name} {len(grid)}" for name, grid in search.grids.items())
-        + f" points; phase 1: {len(search.phase1)} point(s) at the buckets' shares, then the joint top {top_k}; "
-        f"budget {budget_s / 60:.1f} min")
+        + f" points; phase 1: {len(search.phase1)} point(s) at the buckets' shares, then "
+        + (f"{len(edge_points)} other edge set(s) ({'; '.join(','.join(map(str, e)) for e in edge_points)}) "
+           "with their derived knobs, then " if edge_points else "")
+        + f"the joint top {top_k}; budget {budget_s / 60:.1f} min")
     if search.next_point() is None:
         log("every point of this search is measured already")
         write_points(report, search.points, search.best(), out)
         return report
-    with PointSession(spec, model, profile, options, log) as session:
+    with PointSession(spec, model, profile, options, log, edge_sets=list(edge_points)) as session:
         report["server_start_s"] = [*report["server_start_s"], round(session.start_s, 1)]
         while True:
             now = time.monotonic()
@@ -508,18 +566,19 @@ def run_search(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyProf
             if not budget.affords(now, search.points[len(earlier):]):
                 log(f"the budget is spent ({budget_s / 60:.1f} min)")
                 break
-            label = proposal.bucket if proposal.bucket != JOINT else "joint"
-            log(f"[{len(search.points) + 1}] phase {'1' if proposal.phase == 'bucket' else '2'}, {label}; "
-                f"{budget.left(now) / 60:.1f} min left")
+            label = {"bucket": f"phase 1, {proposal.bucket}", "edges": "edges",
+                     "joint": "phase 2, joint"}[proposal.phase]
+            log(f"[{len(search.points) + 1}] {label}; {budget.left(now) / 60:.1f} min left")
             start = search_start_rps(proposal, search.points, spaces, options.start_rps)
-            measured = session.measure(proposal.config, proposal.bucket, start)
+            measured = session.measure(proposal.config, proposal.bucket, start, proposal.edges)
             point = search.record(proposal, measured.goodput_rps, measured.measure_s, measured.steps)
             log(f"  goodput {point.goodput_rps:.1f} req/s in {point.measure_s:.0f} s")
             write_points(report, search.points, search.best(), out)
     best = search.best()
     write_points(report, search.points, best, out)
     if best is not None:
-        log(f"best: {best.goodput_rps:.1f} req/s, {config_label(best.config)}")
+        log(f"best: {best.goodput_rps:.1f} req/s, {config_label(best.config)}"
+            + (f", edges {','.join(map(str, best.edges))}" if best.edges else ""))
     return report
 
 

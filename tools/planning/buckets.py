@@ -8,7 +8,8 @@ when it is read. This module adds what needs a latency profile or a model's spec
 - `compute_row_cost` / `compute_edges`: the objective by expected compute, a row's compute at
   its bucket estimated from the measured curves (`curve_at_length` interpolates the lengths
   that were not profiled), so a search can try edges no bucket model was built for;
-- `edge_sets`: the derived edges for each bucket count, the candidates a search tries;
+- `edge_sets`: the derived edges for each bucket count;
+- `search_edge_sets`: the edges a search tries besides a model's own;
 - `compare_edges` / `explain_line`: a model's edges against the derived ones for its workload
   (padded tokens per row, share of rows per bucket), the line `gen-config --explain` prints.
 
@@ -66,6 +67,35 @@ def edge_sets(workload: Workload, bucket_counts: Iterable[int], max_length: int 
         if edges not in sets.values():
             sets[count] = edges
     return sets
+
+
+MAX_SEARCH_EDGE_SETS = 4  # edge sets a search measures besides the model's own: one joint point each
+
+
+def search_edge_sets(workload: Workload, own_edges: Sequence[int], curves: Mapping[int, LatencyCurve],
+                     align: int = EDGE_ALIGN, limit: int = MAX_SEARCH_EDGE_SETS) -> list[tuple[int, ...]]:
+    """The bucket edges a search tries besides the model's own, in this order: the fewest
+    padded tokens per row with as many buckets as the model has; the least compute per row
+    (`compute_edges` at the largest batch measured, what a row costs in the full batches of
+    peak load) with as many; the fewest padded tokens with one bucket fewer, then one more;
+    powers of two. All end where the model's own edges end (rows past it are truncated
+    either way), at most `limit` of them, none equal to the model's own or to another."""
+    if not own_edges:
+        raise ValueError("the model has no bucket edges to compare with")
+    own = tuple(sorted(own_edges))
+    probabilities = workload.length_probabilities()
+    last = last_edge(workload.longest, align, max_length=own[-1])
+    count = len(own)
+    peak_batch = max(curve.max_measured for curve in curves.values())
+    candidates = [optimal_edges(probabilities, count, last, align),
+                  compute_edges(probabilities, count, last, curves, peak_batch, align)]
+    candidates += [optimal_edges(probabilities, n, last, align) for n in (count - 1, count + 1) if n >= 1]
+    candidates.append(powers_of_two(last))
+    found: list[tuple[int, ...]] = []
+    for edges in candidates:
+        if edges != own and edges not in found:
+            found.append(edges)
+    return found[:limit]
 
 
 @dataclass(frozen=True)

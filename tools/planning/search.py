@@ -21,7 +21,11 @@ is in requests/s of the whole mix, R), round-robin over the buckets, and keeps e
 `top_k`; phase 2 measures the joint configurations of the kept candidates (their cartesian
 product, best first by what phase 1 predicts of them together) with the full mix. The best
 joint point wins (`best_point`). Bucket models sharing the cores meet only in phase 2, among
-the kept candidates: a per-bucket candidate that only wins jointly is missed.
+the kept candidates: a per-bucket candidate that only wins jointly is missed. Between the
+two phases, other bucket edges (`tools.planning.buckets.search_edge_sets`: fewer padded tokens,
+less compute, a bucket fewer or more, powers of two) are measured with the full mix, each with
+the knobs gen-config derives for them (edges no bucket model was profiled at are planned from
+estimated curves): edges are tried with their derived knobs, not with a knob search of their own.
 
 `TuneClimb` climbs from the derived configuration: each knob of one bucket model one step up
 and down its ladder (`neighbours`), measured with the full mix; the best neighbour replaces
@@ -107,6 +111,12 @@ def config_key(config: Mapping[str, KnobSet]) -> str:
 
 def config_label(config: Mapping[str, KnobSet]) -> str:
     return ", ".join(f"{name} {knobs.label()}" for name, knobs in sorted(config.items()))
+
+
+def point_key(phase: str, bucket: str, config: Mapping[str, KnobSet], edges: Sequence[int] = ()) -> str:
+    """A point's identity on resume: phase, bucket, knobs, and the edges when not the model's own."""
+    key = f"{phase}|{bucket}|{config_key(config)}"
+    return key + f"|edges={','.join(map(str, edges))}" if edges else key
 
 
 @dataclass(frozen=True)
@@ -208,16 +218,17 @@ def bucket_grid(space: BucketSpace) -> list[KnobSet]:
 class Point:
     """One measured configuration."""
 
-    phase: str  # "bucket" (search phase 1), "joint" (phase 2), "derived", "neighbour", "confirm" (tune)
+    phase: str  # "bucket" (search phase 1), "edges", "joint" (phase 2), "derived", "neighbour", "confirm" (tune)
     bucket: str  # the bucket model measured alone (phase 1), or JOINT for the full mix
     config: Config  # bucket model -> knobs; bucket models not named ran their derived knobs
     goodput_rps: float  # requests/s of the whole mix (phase 1: the bucket's rate over its share)
     measure_s: float  # seconds this point took: reloading, warm-up, the rate search
     steps: tuple[dict, ...] = ()  # the rate search's steps: offered_rps, within_slo, errors, p95_ms, passed
+    edges: tuple[int, ...] = ()  # the bucket edges it ran; (): the model's own
 
     @property
     def key(self) -> str:
-        return f"{self.phase}|{self.bucket}|{config_key(self.config)}"
+        return point_key(self.phase, self.bucket, self.config, self.edges)
 
     @property
     def full_mix(self) -> bool:
@@ -226,15 +237,16 @@ class Point:
     def to_dict(self) -> dict:
         return {"phase": self.phase, "bucket": self.bucket,
                 "config": {name: knobs.as_dict() for name, knobs in sorted(self.config.items())},
-                "label": config_label(self.config), "goodput_rps": round(self.goodput_rps, 2),
-                "measure_s": round(self.measure_s, 1), "steps": list(self.steps)}
+                "edges": list(self.edges) or None, "label": config_label(self.config),
+                "goodput_rps": round(self.goodput_rps, 2), "measure_s": round(self.measure_s, 1),
+                "steps": list(self.steps)}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Point:
         return cls(phase=str(data["phase"]), bucket=str(data["bucket"]),
                    config={name: KnobSet.from_dict(knobs) for name, knobs in data["config"].items()},
                    goodput_rps=float(data["goodput_rps"]), measure_s=float(data["measure_s"]),
-                   steps=tuple(data.get("steps", ())))
+                   steps=tuple(data.get("steps", ())), edges=tuple(int(e) for e in data.get("edges") or ()))
 
 
 def merge_points(old: Iterable[Point], new: Iterable[Point]) -> list[Point]:
@@ -247,13 +259,14 @@ def merge_points(old: Iterable[Point], new: Iterable[Point]) -> list[Point]:
 
 def _size_key(point: Point) -> tuple:
     knobs = point.config.values()
-    return (sum(k.instance_count for k in knobs), sum(k.max_queue_delay_us for k in knobs),
+    return (bool(point.edges), sum(k.instance_count for k in knobs), sum(k.max_queue_delay_us for k in knobs),
             sum(k.max_batch_size for k in knobs), sum(k.preferred_batch_size for k in knobs), point.measure_s)
 
 
 def best_point(points: Iterable[Point], tolerance: float = TIE_TOLERANCE) -> Point | None:
     """The point with the highest goodput; points within `tolerance` of it are a tie, broken
-    towards fewer instances, shorter delays, smaller batches, then less measuring. None if none."""
+    towards the model's own edges, fewer instances, shorter delays, smaller batches, then less
+    measuring. None if none."""
     points = list(points)
     if not points:
         return None
@@ -272,10 +285,11 @@ class Proposal:
     phase: str  # as Point.phase
     bucket: str  # a bucket model (phase 1) or JOINT
     config: Config  # the knobs to measure
+    edges: tuple[int, ...] = ()  # the bucket edges to run; (): the model's own
 
     @property
     def key(self) -> str:
-        return f"{self.phase}|{self.bucket}|{config_key(self.config)}"
+        return point_key(self.phase, self.bucket, self.config, self.edges)
 
 
 def joint_predicted_rps(goodputs: Sequence[float]) -> float:
@@ -287,15 +301,17 @@ def joint_predicted_rps(goodputs: Sequence[float]) -> float:
 
 
 class StructuredSearch:
-    """Phase 1 per bucket at its share, then the joint configurations of each bucket's best
-    `top_k`; a generator with feedback: `next_point()` proposes, `record()` takes the result.
+    """Phase 1 per bucket at its share, then other bucket edges with their derived knobs
+    (`edge_points`: edges -> the knobs gen-config derives for them), then the joint
+    configurations of each bucket's best `top_k`; a generator with feedback: `next_point()`
+    proposes, `record()` takes the result.
 
     Points measured by an earlier run (`measured`) are not proposed again. A bucket with no
     share of the traffic is not measured: its first candidate goes into phase 2 as is.
     """
 
     def __init__(self, spaces: Sequence[BucketSpace], points_per_bucket: int, top_k: int,
-                 measured: Iterable[Point] = ()):
+                 measured: Iterable[Point] = (), edge_points: Mapping[tuple[int, ...], Config] | None = None):
         if points_per_bucket < 1 or top_k < 1:
             raise ValueError(f"need points_per_bucket >= 1 and top_k >= 1, got {points_per_bucket}, {top_k}")
         if not spaces:
@@ -309,6 +325,8 @@ class StructuredSearch:
         self.measured_alone = [name for name, space in sorted(self.spaces.items(), key=lambda item: -item[1].share)
                                if space.share > 0 and len(self.spaces) > 1]
         self.phase1 = self._round_robin({name: self.grids[name][:points_per_bucket] for name in self.measured_alone})
+        self.edge_proposals = [Proposal("edges", JOINT, dict(config), tuple(edges))
+                               for edges, config in (edge_points or {}).items()]
 
     @staticmethod
     def _round_robin(candidates: Mapping[str, list[KnobSet]]) -> list[Proposal]:
@@ -362,13 +380,14 @@ class StructuredSearch:
                 if proposal.key not in done:
                     return proposal
             self.phase1_open = False
-        for proposal in self.phase2():
+        for proposal in (*self.edge_proposals, *self.phase2()):
             if proposal.key not in done:
                 return proposal
         return None
 
     def record(self, proposal: Proposal, goodput_rps: float, measure_s: float, steps: Sequence[dict] = ()) -> Point:
-        point = Point(proposal.phase, proposal.bucket, dict(proposal.config), goodput_rps, measure_s, tuple(steps))
+        point = Point(proposal.phase, proposal.bucket, dict(proposal.config), goodput_rps, measure_s, tuple(steps),
+                      proposal.edges)
         self.points.append(point)
         return point
 
