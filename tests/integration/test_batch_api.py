@@ -121,14 +121,18 @@ def all_results(client, batch_id: str) -> list[dict]:
 
 @pytest.mark.parametrize("service", ["sqlite", "postgres"], indirect=True)
 def test_killing_the_worker_and_the_api_mid_batch_loses_and_duplicates_nothing(service, grpc_client):
-    items = texts(3000)
+    items = texts(1500)
     with service.client() as client:
         created = client.post("/v1/batches", json={"model": "embed", "items": items, "idempotency_key": "kill-1"})
         assert created.status_code == 201, created.text
         batch_id = created.json()["id"]
     service.start_worker("w1")
     service.start_worker("w2")
-    progress = lambda: service.client().get(f"/v1/batches/{batch_id}").json()["counts"]["ok"]  # noqa: E731
+
+    def progress() -> int:
+        with service.client() as client:
+            return client.get(f"/v1/batches/{batch_id}").json()["counts"]["ok"]
+
     wait_for(lambda: progress() >= 300, 120, "the first results")
     service.kill(service.workers["w1"])  # holding leases: its items come back after LEASE_S
     service.kill(service.api)  # the API dies too; the workers do not need it
@@ -145,16 +149,16 @@ def test_killing_the_worker_and_the_api_mid_batch_loses_and_duplicates_nothing(s
         results = all_results(client, batch_id)
         failures = Counter((r["status"], str(r.get("error")), r["attempts"]) for r in results if r["status"] != "ok")
         assert view["status"] == "completed", (view["counts"], failures.most_common(5))
-        assert view["counts"] == {"total": 3000, "queued": 0, "running": 0, "ok": 3000, "failed": 0,
+        assert view["counts"] == {"total": 1500, "queued": 0, "running": 0, "ok": 1500, "failed": 0,
                                   "cancelled": 0}
         again = client.post("/v1/batches", json={"model": "embed", "items": items, "idempotency_key": "kill-1"})
     # Exactly one result per item, in input order.
-    assert [r["index"] for r in results] == list(range(3000))
+    assert [r["index"] for r in results] == list(range(1500))
     assert all(r["status"] == "ok" and len(r["result"]["embedding"]) == 384 for r in results)
     # Each result is its own item's: compare a sample with direct calls.
     import tritonclient.grpc as grpcclient
 
-    sample = [0, 1, 777, 1500, 2999]
+    sample = [0, 1, 777, 1200, 1499]
     tensor = grpcclient.InferInput("TEXT", [len(sample), 1], "BYTES")
     tensor.set_data_from_numpy(np.array([items[i].encode() for i in sample], dtype=np.object_).reshape(-1, 1))
     direct = grpc_client.infer("embed", [tensor]).as_numpy("EMBEDDING")

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals(tmp_path):
     out = tmp_path / "llm.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tools", "bench", "llm", "--duration", "10", "--warmup", "2", "--rate", "1",
+        [sys.executable, "-m", "tools", "bench", "llm", "--duration", "6", "--warmup", "1", "--rate", "1",
          "--seed", "1", "--drain-timeout", "240", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )

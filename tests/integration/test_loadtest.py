@@ -88,7 +88,7 @@ def explain(result: subprocess.CompletedProcess) -> str:
 
 def test_a_short_embed_run_within_slo_passes_and_writes_every_report(triton, tmp_path, venv_up_to_date):
     result = run_shown(shown("docs/loadtests.md", "make loadtest"), triton, tmp_path,
-                       LOCUST_USERS="3", LOCUST_SPAWN_RATE="3", LOCUST_RUN_TIME="30s")
+                       LOCUST_USERS="3", LOCUST_SPAWN_RATE="3", LOCUST_RUN_TIME="15s")
     assert result.returncode == 0, explain(result)
     assert "# Load run: PASS" in result.stdout
     report = verdict(tmp_path)
@@ -104,7 +104,7 @@ def test_a_short_embed_run_within_slo_passes_and_writes_every_report(triton, tmp
     totals = locust_totals(tmp_path)
     assert totals["gRPC embed"][0] > 0 and totals["HTTP embed"][0] > 0
     assert same_count(overall["requests"], totals["Aggregated"][0], users=3)
-    assert totals["Aggregated"][0] > 100
+    assert totals["Aggregated"][0] > 50  # 3 users for 15 s
     tenants = {c["tenant"] for c in report["checks"] if c["tenant"] is not None}
     assert tenants == EMBED_TENANTS
     assert sum(check(report, "embed", t)["requests"] for t in tenants) == overall["requests"]
@@ -148,7 +148,7 @@ weight = 1
 def test_llm_streams_report_time_to_first_token_and_per_output_token_as_their_own_entries(
         triton, tmp_path, venv_up_to_date):
     result = run_shown(shown("docs/loadtests.md", 'make loadtest LOADTEST_ARGS="--mix llm"'), triton, tmp_path,
-                       LOCUST_USERS="2", LOCUST_SPAWN_RATE="2", LOCUST_RUN_TIME="30s")
+                       LOCUST_USERS="2", LOCUST_SPAWN_RATE="2", LOCUST_RUN_TIME="15s")
     exit_code = locust_exit(result)
     assert exit_code in (0, 1), explain(result)
     totals = locust_totals(tmp_path)
@@ -196,7 +196,7 @@ def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path
         "wait $first; first=$?; wait $second; second=$?",
         'echo "exit codes: master $master, workers $first $second"', "exit $master"])
     argv, environ = shell(script, LOCUST_MASTER_BIND_PORT=port, LOCUST_MASTER_NODE_PORT=port,
-                          LOCUST_USERS="4", LOCUST_SPAWN_RATE="4", LOCUST_RUN_TIME="20s",
+                          LOCUST_USERS="4", LOCUST_SPAWN_RATE="4", LOCUST_RUN_TIME="12s",
                           LOCUST_EXPECT_WORKERS_MAX_WAIT="60",
                           **{name: value for name, value in files.items() if name.startswith(("LOCUST_TRITON",
                                                                                                "LOCUST_SLO"))})

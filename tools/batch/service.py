@@ -63,13 +63,16 @@ def check_port_free(host: str, port: int) -> None:
             raise ServiceError(f"cannot listen on {host}:{port}: {err.strerror}; choose another --port") from None
 
 
+API_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long; clients' idle connections do not hold it up
+
+
 def serve_api(db: str, host: str, port: int) -> None:
     """The REST API on the queue `db` until SIGINT or SIGTERM."""
     import uvicorn
 
     from tools.batch.api import create_app
 
-    uvicorn.run(create_app(db), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(db), host=host, port=port, log_level="warning", timeout_graceful_shutdown=API_SHUTDOWN_S)
 
 
 def worker_argv(db: str, worker_id: str, options: WorkerOptions) -> list[str]:

@@ -158,7 +158,7 @@ class Durations:
 
 
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
-QUICK = Durations(overload_s=15.0, isolation_s=10.0, crash_s=9.0)
+QUICK = Durations(overload_s=10.0, isolation_s=6.0, crash_s=6.0)
 
 
 def ordinary_tenants() -> list[str]:
