@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def short_answers_workload(folder: Path) -> Path:
+    """The chat workload with output budgets cut to a few tokens (its essays ask for up to
+    384): the policies are compared on the same arrivals all the same, and the drain is short."""
+    workloads = REPO / "loadtest" / "workloads"
+    text = (workloads / "llm_chat.toml").read_text()
+    for budget in ("[12, 48]", "[96, 384]", "[16, 64]"):
+        assert f"max_tokens = {budget}" in text, budget
+    for budget, short in (("[12, 48]", "[4, 8]"), ("[96, 384]", "[16, 32]"), ("[16, 64]", "[4, 8]")):
+        text = text.replace(f"max_tokens = {budget}", f"max_tokens = {short}")
+    (folder / "llm_chat_short.toml").write_text(text)
+    shutil.copy2(workloads / "corpus.txt", folder / "corpus.txt")
+    return folder / "llm_chat_short.toml"
+
+
 def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals(tmp_path):
     out = tmp_path / "llm.json"
     result = subprocess.run(
         [sys.executable, "-m", "tools", "bench", "llm", "--duration", "6", "--warmup", "1", "--rate", "1",
-         "--seed", "1", "--drain-timeout", "240", "--out", str(out)],
+         "--seed", "1", "--drain-timeout", "240", "--workload", str(short_answers_workload(tmp_path)),
+         "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout + result.stderr
