@@ -119,7 +119,9 @@ def all_results(client, batch_id: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("service", ["sqlite", "postgres"], indirect=True)
+# The kill and restart sequence is the same on either queue; the store's exactly-once rules are
+# checked on both by tests/unit/test_batch_store.py. The suite's short form kills on PostgreSQL.
+@pytest.mark.parametrize("service", [pytest.param("sqlite", marks=pytest.mark.slow), "postgres"], indirect=True)
 def test_killing_the_worker_and_the_api_mid_batch_loses_and_duplicates_nothing(service, grpc_client):
     items = texts(1500)
     with service.client() as client:

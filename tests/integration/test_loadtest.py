@@ -166,7 +166,7 @@ def test_llm_streams_report_time_to_first_token_and_per_output_token_as_their_ow
 
 def test_a_compressed_step_ramp_reports_every_stage_and_the_knee(triton, tmp_path, venv_up_to_date):
     result = run_shown(shown("docs/loadtests.md", 'make loadtest LOADTEST_ARGS="--shape step"'), triton, tmp_path,
-                       LOCUST_SHAPE_SECONDS="32", LOCUST_SHAPE_USER_SCALE="0.125", LOCUST_SETTLE_S="1")
+                       LOCUST_SHAPE_SECONDS="16", LOCUST_SHAPE_USER_SCALE="0.125", LOCUST_SETTLE_S="1")
     assert locust_exit(result) in (0, 1), explain(result)
     report = verdict(tmp_path)
     stages = report["stages"]
@@ -175,7 +175,7 @@ def test_a_compressed_step_ramp_reports_every_stage_and_the_knee(triton, tmp_pat
     assert all(s["throughput_rps"] > 0 for s in stages[:4])
     summary = (tmp_path / "summary.md").read_text()
     assert "| stage | users | ok req/s |" in summary and "Knee" in summary
-    assert "shape: step, 32 s" in summary
+    assert "shape: step, 16 s" in summary
 
 
 def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path):

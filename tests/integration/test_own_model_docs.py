@@ -112,7 +112,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         assert float(served @ expected / (np.linalg.norm(served) * np.linalg.norm(expected))) >= 0.999
 
         swept = run(shown("docs/own-models.md", "python -m tools sweep --model search --url localhost:8001 --rates "
-                          "5,10 --duration 5 --slo-ms 150"), folder, ports)
+                          "5,10 --duration 3 --slo-ms 150"), folder, ports)
         assert "10 rps:" in swept and swept.count("errors 0 ") == 2, swept
 
         run(shown("docs/own-models.md", "python -m tools add-model search --version 2 --onnx "
@@ -120,7 +120,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         run(shown("docs/own-models.md", "python -m tools gen-config"), folder)
         with Traffic(ports["http"]) as traffic:
             rolled = run(shown("docs/own-models.md", "python -m tools rollout search --to 2 --steps 50,100 "
-                               "--step-seconds 5 --url localhost:8000 --metrics-url localhost:8002/metrics"),
+                               "--step-seconds 3 --url localhost:8000 --metrics-url localhost:8002/metrics"),
                          folder, ports)
         assert "mean cosine" in rolled, rolled
         assert json.loads((folder / "rollouts" / "search.state.json").read_text())["status"] == "promoted"

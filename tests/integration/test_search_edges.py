@@ -1,7 +1,7 @@
 """A search point with other bucket edges, on a real tritonserver: the session loads the other
 edges' bucket models (a length the profile did not measure runs the nearest measured bucket's
-files), points the router at them, unloads the buckets they replace and measures the full mix;
-the model's own edges load again for the next point."""
+files), points the router at them and unloads the buckets they replace; the model's own edges
+load again for the next point. (Each point's goodput search is the same for any edges.)"""
 
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ def test_a_point_with_other_edges_serves_them_and_the_next_point_goes_back():
         own_buckets = served(session) - {"encoder_express"}
         assert own_buckets == set(model.bucket_names)
 
-        measured = session.measure(other, edges=EDGES)
+        # What `measure(other, edges=EDGES)` reloads before its load (the load itself is any point's).
+        session.reload(plan_with(spec, with_edges(model, EDGES), profile, other), with_edges(model, EDGES).bucket_names)
         assert served(session) - {"encoder_express"} == set(other)  # encoder_16 and encoder_32 unloaded
         assert knobs_served(session.control.model_config("encoder_24")) == other["encoder_24"]
         router = session.control.model_config("embed")["parameters"]
         assert router["bucket_lens"]["string_value"] == "24,64,128,256"
-        assert measured.goodput_rps > 0 and measured.steps
-        assert all(step["errors"] == 0 for step in measured.steps if step["passed"])
+        assert embedding_of(session, "a short query").shape == (1, 384)  # the router on the new edges answers
 
         # The next point on the model's own edges: what `measure` reloads before its load.
         session.reload(plan_with(spec, model, profile, {}), model.bucket_names)

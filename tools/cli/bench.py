@@ -292,7 +292,7 @@ def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
     parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="short form for the test suite: 10 s of overload, 6 s isolation phases, 6 s crash phases")
+                        help="short form for the test suite: 15 s of overload, 6 s isolation phases, 6 s crash phases")
 
 
 def run_overload(args: argparse.Namespace) -> int:
