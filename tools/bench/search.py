@@ -175,7 +175,7 @@ def searchable_edges(model: BucketedModelSpec, profile: LatencyProfile) -> list[
     """The edges a search tries besides the model's own (`search_edge_sets` on its workload
     and measured curves); none for an external model (one model behind every bucket) or a
     model without a length mix."""
-    if model.kind is ModelKind.EXTERNAL or model.workload is None or len(model.bucket_lens) < 1:
+    if model.kind is ModelKind.EXTERNAL or model.workload is None:
         return []
     curves, _ = bucket_curves(model, profile)
     return search_edge_sets(load_workload(model.workload), model.bucket_lens, curves)
@@ -269,11 +269,14 @@ class PointSession:
         plan = plan_with(self.spec, self.model, self.profile, {})
         setup = f"search/{self.model.name}"
         # The other edges' bucket models are in the repository from the start, loaded when a point runs them.
-        others = {generated.name: generated for edges in self.edge_sets
-                  for generated in plan_with(self.spec, with_edges(self.model, edges), self.profile, {})
-                  if generated.name in with_edges(self.model, edges).bucket_names}
-        self.repository = build_repository(setup, [*plan, *(g for n, g in others.items()
-                                                            if n not in {p.name for p in plan})])
+        own = {generated.name for generated in plan}
+        others: dict[str, GeneratedModel] = {}
+        for edges in self.edge_sets:
+            other_model = with_edges(self.model, edges)
+            for generated in plan_with(self.spec, other_model, self.profile, {}):
+                if generated.name in other_model.bucket_names and generated.name not in own:
+                    others.setdefault(generated.name, generated)
+        self.repository = build_repository(setup, [*plan, *others.values()])
         user_repositories = build_user_repository(setup, plan)
         config = ServerConfig(model_repository=self.repository, extra_repositories=user_repositories,
                               http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
@@ -330,7 +333,7 @@ class PointSession:
                                       f"not {wanted.label()}")
             self.loaded[generated.name] = config.SerializeToString(deterministic=True)
         if buckets:
-            for name in sorted(set(self.loaded) & self.all_buckets - set(buckets)):
+            for name in sorted(set(self.loaded) & (self.all_buckets - set(buckets))):
                 try:
                     self.control.unload(name)
                 except ControlError as err:
