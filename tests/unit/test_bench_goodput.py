@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from python_backends.common.regimes import REGIMES_PARAMETER
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.buckets import choose_bucket, pad_rows, truncate_tokens
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS
@@ -193,6 +194,21 @@ def rerank(tmp_path_factory):
         profile, models={**profile.models, **{f"rerank_{n}": profile.models[f"encoder_{n}"] for n in RERANK_BUCKETS}},
         overhead={**profile.overhead, "rerank": profile.overhead["embed"]})
     return spec, profile, find_model(spec, "rerank"), onnx
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_embeds_baselines_are_one_bucket_without_admission_or_light_load_regimes(batching):
+    spec = load_spec()
+    profile = load_profile(spec.profile)
+    model = find_model(spec, "embed")
+    generated = {m.name: m for m in model_plan(spec, profile, model)}
+    assert REGIMES_PARAMETER in generated["embed"].config.parameters  # what there is to take out
+    padded = {m.name: m for m in padded_only_plan(spec, profile, model, batching=batching)}
+    assert set(padded) == {"embed", "encoder_256"}  # no express model either
+    parameters = padded["embed"].config.parameters
+    assert "admission" not in parameters and REGIMES_PARAMETER not in parameters
+    router = router_of(list(padded.values()), model)  # what the served router reads: it loads
+    assert router.bucket_lens == (256,) and router.model_for(256) == "encoder_256"
 
 
 def test_a_second_models_setups_hold_its_own_router_and_buckets(rerank):

@@ -185,6 +185,9 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: Bucketed
     router.parameters["bucket_max_batch"].string_value = f"{largest}:{encoder.max_batch_size}"
     # Without this project's admission control too: a baseline serves late rather than refusing.
     del router.parameters["admission"]
+    # Nor its light-load regimes: a baseline has no lingering bucket models and no express model.
+    if REGIMES_PARAMETER in router.parameters:
+        del router.parameters[REGIMES_PARAMETER]
     router.dynamic_batching.ClearField("default_queue_policy")
     header = ("Benchmark baseline written by `python -m tools bench goodput`.",)
     # The generated models' own adapters: the text or the tensor router and bucket backend.
