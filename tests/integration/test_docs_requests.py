@@ -49,15 +49,17 @@ def batch_ports(ports, tmp_path_factory):
                                    start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while True:
+        while True:  # the API answers and both workers have started
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
-                    break
+                    if (folder / "batch.log").read_text().count(": queue ") >= 2:
+                        break
             except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise AssertionError("the batch API did not come up: "
-                                         + (folder / "batch.log").read_text()[-2000:]) from None
-                time.sleep(0.2)
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise AssertionError("the batch API did not come up: "
+                                     + (folder / "batch.log").read_text()[-2000:])
+            time.sleep(0.2)
         assert (folder / "build" / "batch" / "queue.db").is_file()
         yield {**ports, "batch": port}
     finally:

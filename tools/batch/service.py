@@ -130,7 +130,15 @@ def serve_with_workers(db: str, host: str, port: int, worker_names: Sequence[str
 
 
 def run_worker(db: str, worker_id: str, options: WorkerOptions) -> WorkerStats:
-    """One worker on the queue `db` until SIGINT or SIGTERM; returns its counts."""
+    """One worker on the queue `db` until SIGINT or SIGTERM; returns its counts.
+
+    A signal that arrives while the worker is still starting (importing, connecting) stops it
+    as soon as it runs, the same clean way, instead of killing it mid-start.
+    """
+    stop_early = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop_early.set())
+
     from tools.batch.engines import describe, open_store
     from tools.batch.policy import BatchLimits, RetryPolicy
     from tools.batch.worker import BatchWorker, WorkerConfig, make_callers
@@ -147,6 +155,8 @@ def run_worker(db: str, worker_id: str, options: WorkerOptions) -> WorkerStats:
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, worker.stop)
+            if stop_early.is_set():
+                worker.stop()
             log.info("worker %s: queue %s, tritonserver %s", worker_id, describe(db), options.grpc_url)
             try:
                 return await worker.run()
