@@ -156,6 +156,16 @@ def model_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelS
     return plan_embed_model(model, spec, profile)
 
 
+def without_light_regimes(router: mc.ModelConfig) -> mc.ModelConfig:
+    """A copy of a router's config without its light-load regimes, for a benchmark copy whose
+    bucket models do not linger: it has no light regime to switch to and no express model."""
+    config = mc.ModelConfig()
+    config.CopyFrom(router)
+    if REGIMES_PARAMETER in config.parameters:
+        del config.parameters[REGIMES_PARAMETER]
+    return config
+
+
 def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec,
                      batching: bool) -> list[GeneratedModel]:
     """The baselines: the router with a single bucket of the largest length, so every input is
@@ -163,8 +173,7 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: Bucketed
     external model is the user's own config with only its batcher changed (`external_baseline`)."""
     plan = {m.name: m for m in model_plan(spec, profile, model)}
     largest = model.bucket_lens[-1]
-    router = mc.ModelConfig()
-    router.CopyFrom(plan[model.name].config)
+    router = without_light_regimes(plan[model.name].config)  # no lingering bucket models, no express model
     bucket = plan[model.encoder_name(largest)]
     encoder = mc.ModelConfig()
     encoder.CopyFrom(bucket.config)
@@ -185,9 +194,6 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: Bucketed
     router.parameters["bucket_max_batch"].string_value = f"{largest}:{encoder.max_batch_size}"
     # Without this project's admission control too: a baseline serves late rather than refusing.
     del router.parameters["admission"]
-    # Nor its light-load regimes: a baseline has no lingering bucket models and no express model.
-    if REGIMES_PARAMETER in router.parameters:
-        del router.parameters[REGIMES_PARAMETER]
     router.dynamic_batching.ClearField("default_queue_policy")
     header = ("Benchmark baseline written by `python -m tools bench goodput`.",)
     # The generated models' own adapters: the text or the tensor router and bucket backend.
@@ -378,11 +384,8 @@ def unbatched_plan(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> 
     buckets = {model.encoder_name(length) for length in model.bucket_lens}
     out = []
     for generated in plan:
-        if generated.name == model.name and REGIMES_PARAMETER in generated.config.parameters:
-            config = mc.ModelConfig()
-            config.CopyFrom(generated.config)
-            del config.parameters[REGIMES_PARAMETER]
-            generated = replace(generated, config=config)
+        if generated.name == model.name:
+            generated = replace(generated, config=without_light_regimes(generated.config))
         elif generated.name == express_model_name(model.encoder_prefix):
             continue
         if generated.name in buckets and generated.config.HasField("dynamic_batching"):
