@@ -14,6 +14,8 @@ from python_backends.common.regimes import REGIMES_PARAMETER, express_model_name
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS
 from tests import user_models
 from tools.bench.goodput import (
+    FORWARD_ADAPTER,
+    FORWARD_MODEL,
     LIGHT_LOAD_REQUESTS,
     OVERHEAD_REQUESTS,
     ROUTER_OVERHEAD_TARGET_MS,
@@ -21,7 +23,9 @@ from tools.bench.goodput import (
     RoutedRequest,
     bucket_rows,
     direct_request_bytes,
+    floor_overhead,
     for_mix,
+    forward_request_bytes,
     goodput_options,
     interleaved_overhead,
     light_load_report,
@@ -151,7 +155,50 @@ def test_the_unbatched_server_has_the_generated_configs_without_linger(embed):
         assert "without linger" in unbatched[model.encoder_name(length)].header[-1]
 
 
+def test_the_floor_is_a_python_model_with_the_buckets_tensors_that_forwards_to_it(embed):
+    spec, profile, model = embed
+    plan = model_plan(spec, profile, model)
+    bucket = {m.name: m for m in plan}[model.encoder_name(16)]
+    assert FORWARD_MODEL not in {m.name for m in unbatched_plan(plan, model)}  # only when asked for
+    with_floor = unbatched_plan(plan, model, bucket.name)
+    forward = with_floor[0]
+    assert forward.name == FORWARD_MODEL and forward.adapter == FORWARD_ADAPTER and forward.versions == (1,)
+    config = forward.config
+    assert config.backend == "python" and config.max_batch_size == bucket.config.max_batch_size
+    assert list(config.input) == list(bucket.config.input) and list(config.output) == list(bucket.config.output)
+    assert config.parameters["forward_to"].string_value == bucket.name
+    assert config.parameters["forward_version"].string_value == "1"  # the version the router calls
+    router = {m.name: m for m in plan}["embed"].config
+    assert [g.count for g in config.instance_group] == [sum(g.count for g in router.instance_group)]
+    assert not config.HasField("dynamic_batching")  # a request goes to an instance as it comes
+    assert [m.name for m in with_floor[1:]] == [m.name for m in unbatched_plan(plan, model)]  # the rest as before
+
+
+def test_the_forwarding_request_sends_the_buckets_tensors_to_the_forwarding_model():
+    call = BucketCall("encoder_16", 16, {INPUT_IDS: np.ones((1, 16), np.int64),
+                                         ATTENTION_MASK: np.ones((1, 16), np.int64)})
+    forward, direct = forward_request_bytes("h", call), direct_request_bytes("h", 1, call)
+    assert f"POST /v2/models/{FORWARD_MODEL}/versions/1/infer ".encode() in forward
+    assert forward.split(b"\r\n\r\n", 1)[1] == direct.split(b"\r\n\r\n", 1)[1]  # the same body
+
+
 # --------------------------------------------------------------------------- the arithmetic
+
+
+def test_the_floor_and_the_routers_own_work_come_from_triples():
+    # router, forward, direct; the third triple lost its forwarding answer and is left out
+    latencies = [12.0, 11.0, 10.0, 14.0, 12.0, 11.0, 20.0, None, 10.0, 13.0, 11.5, 10.5]
+    floor = floor_overhead(latencies)
+    router, forward, direct = [12.0, 14.0, 13.0], [11.0, 12.0, 11.5], [10.0, 11.0, 10.5]
+    assert floor["num_triples"] == 3
+    assert floor["p50"] == pytest.approx(np.percentile(forward, 50) - np.percentile(direct, 50), abs=1e-3)
+    assert floor["router_p50"] == pytest.approx(np.percentile(router, 50) - np.percentile(direct, 50), abs=1e-3)
+    assert floor["own_p50"] == pytest.approx(np.percentile(router, 50) - np.percentile(forward, 50), abs=1e-3)
+    assert floor["p95"] == pytest.approx(np.percentile(forward, 95) - np.percentile(direct, 95), abs=1e-3)
+    assert floor_overhead([None, 1.0, 1.0])["p50"] is None
+    with pytest.raises(ValueError, match="in triples, got 4"):
+        floor_overhead([1.0, 2.0, 3.0, 4.0])
+
 
 
 def test_the_overhead_is_the_router_percentile_less_the_direct_one():
@@ -230,6 +277,25 @@ def test_the_router_cost_is_the_median_of_rounds():
     assert detail["router_ms"] == {"p50_ms": 12.0, "p95_ms": 24.0} and detail["num_pairs"] == [200, 200, 200]
     assert detail["target_p50_ms"] == ROUTER_OVERHEAD_TARGET_MS
     assert detail["by_round"] == [{"p50": 2.0, "p95": 5.0}, {"p50": 1.0, "p95": 3.0}, {"p50": 3.0, "p95": 4.0}]
+    assert detail["python_floor_ms"] is None  # no forwarding model on that server
+
+
+def test_the_python_floor_is_the_median_of_the_rounds_that_measured_it():
+    def run(floor):
+        return {"overhead": {"p50": 2.0, "p95": 3.0, "router_ms": {"p50_ms": 12.0, "p95_ms": 13.0},
+                             "direct_ms": {"p50_ms": 10.0, "p95_ms": 10.0}, "num_pairs": 200},
+                "router_cpu_ms_per_request": 1.0, "cpu_router_phase": {}, "cpu_direct_phase": {}, "num_errors": 0,
+                "floor": floor}
+
+    def floor(p50, router_p50):
+        return {"p50": p50, "p95": p50 + 1, "router_p50": router_p50, "router_p95": router_p50 + 1,
+                "own_p50": round(router_p50 - p50, 3), "num_triples": 200, "bucket": "encoder_16"}
+
+    report = router_cost_report([run(floor(1.0, 2.0)), run(floor(0.8, 1.9)), run(None), run(floor(1.2, 2.4))])
+    python_floor = report["router_overhead"]["python_floor_ms"]
+    assert (python_floor["p50"], python_floor["router_p50"], python_floor["own_p50"]) == (1.0, 2.0, 1.1)
+    assert python_floor["bucket"] == "encoder_16" and python_floor["num_triples"] == [200, 200, 200]
+    assert [r["own_p50"] for r in python_floor["by_round"]] == [1.0, 1.1, 1.2]
 
 
 def test_the_short_form_sends_fewer_light_load_and_router_requests():

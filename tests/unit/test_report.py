@@ -209,3 +209,11 @@ def test_the_light_load_and_router_figures_are_rendered_from_the_goodput_result(
     assert ("**Router overhead**: p50 0.8 ms, p95 2.5 ms over the same rows sent straight to their bucket model "
             "(10.3 ms against 9.5 ms at p50), target p50 ≤ 1.0 ms (met); the router path's CPU: 0.31 ms per "
             "request.") in section
+    assert "Python backend's own hop" not in section  # a result without the forwarding model's figures
+    result["router_overhead"]["python_floor_ms"] = {"p50": 0.6, "router_p50": 0.9, "own_p50": 0.3,
+                                                    "bucket": "encoder_16"}
+    path.write_text(json.dumps(result))
+    section = render_sections(load_results(kit["results"]), "../results/")["goodput"]
+    assert ("Of that, the Python backend's own hop: a Python model that only forwards the same rows to "
+            "`encoder_16` over one BLS call adds p50 0.6 ms; on those requests the router adds 0.9 ms, so its own "
+            "work is 0.3 ms.") in section

@@ -106,6 +106,9 @@ OVERHEAD_WARMUP_REQUESTS = 5  # of each kind, sent and discarded before the rout
 # The server without linger: the bucket models as generated but with max_queue_delay 0 and no
 # preferred batch sizes, so a request alone runs at once (the unbatched latency, the router's cost).
 UNBATCHED_SETUP = "slo_bucketed_unbatched"
+# On that server, the floor of the router's overhead: a Python model that only forwards.
+FORWARD_MODEL = "bench_forward"
+FORWARD_ADAPTER = "forward_model"  # python_backends/adapters/forward_model.py
 
 
 @dataclass(frozen=True)
@@ -376,13 +379,37 @@ def payload_subset(payload: TextPayload | TensorPayload, indices: Sequence[int])
     return TextPayload(tuple(payload.texts[index] for index in indices), pairs)
 
 
-def unbatched_plan(plan: Sequence[GeneratedModel], model: BucketedModelSpec) -> list[GeneratedModel]:
+def forward_model(bucket: GeneratedModel, version: int, instances: int) -> GeneratedModel:
+    """`FORWARD_MODEL`, the Python backend's floor in front of `bucket`: a Python model with the
+    bucket model's inputs and outputs that passes each request to `version` of it over one BLS
+    call and answers with its outputs (python_backends/adapters/forward_model.py), with as many
+    instances as the router."""
+    config = mc.ModelConfig(name=FORWARD_MODEL, backend="python", max_batch_size=bucket.config.max_batch_size)
+    config.input.extend(bucket.config.input)
+    config.output.extend(bucket.config.output)
+    config.instance_group.add(count=instances, kind=mc.ModelInstanceGroup.KIND_CPU)
+    config.parameters["forward_to"].string_value = bucket.name
+    config.parameters["forward_version"].string_value = str(version)
+    header = (f"Benchmark instrument written by `python -m tools bench goodput`: the least a Python model in "
+              f"front of {bucket.name} does (one BLS call, no other work), the floor of the router's overhead.",)
+    return GeneratedModel(FORWARD_MODEL, config, header, FORWARD_ADAPTER, (1,))
+
+
+def unbatched_plan(plan: Sequence[GeneratedModel], model: BucketedModelSpec,
+                   floor_bucket: str | None = None) -> list[GeneratedModel]:
     """The plan with every bucket model's batcher made linger-free: max_queue_delay 0 and no
     preferred batch sizes (everything else as generated), so a request alone runs at once.
     Without lingers there is no light regime to serve: the router's `linger_regimes` and the
-    express model are left out, so the router calls the bucket models a direct request calls."""
+    express model are left out, so the router calls the bucket models a direct request calls.
+    With `floor_bucket`, `forward_model` in front of it too (not for an external model, whose
+    inputs are in the user's config)."""
     buckets = {model.encoder_name(length) for length in model.bucket_lens}
     out = []
+    by_name = {generated.name: generated for generated in plan}
+    floor = by_name.get(floor_bucket) if floor_bucket else None
+    if floor is not None and floor.user_config is None:
+        router_instances = sum(group.count for group in by_name[model.name].config.instance_group) or 1
+        out.append(forward_model(floor, served_version(model), router_instances))
     for generated in plan:
         if generated.name == model.name:
             generated = replace(generated, config=without_light_regimes(generated.config))
@@ -416,6 +443,12 @@ def direct_request_bytes(host: str, version: int, call: BucketCall) -> bytes:
                                 [wire_tensor(name, np.asarray(array)) for name, array in call.tensors.items()])
 
 
+def forward_request_bytes(host: str, call: BucketCall) -> bytes:
+    """The HTTP request that sends a chunk to `FORWARD_MODEL`, which passes it to its bucket model."""
+    return encode_infer_request(host, model_path(FORWARD_MODEL, 1),
+                                [wire_tensor(name, np.asarray(array)) for name, array in call.tensors.items()])
+
+
 def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float | None]:
     """p50 and p95 of some latencies (None of none)."""
     if not latencies_ms:
@@ -439,6 +472,30 @@ def interleaved_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]
     return {"p50": round(percentile(router, 50) - percentile(direct, 50), 3),
             "p95": round(percentile(router, 95) - percentile(direct, 95), 3),
             "router_ms": latency_summary(router), "direct_ms": latency_summary(direct), "num_pairs": len(pairs)}
+
+
+def floor_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]:
+    """The Python backend's floor beside the router's overhead, from requests sent in turn as
+    triples: the router's request, the same rows to `FORWARD_MODEL`, then straight to the bucket
+    model. Over the triples where all three answered: p50 and p95 of the forwarding model's
+    latencies less the direct ones' (`p50`, `p95`), the same of the router's (`router_p50`,
+    `router_p95`), and `own_p50`, the router's p50 less the forwarding model's: what the
+    router's own work adds above the least a Python model in front of the bucket costs."""
+    if len(latencies_ms) % 3:
+        raise ValueError(f"expected router, forward and direct requests in triples, got {len(latencies_ms)}")
+    triples = [triple for triple in zip(latencies_ms[0::3], latencies_ms[1::3], latencies_ms[2::3], strict=True)
+               if None not in triple]
+    if not triples:
+        return {"p50": None, "p95": None, "router_p50": None, "router_p95": None, "own_p50": None, "num_triples": 0}
+    router, forward, direct = ([triple[index] for triple in triples] for index in range(3))
+
+    def less(first: Sequence[float], second: Sequence[float], q: float) -> float:
+        return round(percentile(first, q) - percentile(second, q), 3)
+
+    return {"p50": less(forward, direct, 50), "p95": less(forward, direct, 95),
+            "router_p50": less(router, direct, 50), "router_p95": less(router, direct, 95),
+            "own_p50": less(router, forward, 50), "forward_ms": latency_summary(forward),
+            "direct_ms": latency_summary(direct), "num_triples": len(triples)}
 
 
 def phase_cpu_ms(before: Mapping[str, float], after: Mapping[str, float], num_requests: int) -> dict[str, float]:
@@ -499,6 +556,18 @@ def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     overhead = [r["overhead"] for r in rounds]
     cpu = [r["router_cpu_ms_per_request"] for r in rounds]
     middle = rounds[median_index(cpu)]
+    floors = [r["floor"] for r in rounds if r.get("floor")]
+    floor = None
+    if floors:
+        floor = {key: _median([f[key] for f in floors]) for key in ("p50", "p95", "router_p50", "router_p95",
+                                                                     "own_p50")}
+        floor.update(bucket=floors[0]["bucket"], num_triples=[f["num_triples"] for f in floors],
+                     by_round=[{key: f[key] for key in ("p50", "router_p50", "own_p50")} for f in floors],
+                     how=("requests of that bucket sent in turn as triples: the router's, the same rows to a "
+                          "Python model that only forwards them to the bucket model over one BLS call "
+                          "(python_backends/adapters/forward_model.py), and straight to the bucket model; p50 "
+                          "and p95 are the forwarding model's latency less the direct one's, router_* the "
+                          "router's, own_p50 the router's p50 less the forwarding model's"))
     return {
         "router_overhead_ms": {"p50": _median([o["p50"] for o in overhead]),
                                "p95": _median([o["p95"] for o in overhead])},
@@ -513,6 +582,7 @@ def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "cpu_ms_per_request_by_round": cpu,
             "cpu_ms_per_request_router_phase": middle["cpu_router_phase"],
             "cpu_ms_per_request_direct_phase": middle["cpu_direct_phase"],
+            "python_floor_ms": floor,
             "how": ("on a server whose bucket models do not linger (max_queue_delay 0, no preferred batch), "
                     "one request at a time over HTTP: a router request, then the same rows straight to the "
                     "bucket model version it calls, in turn; CPU in separate router-only and direct-only "
@@ -691,10 +761,13 @@ def run_setup(setup: str, repository: Path, model: str, payload: TextPayload | T
 
 
 async def measure_unbatched(server: TritonServer, model: BucketedModelSpec, short: LoadTarget,
-                            routed: Sequence[RoutedRequest], options: GoodputOptions) -> dict[str, Any]:
+                            routed: Sequence[RoutedRequest], options: GoodputOptions,
+                            floor_bucket: str | None = None) -> dict[str, Any]:
     """On the linger-free server: the short requests one at a time through the router, the
     router's requests in turn with the same rows straight to their bucket models, then the two
-    kinds in separate phases for the server's CPU per request."""
+    kinds in separate phases for the server's CPU per request. With `floor_bucket` (the bucket
+    `FORWARD_MODEL` forwards to), as many requests of that bucket again as triples: router,
+    forwarding model, direct (`floor_overhead`)."""
     host = split_host_port(server.http_url)[0]
     version = served_version(model)
     single = [request for request in routed if len(request.calls) == 1]  # one bucket call: one direct request
@@ -716,7 +789,17 @@ async def measure_unbatched(server: TritonServer, model: BucketedModelSpec, shor
     after = server.cpu_seconds_by_part()
     cpu_router, cpu_direct = phase_cpu_ms(before, middle, count), phase_cpu_ms(middle, after, count)
     errors = [*turns.errors, *router_phase.errors, *direct_phase.errors]
-    return {"unbatched": unbatched, "overhead": interleaved_overhead(turns.latencies_ms),
+    floor = None
+    in_bucket = [request for request in single if request.calls[0].model_name == floor_bucket]
+    if in_bucket:
+        picked = [in_bucket[index % len(in_bucket)] for index in range(count)]
+        triples = [(router_request_bytes(host, model.name, request), forward_request_bytes(host, request.calls[0]),
+                    direct_request_bytes(host, version, request.calls[0])) for request in picked]
+        await send_in_turn(server.http_url, [item for triple in triples[:warm] for item in triple])
+        floor_turns = await send_in_turn(server.http_url, [item for triple in triples for item in triple])
+        floor = {**floor_overhead(floor_turns.latencies_ms), "bucket": floor_bucket}
+        errors += floor_turns.errors
+    return {"unbatched": unbatched, "overhead": interleaved_overhead(turns.latencies_ms), "floor": floor,
             "cpu_router_phase": cpu_router, "cpu_direct_phase": cpu_direct,
             "router_cpu_ms_per_request": router_cpu_ms(cpu_router, cpu_direct,
                                                        {model.encoder_name(length) for length in model.bucket_lens}),
@@ -725,19 +808,22 @@ async def measure_unbatched(server: TritonServer, model: BucketedModelSpec, shor
 
 def run_unbatched(repository: Path, model: BucketedModelSpec, short: TextPayload | TensorPayload,
                   routed: Sequence[RoutedRequest], rows_per_request: int, options: GoodputOptions, log,
-                  extra_repositories: tuple[Path, ...] = ()) -> dict[str, Any]:
+                  extra_repositories: tuple[Path, ...] = (), floor_bucket: str | None = None) -> dict[str, Any]:
     """Start the linger-free server (`unbatched_plan`'s repository) and `measure_unbatched` on it."""
     config = ServerConfig(model_repository=repository, extra_repositories=extra_repositories, http_port=free_port(),
                           grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1")
     log(f"  {UNBATCHED_SETUP}: starting tritonserver on {repository.relative_to(REPO_ROOT)}")
     with TritonServer(config, log_path=BENCH_DIR / f"{UNBATCHED_SETUP}.log") as server:
         target = target_of(server, model.name, short, rows_per_request, model.slo_p95_ms, options)
-        result = asyncio.run(measure_unbatched(server, model, target, routed, options))
-    overhead, unbatched = result["overhead"], result["unbatched"]
+        result = asyncio.run(measure_unbatched(server, model, target, routed, options, floor_bucket))
+    overhead, unbatched, floor = result["overhead"], result["unbatched"], result["floor"]
     log(f"  {UNBATCHED_SETUP}: short requests one at a time p50 {unbatched['p50_ms']} ms; router overhead "
         f"p50 {overhead['p50']} ms, p95 {overhead['p95']} ms over {overhead['num_pairs']} pairs; router path "
         f"{result['router_cpu_ms_per_request']} CPU ms per request; {result['num_errors']} errors"
         + (f" ({'; '.join(result['error_samples'])})" if result["error_samples"] else ""))
+    if floor is not None:
+        log(f"  {UNBATCHED_SETUP}: a Python model that only forwards to {floor['bucket']} adds p50 {floor['p50']} ms; "
+            f"the router {floor['router_p50']} ms on the same requests, its own work {floor['own_p50']} ms of it")
     return result
 
 
@@ -875,7 +961,7 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
     repositories = {setup: build_repository(setup, without_tenant_quotas(plans[setup], model.name))
                     for setup in setups}
     user_repositories = {setup: build_user_repository(setup, plans[setup]) for setup in setups}
-    light_load = routed = None
+    light_load = routed = floor_bucket = None
     if "slo_bucketed" in setups:  # its light load, then the linger-free server: one more start a round
         routed = routed_requests(payload, plans["slo_bucketed"], model)
         short_indices = short_request_indices([request.bucket_lens for request in routed])
@@ -883,7 +969,10 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
         light_load = LightLoad(payload_subset(payload, short_indices), LIGHT_LOAD_SHARE * model.expected_rps,
                                options.light_load_requests,
                                regime_settle_s(plans["slo_bucketed"], model) if options.regime_settle else 0.0)
-        unbatched = unbatched_plan(plans["slo_bucketed"], model)
+        floor_bucket = routed[short_indices[0]].calls[0].model_name  # the forwarding model's bucket
+        unbatched = unbatched_plan(plans["slo_bucketed"], model, floor_bucket)
+        if not any(generated.name == FORWARD_MODEL for generated in unbatched):
+            floor_bucket = None
         repositories[UNBATCHED_SETUP] = build_repository(UNBATCHED_SETUP, without_tenant_quotas(unbatched, model.name))
         user_repositories[UNBATCHED_SETUP] = build_user_repository(UNBATCHED_SETUP, unbatched)
     in_process = model.kind is not ModelKind.EXTERNAL  # an external model's backend runs only in the server
@@ -903,7 +992,8 @@ def run_benchmark(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyP
         if light_round and light_load is not None and routed is not None:
             unbatched_runs.append(run_unbatched(repositories[UNBATCHED_SETUP], model, light_load.payload, routed,
                                                 rows_per_request, options, log,
-                                                extra_repositories=user_repositories[UNBATCHED_SETUP]))
+                                                extra_repositories=user_repositories[UNBATCHED_SETUP],
+                                                floor_bucket=floor_bucket))
         if not in_process:
             continue
         log("  ceiling: the mix through ONNX Runtime in-process, ideal buckets, best batch sizes")

@@ -168,6 +168,11 @@ def render_router_figures(result: Mapping[str, Any]) -> str:
                    + ("" if p50 is None else
                       f", target p50 ≤ {_ms(detail['target_p50_ms'])} ({_target(p50 <= detail['target_p50_ms'])})")
                    + f"; the router path's CPU: {result['router_cpu_ms_per_request']:.2f} ms per request.")
+    floor = detail.get("python_floor_ms")
+    if floor and floor["p50"] is not None:
+        router_text += (f" Of that, the Python backend's own hop: a Python model that only forwards the same rows "
+                        f"to `{floor['bucket']}` over one BLS call adds p50 {_ms(floor['p50'])}; on those requests "
+                        f"the router adds {_ms(floor['router_p50'])}, so its own work is {_ms(floor['own_p50'])}.")
     return f"{light_text}\n{router_text}"
 
 
