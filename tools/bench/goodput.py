@@ -456,10 +456,23 @@ def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float | None]:
     return {"p50_ms": round(percentile(latencies_ms, 50), 3), "p95_ms": round(percentile(latencies_ms, 95), 3)}
 
 
+def paired_difference(first: Sequence[float], second: Sequence[float], q: float) -> float:
+    """The q-th percentile of `first[i] - second[i]`: what the first request of each pair (or
+    triple) took over the second one, sent right after it with the same rows.
+
+    Not the difference of the two percentiles: on a mix of bucket lengths the latencies are a
+    mixture with gaps between the buckets, and a percentile that falls in a gap (embed_mix: half
+    the requests are the shortest bucket's, so the p50 does) moves by several milliseconds for a
+    small shift, which made a 1.6-1.9 ms overhead on one bucket's requests read 2.3-3.0 ms over
+    the mix (2 x AMD EPYC, the same run)."""
+    return round(percentile([a - b for a, b in zip(first, second, strict=True)], q), 3)
+
+
 def interleaved_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]:
     """The router's overhead from requests sent in turn, router then direct, pair by pair
-    (`send_in_turn` of [router 1, direct 1, router 2, direct 2, ...]): p50 of the router's
-    latencies minus p50 of the direct ones, the same of p95, over the pairs where both answered."""
+    (`send_in_turn` of [router 1, direct 1, router 2, direct 2, ...]): p50 and p95 of the
+    router's latency less the direct one's, pair by pair (`paired_difference`), over the pairs
+    where both answered."""
     if len(latencies_ms) % 2:
         raise ValueError(f"expected router and direct requests in pairs, got {len(latencies_ms)} latencies")
     pairs = [(router, direct) for router, direct in zip(latencies_ms[0::2], latencies_ms[1::2], strict=True)
@@ -469,18 +482,18 @@ def interleaved_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]
                 "num_pairs": 0}
     router = [pair[0] for pair in pairs]
     direct = [pair[1] for pair in pairs]
-    return {"p50": round(percentile(router, 50) - percentile(direct, 50), 3),
-            "p95": round(percentile(router, 95) - percentile(direct, 95), 3),
+    return {"p50": paired_difference(router, direct, 50), "p95": paired_difference(router, direct, 95),
             "router_ms": latency_summary(router), "direct_ms": latency_summary(direct), "num_pairs": len(pairs)}
 
 
 def floor_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]:
     """The Python backend's floor beside the router's overhead, from requests sent in turn as
     triples: the router's request, the same rows to `FORWARD_MODEL`, then straight to the bucket
-    model. Over the triples where all three answered: p50 and p95 of the forwarding model's
-    latencies less the direct ones' (`p50`, `p95`), the same of the router's (`router_p50`,
-    `router_p95`), and `own_p50`, the router's p50 less the forwarding model's: what the
-    router's own work adds above the least a Python model in front of the bucket costs."""
+    model. Over the triples where all three answered, triple by triple (`paired_difference`):
+    p50 and p95 of the forwarding model's latency less the direct one's (`p50`, `p95`), the same
+    of the router's (`router_p50`, `router_p95`), and `own_p50`, of the router's less the
+    forwarding model's: what the router's own work adds above the least a Python model in front
+    of the bucket costs."""
     if len(latencies_ms) % 3:
         raise ValueError(f"expected router, forward and direct requests in triples, got {len(latencies_ms)}")
     triples = [triple for triple in zip(latencies_ms[0::3], latencies_ms[1::3], latencies_ms[2::3], strict=True)
@@ -488,13 +501,9 @@ def floor_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]:
     if not triples:
         return {"p50": None, "p95": None, "router_p50": None, "router_p95": None, "own_p50": None, "num_triples": 0}
     router, forward, direct = ([triple[index] for triple in triples] for index in range(3))
-
-    def less(first: Sequence[float], second: Sequence[float], q: float) -> float:
-        return round(percentile(first, q) - percentile(second, q), 3)
-
-    return {"p50": less(forward, direct, 50), "p95": less(forward, direct, 95),
-            "router_p50": less(router, direct, 50), "router_p95": less(router, direct, 95),
-            "own_p50": less(router, forward, 50), "forward_ms": latency_summary(forward),
+    return {"p50": paired_difference(forward, direct, 50), "p95": paired_difference(forward, direct, 95),
+            "router_p50": paired_difference(router, direct, 50), "router_p95": paired_difference(router, direct, 95),
+            "own_p50": paired_difference(router, forward, 50), "forward_ms": latency_summary(forward),
             "direct_ms": latency_summary(direct), "num_triples": len(triples)}
 
 
@@ -567,7 +576,8 @@ def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                           "Python model that only forwards them to the bucket model over one BLS call "
                           "(python_backends/adapters/forward_model.py), and straight to the bucket model; p50 "
                           "and p95 are the forwarding model's latency less the direct one's, router_* the "
-                          "router's, own_p50 the router's p50 less the forwarding model's"))
+                          "router's, own_p50 the router's less the forwarding model's; each a percentile of "
+                          "the differences within the triples"))
     return {
         "router_overhead_ms": {"p50": _median([o["p50"] for o in overhead]),
                                "p95": _median([o["p95"] for o in overhead])},
@@ -585,7 +595,8 @@ def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "python_floor_ms": floor,
             "how": ("on a server whose bucket models do not linger (max_queue_delay 0, no preferred batch), "
                     "one request at a time over HTTP: a router request, then the same rows straight to the "
-                    "bucket model version it calls, in turn; CPU in separate router-only and direct-only "
+                    "bucket model version it calls, in turn; p50 and p95 of the router's latency less the "
+                    "direct one's, pair by pair; CPU in separate router-only and direct-only "
                     "phases of as many requests: tritonserver and the router's stubs (the bucket models "
                     "run the same batches in both)"),
         },

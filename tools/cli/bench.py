@@ -41,8 +41,8 @@ With slo_bucketed among the setups, each round also measures (medians in the rep
                     preferred batch; one more server start a round); ratio = p50 / unbatched
   router_overhead_ms  on that server, one request at a time over HTTP, in turn: the router's
                     request, then the same rows straight to the bucket model version it calls
-                    (200 pairs, --quick fewer); p50 and p95 of the router's latencies less
-                    those of the direct ones; and python_floor_ms: as many requests of the
+                    (200 pairs, --quick fewer); p50 and p95 of the router's latency less the
+                    direct one's, pair by pair; and python_floor_ms: as many requests of the
                     short bucket in turn as triples, the router's, the same rows to a Python
                     model that only forwards them to the bucket model (bench_forward), and
                     straight: what any Python model in front costs, and the router's own work
