@@ -172,7 +172,8 @@ def render_router_figures(result: Mapping[str, Any]) -> str:
     if floor and floor["p50"] is not None:
         router_text += (f" Of that, the Python backend's own hop: a Python model that only forwards the same rows "
                         f"to `{floor['bucket']}` over one BLS call adds p50 {_ms(floor['p50'])}; on those requests "
-                        f"the router adds {_ms(floor['router_p50'])}, so its own work is {_ms(floor['own_p50'])}.")
+                        f"the router adds {_ms(floor['router_p50'])}, and {_ms(floor['own_p50'])} over the forwarding "
+                        f"model: its own work (medians of the per-request differences).")
     return f"{light_text}\n{router_text}"
 
 
