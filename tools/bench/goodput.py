@@ -20,7 +20,8 @@ each round also sends the mix's short requests at light load on its server after
 (`run_setup`'s `light_load`), and starts one more server whose bucket models do not linger
 (`unbatched_plan`, `run_unbatched`): the same short requests one at a time, and the router's
 requests in turn with the same rows sent straight to their bucket model (`routed_requests`),
-for the router's latency overhead and CPU per request. A mix other than the spec's is
+for the router's latency overhead and CPU per request, and beside them a Python model that only
+forwards (`forward_model`) for the part of the overhead any Python model pays. A mix other than the spec's is
 benchmarked with its configs derived for it (`for_mix`) and written beside the default result
 (`mix_results_path`). The round medians, paired ratios, the rows' bucket tensors, the short
 requests' selection, the overhead arithmetic and the per-step CPU breakdown are pure.
