@@ -138,8 +138,8 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
 
     for model in plan:
         folder = files_folder(model)
-        if not (DEFAULT_MODEL_REPOSITORY / folder).is_dir() and not (model.files_from or model.files_of):
-            continue  # a model of the benchmark's own (the shim is all it runs): no files to link
+        if not (DEFAULT_MODEL_REPOSITORY / folder).is_dir() and model.config.backend == "python":
+            continue  # a Python model of the benchmark's own (the shim is all it runs): no files to link
         for version in model.versions:
             source = DEFAULT_MODEL_REPOSITORY / folder / str(version)
             for item in source.iterdir():
