@@ -438,16 +438,20 @@ def router_request_bytes(host: str, model: str, request: RoutedRequest) -> bytes
     return encode_infer_request(host, model, [wire_tensor(name, array) for name, array in request.inputs.items()])
 
 
+def chunk_request_bytes(host: str, path: str, call: BucketCall) -> bytes:
+    """The HTTP request that sends a chunk's bucket tensors to the model at `path` (`model_path`)."""
+    return encode_infer_request(host, path, [wire_tensor(name, np.asarray(array))
+                                             for name, array in call.tensors.items()])
+
+
 def direct_request_bytes(host: str, version: int, call: BucketCall) -> bytes:
     """The HTTP request that sends a chunk straight to the version of its bucket model the router calls."""
-    return encode_infer_request(host, model_path(call.model_name, version),
-                                [wire_tensor(name, np.asarray(array)) for name, array in call.tensors.items()])
+    return chunk_request_bytes(host, model_path(call.model_name, version), call)
 
 
 def forward_request_bytes(host: str, call: BucketCall) -> bytes:
     """The HTTP request that sends a chunk to `FORWARD_MODEL`, which passes it to its bucket model."""
-    return encode_infer_request(host, model_path(FORWARD_MODEL, 1),
-                                [wire_tensor(name, np.asarray(array)) for name, array in call.tensors.items()])
+    return chunk_request_bytes(host, model_path(FORWARD_MODEL, 1), call)
 
 
 def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float | None]:
