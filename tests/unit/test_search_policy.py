@@ -331,3 +331,11 @@ def test_tune_starts_its_neighbours_alike_and_a_confirmation_near_the_better_med
         assert climb.start_rps(proposal, 8.0) == pytest.approx(36.0)
         climb.record(proposal, 30.0, 1.0)
     assert proposal.phase == "confirm" and climb.start_rps(proposal, 8.0) == pytest.approx(54.0)
+
+
+def test_a_search_with_no_configuration_that_can_meet_the_slo_says_so_before_measuring():
+    # A profile whose router overhead alone is over the SLO: every candidate is pruned.
+    with pytest.raises(ValueError, match=r"no configuration of encoder_16, encoder_32 can meet the 100 ms p95 SLO "
+                                         r"by the profile: the router overhead 504.0 ms"):
+        StructuredSearch([space("encoder_16", overhead=504.0), space("encoder_32", overhead=504.0)],
+                         points_per_bucket=2, top_k=1)

@@ -319,6 +319,13 @@ class StructuredSearch:
         self.spaces = {space.model_name: space for space in spaces}
         self.top_k = top_k
         self.grids = {name: bucket_grid(space) for name, space in self.spaces.items()}
+        empty = [name for name, grid in self.grids.items() if not grid]
+        if empty:
+            overhead = min(self.spaces[name].overhead_ms for name in empty)
+            slo_ms = self.spaces[empty[0]].slo_p95_ms
+            raise ValueError(f"no configuration of {', '.join(empty)} can meet the {slo_ms:g} ms p95 SLO by the "
+                             f"profile: the router overhead {overhead:.1f} ms plus one row's "
+                             "latency is over it; profile again if that overhead looks wrong, or raise the SLO")
         self.points: list[Point] = list(measured)
         self.phase1_open = True
         # The buckets measured alone; one bucket carries the whole mix, so it is measured jointly.
