@@ -23,10 +23,12 @@ from tools.bench.search import (
     knobs_served,
     load_report,
     measured_digest,
+    models_beside,
     new_report,
     payload_by_bucket,
     plan_with,
     serving_one_version,
+    with_edges,
     write_points,
 )
 from tools.planning.search import JOINT, KnobSet, Point
@@ -257,3 +259,13 @@ def test_an_external_model_is_reloaded_with_the_users_config_and_the_points_knob
     payload = model_payload(scorer, None, 10)
     by_bucket = payload_by_bucket(payload, list(plan.values()), scorer, tmp_path)
     assert list(by_bucket) == [EXTERNAL_MODEL]
+
+
+def test_the_models_only_other_edges_run_are_in_the_search_repository_once(spec, embed, profile):
+    # Edges whose buckets do not linger have no express model; other edges may have one.
+    own = [generated for generated in plan_with(spec, embed, profile, {}) if generated.name != "encoder_express"]
+    others = [plan_with(spec, with_edges(embed, edges), profile, {}) for edges in ((24, 64, 128, 256),
+                                                                                    (24, 48, 128, 256))]
+    beside = models_beside(own, others)
+    assert [generated.name for generated in beside] == ["encoder_24", "encoder_express", "encoder_48"]
+    assert beside[1] is others[0][-1]  # the first plan's, once

@@ -253,6 +253,19 @@ def payload_by_bucket(payload: TextPayload | TensorPayload, plan: Sequence[Gener
             for name, chosen_rows in rows.items()}
 
 
+def models_beside(plan: Sequence[GeneratedModel],
+                  other_plans: Sequence[Sequence[GeneratedModel]]) -> list[GeneratedModel]:
+    """The models of `other_plans` (other bucket edges) that `plan` lacks, each once (the first
+    plan's): their bucket models, and an express model where only other edges linger."""
+    own = {generated.name for generated in plan}
+    others: dict[str, GeneratedModel] = {}
+    for other in other_plans:
+        for generated in other:
+            if generated.name not in own:
+                others.setdefault(generated.name, generated)
+    return list(others.values())
+
+
 class PointSession:
     """One tritonserver serving one model of the spec, reloaded point by point (see the module)."""
 
@@ -268,15 +281,10 @@ class PointSession:
         started = time.perf_counter()
         plan = plan_with(self.spec, self.model, self.profile, {})
         setup = f"search/{self.model.name}"
-        # The other edges' bucket models are in the repository from the start, loaded when a point runs them.
-        own = {generated.name for generated in plan}
-        others: dict[str, GeneratedModel] = {}
-        for edges in self.edge_sets:
-            other_model = with_edges(self.model, edges)
-            for generated in plan_with(self.spec, other_model, self.profile, {}):
-                if generated.name in other_model.bucket_names and generated.name not in own:
-                    others.setdefault(generated.name, generated)
-        self.repository = build_repository(setup, [*plan, *others.values()])
+        # The other edges' models are in the repository from the start, loaded when a point runs them.
+        others = models_beside(plan, [plan_with(self.spec, with_edges(self.model, edges), self.profile, {})
+                                      for edges in self.edge_sets])
+        self.repository = build_repository(setup, [*plan, *others])
         user_repositories = build_user_repository(setup, plan)
         config = ServerConfig(model_repository=self.repository, extra_repositories=user_repositories,
                               http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
