@@ -31,6 +31,8 @@ def kit(tmp_path) -> dict[str, Path]:
         shutil.copy(REPO_ROOT / "results" / f"{name}.json", results)
     for path in (REPO_ROOT / "results").glob("goodput[_.]*.json"):  # the per-model and per-mix goodput results
         shutil.copy(path, results)
+    if (REPO_ROOT / "results" / "derivation.json").is_file():  # optional until `bench derivation` has run
+        shutil.copy(REPO_ROOT / "results" / "derivation.json", results)
     readme = tmp_path / "README.md"
     shutil.copy(REPO_ROOT / "README.md", readme)
     benchmarks = tmp_path / "benchmarks.md"

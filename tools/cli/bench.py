@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import sys
 import tempfile
@@ -81,6 +80,7 @@ from tools.bench import overload as bench_overload
 from tools.bench import signals as bench_signals
 from tools.bench.harness import measured_goodput, write_json, write_report
 from tools.bench.payloads import find_model
+from tools.cli._options import command_line
 from tools.clients.tenant_token import KeysError, tenant_parameters
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
 from tools.planning.derivation import InfeasibleSLO
@@ -93,13 +93,6 @@ from tools.spec.workload import DEFAULT_WORKLOAD, load_chat_workload, load_workl
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-def command_line(benchmark: str) -> str:
-    """How this run was started, for the report: `python -m tools bench <benchmark> <options>`,
-    after `KIT_HOME=...` when the run served another home than the checkout."""
-    home = f"KIT_HOME={os.environ['KIT_HOME']} " if os.environ.get("KIT_HOME") else ""
-    return f"{home}python -m tools bench {benchmark} " + " ".join(sys.argv[3:])
 
 
 def comma_list(value: str) -> list[str]:
@@ -198,7 +191,7 @@ def run_goodput(args: argparse.Namespace) -> int:
         mix_out = bench_goodput.mix_results_path(out, path, model.workload)
         try:
             report = bench_goodput.run_benchmark(spec, bench_goodput.for_mix(model, path), profile, workload, setups,
-                                                 options, command_line("goodput"), log)
+                                                 options, command_line(), log)
         except ServerError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
@@ -269,7 +262,7 @@ def run_llm(args: argparse.Namespace) -> int:
         return 2
     try:
         report = bench_llm.run_benchmark(spec, profile, llm, workload, setups, args.rate, args.duration, args.warmup,
-                                         args.drain_timeout, args.seed, command_line("llm"), log)
+                                         args.drain_timeout, args.seed, command_line(), log)
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -321,7 +314,7 @@ def run_overload(args: argparse.Namespace) -> int:
     try:
         report = bench_overload.run_benchmark(spec, workload, credentials, parts, goodput_rps, args.steady_rps,
                                               args.flood_rps, args.crash_rps, args.victim, durations,
-                                              command_line("overload"), log)
+                                              command_line(), log)
     except ServerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -380,7 +373,7 @@ def run_batch(args: argparse.Namespace) -> int:
                 postgres_url = stack.enter_context(LocalPostgres(pg_dir, port=0)).url
             report, medians = bench_batch.run_benchmark(spec, workload, args.engines, items, rounds, args.rows,
                                                         args.workers, args.max_in_flight, concurrency,
-                                                        command_line("batch"), log, postgres_url=postgres_url)
+                                                        command_line(), log, postgres_url=postgres_url)
     except RuntimeError as err:  # ServerError, or a PostgreSQL that would not start
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -490,7 +483,7 @@ def run_derivation(args: argparse.Namespace) -> int:
     if args.quick:
         options = bench_derivation.DerivationOptions(search_budget_s=60, tune_budget_s=60, rounds=1, top_k=1,
                                                      points_per_bucket=1, points=QUICK, final=QUICK)
-    report = bench_derivation.new_report(command_line("derivation"), options)
+    report = bench_derivation.new_report(command_line(), options)
     args.out = args.out or (bench_derivation.DERIVATION_DIR / "derivation.json" if args.quick
                             else Path("results/derivation.json"))
     if args.out.is_file():  # keep the other models measured on this hardware
@@ -503,9 +496,9 @@ def run_derivation(args: argparse.Namespace) -> int:
     for model in models:
         try:
             report["models"][model.name] = {
-                "command": command_line("derivation"),
+                "command": command_line(),
                 **bench_derivation.run_model(spec, model, measure_profile, options, results_dir,
-                                             command_line("derivation"), log)}
+                                             command_line(), log)}
         except ServerError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
