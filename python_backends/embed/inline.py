@@ -3,10 +3,11 @@
 A router instance hands each admitted request to a worker thread, so that it holds none and
 many requests reach the bucket models at once (their batches form from them). The handoff
 costs a request about a quarter of a millisecond on 2 vCPU (waking the worker, passing the
-GIL, answering through the response sender from another thread): most of what a request pays
-at light load above the BLS hop itself. When the instance has nothing in flight and `execute`
+GIL, answering through the response sender from another thread): about a quarter of the
+router's own work above the BLS hop. When the instance has nothing in flight and `execute`
 got one request, no other request is waiting on this instance's handoff, so the request is
-served where it arrived. While it is served, Triton gives the instance no new request: the
+served where it arrived and its answer is `execute`'s return value (Triton sends it once the
+instance is free again). While it is served, Triton gives the instance no new request: the
 router's other instances take them, and a request that waits did so behind one short call.
 
 What bounds that wait is the call's duration, and the router does not know its bucket models'
