@@ -19,7 +19,7 @@ Free of Triton imports.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 
@@ -35,12 +35,15 @@ class InlinePolicy:
             raise ValueError(f"max_ms must be > 0 and hold_off_s >= 0, got {self.max_ms}, {self.hold_off_s}")
 
 
-def serves_inline(batch_size: int, in_flight: int, num_chunks: int, target: str,
-                  held_off_until: MutableMapping[str, float], now_s: float) -> bool:
-    """Whether an admitted request is served on `execute`'s thread: the only request of the
-    call, nothing of this instance in flight, one chunk, to a target not held off at `now_s`."""
-    return (batch_size == 1 and in_flight == 0 and num_chunks == 1
-            and held_off_until.get(target, 0.0) <= now_s)
+def serves_inline(batch_size: int, in_flight: int, num_chunks: int) -> bool:
+    """Whether an admitted request may be served on `execute`'s thread: the only request of the
+    call, nothing of this instance in flight, one chunk (its target must not be `held_off`)."""
+    return batch_size == 1 and in_flight == 0 and num_chunks == 1
+
+
+def held_off(target: str, held_off_until: Mapping[str, float], now_s: float) -> bool:
+    """Whether `target` is served by the workers only at `now_s` (its last inline call was too long)."""
+    return held_off_until.get(target, 0.0) > now_s
 
 
 def record_inline(policy: InlinePolicy, target: str, elapsed_ms: float,

@@ -41,7 +41,7 @@ from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, r
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import SharedWork, instance_slot, tier_share
 from python_backends.embed.buckets import reassemble
-from python_backends.embed.inline import InlinePolicy, record_inline, serves_inline
+from python_backends.embed.inline import InlinePolicy, held_off, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
 from python_backends.embed.metrics import RouterMetrics
 from python_backends.embed.router import (
@@ -246,12 +246,11 @@ class EmbedService:
     def _serve_inline(self, batch_size: int, accepted: Accepted):
         """The response to `accepted`, served on this thread, when `inline.serves_inline` says
         so; None when a worker is to serve it."""
-        chunks = accepted.prepared.chunks
-        if batch_size != 1 or self.in_flight or len(chunks) != 1:  # the cheap checks first
+        if not serves_inline(batch_size, self.in_flight, len(accepted.prepared.chunks)):
             return None
         target = self._targets(accepted.prepared)[0]
         started = time.monotonic()
-        if not serves_inline(batch_size, self.in_flight, len(chunks), target, self.inline_held_off, started):
+        if held_off(target, self.inline_held_off, started):
             return None
         response = self._respond(accepted)
         now = time.monotonic()
