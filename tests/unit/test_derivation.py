@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tools.planning.derivation import BucketDemand, InfeasibleSLO, derive_knobs, find_knee
+from tools.planning.derivation import BucketDemand, InfeasibleSLO, derive_knobs, find_knee, past_knee
 from tools.spec.profile import LatencyCurve
 
 # A CPU-like curve: per-execution cost grows almost linearly past b = 8.
@@ -49,6 +49,17 @@ def test_max_batch_is_largest_b_with_room_for_two_executions():
     assert 3.0 + 2 * CURVE.at(18) <= 50.0 < 3.0 + 2 * CURVE.at(19)
 
 
+def test_max_batch_stops_one_measured_size_past_the_knee():
+    # throughput 16 -> 32 adds 2.6%: the knee is 16, and a batch of 32 is the largest worth forming.
+    assert past_knee(CURVE) == 32
+    knobs = derive_knobs(demand(slo=500.0), CURVE)  # the SLO alone would allow 64
+    assert knobs.max_batch_size == 32
+    assert knobs.reasons["max_batch_size"].startswith("the measured size after the throughput knee (16)")
+    assert "the SLO would allow 64" in knobs.reasons["max_batch_size"]
+    # A knee at the largest measured size caps nothing beyond it.
+    assert past_knee(LatencyCurve({1: 10.0, 2: 10.0, 4: 10.0})) == 4
+
+
 def test_tight_slo_gives_small_batches_and_near_zero_delay():
     knobs = derive_knobs(demand(slo=16.0, expected=20.0), CURVE)
     assert knobs.max_batch_size == 3  # 3 + 2·c(3) = 15 <= 16 < 3 + 2·c(4) = 17
@@ -60,7 +71,8 @@ def test_loose_slo_gives_larger_batches_and_longer_delay():
     # A peak of 800 rows/s needs the largest useful batch; the budget decides how long to wait for it.
     tight = derive_knobs(demand(slo=30.0, expected=600.0, peak=800.0), CURVE)
     loose = derive_knobs(demand(slo=200.0, expected=600.0, peak=800.0), CURVE)
-    assert (tight.max_batch_size, loose.max_batch_size) == (10, 64)
+    # Loose: the SLO would allow 64, but past the knee (16) one measured size is worth forming.
+    assert (tight.max_batch_size, loose.max_batch_size) == (10, 32)
     assert loose.preferred_batch_size > tight.preferred_batch_size
     assert tight.max_queue_delay_us == 500  # 30 - 3 - 2·c(10) = 0.5 ms
     assert loose.max_queue_delay_us == 18750  # 15 more rows at 800 rows/s
@@ -122,7 +134,7 @@ def test_every_knob_is_explained_with_numbers():
     knobs = derive_knobs(demand(slo=100.0), CURVE)
     assert set(knobs.reasons) == {"max_batch_size", "preferred_batch_size", "max_queue_delay_microseconds",
                                   "default_timeout_microseconds", "max_queue_size", "instance_count"}
-    assert "o + 2·c(b) <= S" in knobs.reasons["max_batch_size"]
+    assert "o + 2·c(b) = 3.0 + 2·48.5 = 100.0 <= 100 ms" in knobs.reasons["max_batch_size"]
     assert "Little's law" in knobs.reasons["max_queue_size"]
 
 
