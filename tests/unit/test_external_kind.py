@@ -204,7 +204,7 @@ def test_gen_config_writes_the_batching_fields_into_the_user_s_config_and_nothin
     merged = config_path(user).read_text()
     header = [line for line in merged.splitlines() if line.startswith(HEADER_PREFIX)]
     assert "max_batch_size, dynamic_batching, instance_group" in header[0]
-    assert any(line.startswith(f"{HEADER_PREFIX} max_batch_size: largest b") for line in header)
+    assert any(line.startswith(f"{HEADER_PREFIX} max_batch_size: ") and "o + 2·c(b)" in line for line in header)
     user_config, config = parse_config(EXTERNAL_CONFIG, "user"), parse_config(merged, "merged")
     for field in MANAGED_FIELDS:
         config.ClearField(field)
