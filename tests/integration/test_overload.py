@@ -43,6 +43,12 @@ def test_at_three_times_goodput_every_request_is_answered_and_the_admitted_ones_
     assert overload["ok"] >= overload["goodput_rps"] * overload["duration_s"] * 0.5  # still serving at volume
     assert overload["admitted_p95_ms"] <= 1.5 * overload["slo_ms"], overload  # unbounded queues give seconds
     assert overload["server_ready_after"] and report["server_healthy_at_end"]
+    # Where the admitted requests' time went, and whose CPU the phase was.
+    parts = overload["wait_breakdown"]
+    assert parts["router_queue_ms"] is not None and parts["router_ms"] > 0 and parts["buckets"], parts
+    assert parts["unseen_ms"] == pytest.approx(parts["client_mean_ms"] - parts["router_queue_ms"] - parts["router_ms"],
+                                               abs=0.1)
+    assert 0 < overload["cpu"]["load_generator_share"] < 1 and 0 < overload["cpu"]["server_share"] <= 1
 
 
 def test_a_flooding_tenant_is_turned_away_while_the_premium_tenant_is_never_rejected(report):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tools.bench.harness import BENCH_DIR, detect_hardware, hardware_report
 from tools.bench.loadgen import percentile, poisson_arrival_times
 from tools.clients.retrying import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s
+from tools.observe.metrics import QUEUE_US, ROUTER_LATENCY, SUCCESS, Window, queue_stats, take_snapshot
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.server.supervisor import Supervisor, scan_stubs
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
@@ -78,6 +79,7 @@ def summarize(records: Sequence[Record], slo_ms: float) -> dict:
         "failed_other": counts["failed"],
         "lost": counts["lost"],
         "retried": sum(1 for r in records if r.attempts > 1),
+        "admitted_mean_ms": round(sum(latencies) / len(latencies), 1) if latencies else None,
         "admitted_p50_ms": round(percentile(latencies, 50), 1) if latencies else None,
         "admitted_p95_ms": round(percentile(latencies, 95), 1) if latencies else None,
         "admitted_p99_ms": round(percentile(latencies, 99), 1) if latencies else None,
@@ -86,6 +88,69 @@ def summarize(records: Sequence[Record], slo_ms: float) -> dict:
         "slo_ms": slo_ms,
         "error_samples": [f"{message} (x{count})" for message, count in errors.most_common(4)],
     }
+
+
+def wait_breakdown(window: Window, router: str, bucket_models: Sequence[str], admitted_mean_ms: float | None) -> dict:
+    """Where an admitted request's time went over `window`, as means in ms: the router
+    model's Triton queue (arrival at its scheduler to an instance taking it), the router's own
+    clock (`ROUTER_LATENCY`: the instance took it to the answer, bucket calls included), each
+    bucket model's queue and compute, and `unseen_ms`: the client's mean less the first two,
+    the time no server figure covers (the front end's threads, the network, the client).
+
+    Means, not percentiles: they add up, so the parts account for the whole. The router's
+    clock is observed for admitted answers only; its queue is Triton's mean over the requests
+    Triton counts as successful (it adds queue time on success only), which is where a
+    refusal, answered at once, would pull the mean down if counted at all."""
+    requests = window.increase(SUCCESS, model=router)
+    queue_ms = window.increase(QUEUE_US, model=router) / requests / 1000.0 if requests else None
+    own_s = window.mean(ROUTER_LATENCY, model=router)
+    own_ms = own_s * 1000.0 if own_s is not None else None
+    p95_s = window.quantile(0.95, ROUTER_LATENCY, model=router)
+    known = [part for part in (queue_ms, own_ms) if part is not None]
+    buckets = {}
+    for stats in queue_stats(window, set(bucket_models)):
+        entry = buckets.setdefault(stats.model, {"requests": 0.0, "queue_ms": 0.0, "compute_ms": 0.0})
+        total = entry["requests"] + stats.num_requests
+        if total:  # versions of one model, weighted by their requests
+            for key, value in (("queue_ms", stats.queue_ms), ("compute_ms", stats.compute_ms)):
+                entry[key] = (entry[key] * entry["requests"] + value * stats.num_requests) / total
+        entry["requests"] = total
+    return {
+        "client_mean_ms": admitted_mean_ms,
+        "router_queue_ms": None if queue_ms is None else round(queue_ms, 2),
+        "router_ms": None if own_ms is None else round(own_ms, 2),
+        "router_p95_ms": None if p95_s is None else round(p95_s * 1000.0, 1),
+        "unseen_ms": (round(admitted_mean_ms - sum(known), 2)
+                      if admitted_mean_ms is not None and len(known) == 2 else None),
+        "buckets": {model: {"requests": int(entry["requests"]), "queue_ms": round(entry["queue_ms"], 2),
+                            "compute_ms": round(entry["compute_ms"], 2)}
+                    for model, entry in sorted(buckets.items()) if entry["requests"]},
+    }
+
+
+def cpu_seconds(pid: int, with_children: bool) -> float:
+    """User + system CPU seconds of a process (and its live children: a server's stubs)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    processes = [process, *(process.children(recursive=True) if with_children else ())]
+    total = 0.0
+    for each in processes:
+        try:
+            times = each.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def cpu_share(load_generator_s: float, server_s: float, wall_s: float, cores: int) -> dict:
+    """The CPU the load generator and the server used over a phase: seconds, and each as a
+    share of the machine's CPU over the phase (cores x wall time)."""
+    capacity = max(cores, 1) * wall_s
+    return {"load_generator_s": round(load_generator_s, 2), "server_s": round(server_s, 2),
+            "load_generator_share": round(load_generator_s / capacity, 3) if capacity > 0 else None,
+            "server_share": round(server_s / capacity, 3) if capacity > 0 else None, "cores": cores}
 
 
 def poisson_stream(stream: str, rate_rps: float, duration_s: float, texts: Sequence[str], tenants: Sequence[str],
@@ -158,6 +223,7 @@ class Durations:
 
 
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
+METRICS_FLUSH_S = 1.0  # wait for the router's last metric flush (every 0.5 s) before reading /metrics
 BENCH_EXIT_TIMEOUT_S = 5  # seconds tritonserver waits on stop (see run_benchmark)
 QUICK = Durations(overload_s=15.0, isolation_s=6.0, crash_s=6.0)
 
@@ -167,17 +233,32 @@ def ordinary_tenants() -> list[str]:
 
 
 def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float, slo_ms: float,
-                 durations: Durations, credentials: Mapping[str, dict], log) -> dict:
+                 durations: Durations, credentials: Mapping[str, dict], log, router: str = "embed",
+                 bucket_models: Sequence[str] = ()) -> dict:
     rate = 3 * goodput_rps
     tenants = ordinary_tenants()
     log(f"overload: {rate:.0f} req/s offered (3 x goodput {goodput_rps:.0f}) for {durations.overload_s:.0f} s "
         f"from {len(tenants)} tenants")
     arrivals = poisson_stream("load", rate, durations.overload_s, texts, tenants, 0, seed=11)
+    before = take_snapshot(server.metrics_url)
+    cpu_before = cpu_seconds(os.getpid(), False), cpu_seconds(server.process.pid, True), time.monotonic()
     records = asyncio.run(send_all(server.grpc_url, arrivals, NO_RETRIES, LOST_AFTER_S, credentials))
+    cpu_after = cpu_seconds(os.getpid(), False), cpu_seconds(server.process.pid, True), time.monotonic()
+    time.sleep(METRICS_FLUSH_S)  # the router hands its histograms to Triton every half second
+    after = take_snapshot(server.metrics_url)
+    summary = summarize(records, slo_ms)
     result = {"goodput_rps": goodput_rps, "offered_rps": rate, "duration_s": durations.overload_s,
-              **summarize(records, slo_ms), "server_ready_after": server.is_ready()}
+              **summary, "server_ready_after": server.is_ready(),
+              "wait_breakdown": wait_breakdown(Window(before, after), router, bucket_models,
+                                               summary["admitted_mean_ms"]),
+              "cpu": cpu_share(cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1],
+                               cpu_after[2] - cpu_before[2], os.cpu_count() or 1)}
     log(f"  {result['ok']} ok, {result['rejected']} rejected, {result['failed_other']} failed, {result['lost']} lost; "
         f"admitted p95 {result['admitted_p95_ms']} ms (SLO {slo_ms:.0f})")
+    parts = result["wait_breakdown"]
+    log(f"  admitted mean {parts['client_mean_ms']} ms = router queue {parts['router_queue_ms']} + router "
+        f"{parts['router_ms']} + unseen {parts['unseen_ms']}; CPU: load generator "
+        f"{result['cpu']['load_generator_share']:.0%}, server {result['cpu']['server_share']:.0%} of the machine")
     return result
 
 
@@ -313,7 +394,7 @@ def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[st
                                  NO_RETRIES, LOST_AFTER_S, credentials))
             if "overload" in parts:
                 report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations,
-                                                  credentials, log)
+                                                  credentials, log, model.name, embed_models[1:])
                 time.sleep(2.0)
             if "isolation" in parts:
                 report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
