@@ -7,6 +7,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.common.artifacts import verify_artifacts
+from python_backends.common.cpu_priority import lower_priority
 from python_backends.embed.encoder import OnnxEncoder, batch_rows_metric, parse_encoder_config, split_rows
 
 
@@ -16,6 +17,7 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, args["model_name"], required=["model.onnx"])
         self.encoder = OnnxEncoder(version_dir / "model.onnx", config)
+        lower_priority(config.cpu_nice)  # after the session: ONNX Runtime's threads too
         # A MetricFamily must outlive its Metrics: keep it on the instance.
         self.batch_family, self.batch_rows = batch_rows_metric(pb_utils, args["model_name"], args["model_version"],
                                                                config.max_batch_size)

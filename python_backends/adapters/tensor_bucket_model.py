@@ -7,6 +7,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from python_backends.common.artifacts import verify_artifacts
+from python_backends.common.cpu_priority import lower_priority
 from python_backends.embed.encoder import batch_rows_metric
 from python_backends.tensor.bucket import OnnxTensorModel, parse_tensor_bucket_config
 
@@ -17,6 +18,7 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, args["model_name"], required=["model.onnx"])
         self.model = OnnxTensorModel(version_dir / "model.onnx", config)
+        lower_priority(config.cpu_nice)  # after the session: ONNX Runtime's threads too
         # A MetricFamily must outlive its Metrics: keep it on the instance.
         self.batch_family, self.batch_rows = batch_rows_metric(pb_utils, args["model_name"], args["model_version"],
                                                                config.max_batch_size)

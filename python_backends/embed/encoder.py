@@ -49,6 +49,7 @@ class EncoderConfig:
     intra_op_threads: int = 0  # ONNX Runtime intra-op threads; 0 lets ONNX Runtime choose
     providers: tuple[str, ...] = DEFAULT_PROVIDERS  # wanted execution providers, in order of preference
     allow_spinning: bool = True  # idle ONNX Runtime threads spin-wait (fast, but burns shared cores)
+    cpu_nice: int = 0  # nice value the model's threads run at (`python_backends.common.cpu_priority`)
 
 
 class EncoderParameters(ModelParameters):
@@ -56,6 +57,7 @@ class EncoderParameters(ModelParameters):
 
     intra_op_threads: CountInt = 0  # ONNX Runtime intra-op threads; 0 lets ONNX Runtime choose
     allow_spinning: Flag = True  # idle ONNX Runtime threads spin-wait
+    cpu_nice: CountInt = 0  # nice value of the model's threads (`python_backends.common.cpu_priority`)
     execution_providers: NameList = ()  # wanted execution providers in order; empty: DEFAULT_PROVIDERS
     onnx_inputs: NameMap = DEFAULT_ONNX_INPUTS  # the kit's input tensor -> the graph's input name
     onnx_output: str = "embedding"  # the graph output the model answers with
@@ -109,6 +111,7 @@ def parse_encoder_config(model_config: Mapping[str, Any]) -> EncoderConfig:
         intra_op_threads=parameters.intra_op_threads,
         providers=parameters.execution_providers or DEFAULT_PROVIDERS,
         allow_spinning=parameters.allow_spinning,
+        cpu_nice=parameters.cpu_nice,
     )
 
 

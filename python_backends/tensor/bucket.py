@@ -53,6 +53,7 @@ class TensorBucketConfig:
     intra_op_threads: int = 0  # ONNX Runtime intra-op threads; 0 lets ONNX Runtime choose
     providers: tuple[str, ...] = DEFAULT_PROVIDERS  # wanted execution providers, in order of preference
     allow_spinning: bool = True  # idle ONNX Runtime threads spin-wait (fast, but burns shared cores)
+    cpu_nice: int = 0  # nice value the model's threads run at (`python_backends.common.cpu_priority`)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -69,6 +70,7 @@ class TensorBucketParameters(ModelParameters):
 
     intra_op_threads: CountInt = 0  # ONNX Runtime intra-op threads; 0 lets ONNX Runtime choose
     allow_spinning: Flag = True  # idle ONNX Runtime threads spin-wait
+    cpu_nice: CountInt = 0  # nice value of the model's threads (`python_backends.common.cpu_priority`)
     execution_providers: NameList = ()  # wanted execution providers in order; empty: DEFAULT_PROVIDERS
 
 
@@ -101,6 +103,7 @@ def parse_tensor_bucket_config(model_config: Mapping[str, Any]) -> TensorBucketC
         intra_op_threads=parameters.intra_op_threads,
         providers=parameters.execution_providers or DEFAULT_PROVIDERS,
         allow_spinning=parameters.allow_spinning,
+        cpu_nice=parameters.cpu_nice,
     )
 
 

@@ -432,8 +432,17 @@ def test_a_gpu_profile_puts_the_buckets_on_the_gpu_and_keeps_the_router_on_the_c
         assert [g.kind for g in config.instance_group] == [mc.ModelInstanceGroup.KIND_GPU]
         assert config.instance_group[0].count <= spec.hardware["gpu"].max_instances
         assert config.parameters["allow_spinning"].string_value == "1"
+        assert config.parameters["cpu_nice"].string_value == "0"  # the compute is on the GPU
         assert any("h100" in line for line in by_name[f"encoder_{length}"].header)
     assert [g.kind for g in by_name["embed"].config.instance_group] == [mc.ModelInstanceGroup.KIND_CPU]
+
+
+def test_on_a_cpu_the_bucket_models_yield_the_cores_and_the_router_does_not(spec):
+    by_name = {m.name: m.config for m in plan_all(spec, load_profile(REPO / spec.profile))}
+    for length in spec.models[0].bucket_lens:
+        assert by_name[f"encoder_{length}"].parameters["cpu_nice"].string_value == "10"
+    assert by_name["encoder_express"].parameters["cpu_nice"].string_value == "10"
+    assert "cpu_nice" not in by_name["embed"].parameters
 
 
 def test_profile_measured_with_other_threads_is_refused(spec):

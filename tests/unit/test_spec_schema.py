@@ -59,6 +59,7 @@ def error(data: dict) -> str:
     ({"hardware__cpu__intra_op_threads": -1}, "[hardware.cpu]: 'intra_op_threads' must be >= 0, got -1"),
     ({"hardware__cpu__intra_op_threads": None}, "[hardware.cpu]: missing 'intra_op_threads'"),
     ({"hardware__cpu__ort_spinning": "no"}, "[hardware.cpu]: 'ort_spinning' must be true or false, got 'no'"),
+    ({"hardware__cpu__compute_nice": 20}, "[hardware.cpu]: 'compute_nice' must be <= 19, got 20"),
     ({"hardware__cpu__instance_kind": "KIND_TPU"},
      "[hardware.cpu]: instance_kind must be KIND_CPU or KIND_GPU, got 'KIND_TPU'"),
     ({"tenants": "everyone"}, "[tenants]: must be a table, got 'everyone'"),
@@ -121,6 +122,11 @@ def test_hardware_defaults_follow_the_kind():
                                              "cpu": {"max_instances": 1, "intra_op_threads": 0}}), SPEC)
     assert (spec.hardware["gpu"].instance_kind, spec.hardware["gpu"].ort_spinning) == ("KIND_GPU", True)
     assert (spec.hardware["cpu"].instance_kind, spec.hardware["cpu"].ort_spinning) == ("KIND_CPU", False)
+    # On a CPU node the bucket models yield the cores to the front end and the router.
+    assert (spec.hardware["cpu"].compute_nice, spec.hardware["gpu"].compute_nice) == (10, 0)
+    spec = parse_spec(with_changes(hardware={"cpu": {"max_instances": 1, "intra_op_threads": 1, "compute_nice": 0}}),
+                      SPEC)
+    assert spec.hardware["cpu"].compute_nice == 0
 
 
 def test_paths_resolve_against_the_spec_and_buckets_are_ascending():

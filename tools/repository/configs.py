@@ -154,6 +154,7 @@ def encoder_config(name: str, seq_len: int, knobs: BatchingKnobs, hardware: Hard
     _batching(config, knobs, hardware)
     add_encoder_warmup(config, seq_len, inputs)
     parameters = EncoderParameters(intra_op_threads=hardware.intra_op_threads, allow_spinning=hardware.ort_spinning,
+                                   cpu_nice=hardware.compute_nice,
                                    onnx_inputs=graph.onnx_inputs, onnx_output=graph.onnx_output,
                                    pooling=graph.pooling.value, normalize=graph.normalize,
                                    **({"free_length": True} if free_length else {}))
@@ -218,7 +219,7 @@ def tensor_bucket_config(name: str, bucket_len: int, knobs: BatchingKnobs, hardw
             warmup.inputs[spec.name].dims.extend(layout.bucket_dims(spec, bucket_len))
             warmup.inputs[spec.name].zero_data = True
     parameters = TensorBucketParameters(intra_op_threads=hardware.intra_op_threads,
-                                        allow_spinning=hardware.ort_spinning)
+                                        allow_spinning=hardware.ort_spinning, cpu_nice=hardware.compute_nice)
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config

@@ -64,6 +64,7 @@ class HardwareLimits:
     max_instances: int  # bucket-model instances that add throughput on this hardware
     intra_op_threads: int  # ONNX Runtime threads per instance; 0 lets ONNX Runtime choose
     ort_spinning: bool  # let idle ONNX Runtime threads spin; off where bucket models share few cores
+    compute_nice: int = 0  # nice value of the bucket models' processes: they yield the cores to the router
 
     def lanes(self, cpu_count: int) -> int:
         """Executions this hardware runs side by side at full speed.
@@ -78,6 +79,7 @@ class HardwareLimits:
         return max(1, cpu_count // self.intra_op_threads)
 
 
+DEFAULT_CPU_NICE = 10  # bucket models' nice value on CPU nodes (see HardwareTable.compute_nice)
 DEFAULT_KEYS_FILE = "build/tenant_keys.json"  # relative to the spec; build/ is never committed
 
 
@@ -445,6 +447,10 @@ class HardwareTable(Table):
     """ONNX Runtime threads per instance; 0 lets ONNX Runtime choose."""
     ort_spinning: StrictBool | None = None
     """Let idle ONNX Runtime threads spin; default: on `gpu` only."""
+    compute_nice: int | None = Field(default=None, ge=0, le=19)
+    """Nice value of the bucket models' processes (0 to 19): when the cores are short, the front
+    end and the router, which admit and refuse, run first, and the compute admission counts
+    waits; default: 10 on `cpu`, 0 on `gpu`."""
 
     @field_validator("instance_kind", mode="before")
     @classmethod
@@ -460,6 +466,7 @@ class HardwareTable(Table):
             max_instances=self.max_instances,
             intra_op_threads=self.intra_op_threads,
             ort_spinning=kind == "gpu" if self.ort_spinning is None else self.ort_spinning,
+            compute_nice=(DEFAULT_CPU_NICE if kind == "cpu" else 0) if self.compute_nice is None else self.compute_nice,
         )
 
 
