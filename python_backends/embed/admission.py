@@ -6,8 +6,9 @@ therefore keeps count of the work in flight, in device milliseconds (rows in fli
 the measured compute per row of their bucket, divided by the lanes that run in parallel),
 and admits a request only while that work plus its own fits in `max_work_ms`, the part of
 the SLO left for waiting and computing once the fixed overhead and the slowest single
-batch are set aside. A refused request gets UNAVAILABLE (HTTP 503) with the numbers, at
-the cost of a tokenization, and a client may retry it later or elsewhere.
+batch are set aside. A refused request gets UNAVAILABLE (HTTP 503) with the numbers and
+a "retry after" hint (the time the excess work takes to drain), at the cost of a
+tokenization, and a client may retry it then or elsewhere.
 
 Work is counted in device time, not requests: a 256-token row costs the device about 15x a
 16-token one, so a count of requests would either refuse short requests needlessly or
@@ -108,10 +109,19 @@ class AdmissionDecision:
     own_work_ms: float  # what the request adds
     limit_ms: float  # what its tier may have in flight, its own work included
 
+    @property
+    def retry_after_s(self) -> float:
+        """When refused: how long until enough of the work in flight has drained for this
+        request to fit, had nothing else arrived (work is in ms per lane, and a lane drains a
+        ms of it per ms); at least 1 ms. 0 when admitted."""
+        if self.admitted:
+            return 0.0
+        return max(0.001, (self.work_ahead_ms + self.own_work_ms - self.limit_ms) / 1000.0)
+
     def message(self) -> str:
         return (f"server busy: {self.work_ahead_ms:.0f} ms of work in flight plus this request's "
                 f"{self.own_work_ms:.0f} ms exceeds the {self.limit_ms:.0f} ms that still meets the latency SLO; "
-                "retry later")
+                f"retry after {self.retry_after_s:.3f} s")
 
 
 def shared_work_ahead_ms(policy: AdmissionPolicy, ahead_by_bucket: Mapping[int | None, float],

@@ -336,3 +336,17 @@ def test_an_adaptive_policy_needs_ordered_limits():
     with pytest.raises(ValueError, match="min_work_ms <= max_work_ms <= max_limit_ms"):
         AdmissionPolicy(row_cost_ms={16: 1.0}, lanes=1, max_work_ms=60.0, target_ms=100.0, min_work_ms=80.0,
                         max_limit_ms=190.0)
+
+
+def test_a_refusal_says_when_the_excess_work_has_drained():
+    from tools.clients.retrying import retry_after_s
+
+    policy = AdmissionPolicy(row_cost_ms={16: 10.0}, lanes=1, max_work_ms=50.0)
+    refused = decide(policy, work_ahead_ms=70.0, own_work_ms=10.0)
+    assert not refused.admitted and refused.retry_after_s == pytest.approx(0.030)  # 80 - 50 ms to drain
+    assert retry_after_s(refused.message()) == pytest.approx(0.030)  # what the retrying client waits at least
+    admitted = decide(policy, work_ahead_ms=20.0, own_work_ms=10.0)
+    assert admitted.admitted and admitted.retry_after_s == 0.0
+    # Refused right at the bound (another tier's share): at least a millisecond.
+    assert decide(policy, 25.0, 10.0, share=0.5).retry_after_s == pytest.approx(0.010)
+    assert decide(policy, 45.0, 5.0004).retry_after_s == 0.001  # a sliver over the bound

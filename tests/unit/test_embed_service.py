@@ -162,7 +162,7 @@ def test_admission_refuses_work_beyond_the_bound_while_other_instances_are_busy(
         code, message = error_of(answer(service, request([words(10)])))  # 45 ms ahead + 10 ms > 50 ms
         assert code == TritonError.UNAVAILABLE
         assert message == ("server busy: 45 ms of work in flight plus this request's 10 ms exceeds the 50 ms that "
-                           "still meets the latency SLO; retry later")
+                           "still meets the latency SLO; retry after 0.005 s")
         assert fake.calls == []
         other.add({64: -45.0})
         assert not answer(service, request([words(10)])).has_error()
