@@ -6,6 +6,9 @@ that reloads crashed instances) and drives it open loop over gRPC:
   overload   Poisson arrivals at 3x the measured goodput (results/goodput.json) from many
              ordinary tenants: every request must get an answer (success or an explicit
              rejection), none lost; the p95 of the admitted ones must stay within the SLO.
+             Beside the figures, where the admitted requests' time went (`wait_breakdown`)
+             and the CPU the load generator and the server used (`cpu_share`).
+  overload_10x  the same at 10x the goodput.
   isolation  tenant B (premium) sends steady short texts, alone and then while tenant A
              (batch tier) floods the longest bucket: B's p95 and rejections with and without
              the flood, A's rejections.
@@ -220,12 +223,14 @@ class Durations:
     overload_s: float
     isolation_s: float  # each of the two phases
     crash_s: float  # each of the two phases; the kill comes at a third
+    overload_10x_s: float = 0.0  # the 10x phase; 0: as long as the 3x one
 
 
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
 METRICS_FLUSH_S = 1.0  # wait for the router's last metric flush (every 0.5 s) before reading /metrics
 BENCH_EXIT_TIMEOUT_S = 5  # seconds tritonserver waits on stop (see run_benchmark)
-QUICK = Durations(overload_s=15.0, isolation_s=6.0, crash_s=6.0)
+QUICK = Durations(overload_s=15.0, isolation_s=6.0, crash_s=6.0, overload_10x_s=5.0)
+OVERLOAD_PHASES = {"overload": 3.0, "overload_10x": 10.0}  # part -> offered rate as a multiple of goodput
 
 
 def ordinary_tenants() -> list[str]:
@@ -233,13 +238,13 @@ def ordinary_tenants() -> list[str]:
 
 
 def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float, slo_ms: float,
-                 durations: Durations, credentials: Mapping[str, dict], log, router: str = "embed",
-                 bucket_models: Sequence[str] = ()) -> dict:
-    rate = 3 * goodput_rps
+                 duration_s: float, credentials: Mapping[str, dict], log, router: str = "embed",
+                 bucket_models: Sequence[str] = (), multiple: float = 3.0) -> dict:
+    rate = multiple * goodput_rps
     tenants = ordinary_tenants()
-    log(f"overload: {rate:.0f} req/s offered (3 x goodput {goodput_rps:.0f}) for {durations.overload_s:.0f} s "
+    log(f"overload: {rate:.0f} req/s offered ({multiple:g} x goodput {goodput_rps:.0f}) for {duration_s:.0f} s "
         f"from {len(tenants)} tenants")
-    arrivals = poisson_stream("load", rate, durations.overload_s, texts, tenants, 0, seed=11)
+    arrivals = poisson_stream("load", rate, duration_s, texts, tenants, 0, seed=11)
     before = take_snapshot(server.metrics_url)
     cpu_before = cpu_seconds(os.getpid(), False), cpu_seconds(server.process.pid, True), time.monotonic()
     records = asyncio.run(send_all(server.grpc_url, arrivals, NO_RETRIES, LOST_AFTER_S, credentials))
@@ -247,8 +252,11 @@ def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float,
     time.sleep(METRICS_FLUSH_S)  # the router hands its histograms to Triton every half second
     after = take_snapshot(server.metrics_url)
     summary = summarize(records, slo_ms)
-    result = {"goodput_rps": goodput_rps, "offered_rps": rate, "duration_s": durations.overload_s,
-              **summary, "server_ready_after": server.is_ready(),
+    within_slo = sum(1 for r in records if r.latency_ms is not None and r.latency_ms <= slo_ms)
+    result = {"goodput_rps": goodput_rps, "offered_rps": rate, "duration_s": duration_s,
+              **summary, "within_slo_rps": round(within_slo / duration_s, 1),
+              "within_slo_rps_vs_goodput": round(within_slo / duration_s / goodput_rps, 3),
+              "server_ready_after": server.is_ready(),
               "wait_breakdown": wait_breakdown(Window(before, after), router, bucket_models,
                                                summary["admitted_mean_ms"]),
               "cpu": cpu_share(cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1],
@@ -392,10 +400,13 @@ def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[st
         try:
             asyncio.run(send_all(server.grpc_url, poisson_stream("warmup", 20, 2, texts, [WARMUP_TENANT], 0, 1),
                                  NO_RETRIES, LOST_AFTER_S, credentials))
-            if "overload" in parts:
-                report["overload"] = run_overload(server, texts, goodput_rps, model.slo_p95_ms, durations,
-                                                  credentials, log, model.name, embed_models[1:])
-                time.sleep(2.0)
+            for part, multiple in OVERLOAD_PHASES.items():
+                if part in parts:
+                    duration_s = durations.overload_10x_s if part == "overload_10x" else durations.overload_s
+                    report[part] = run_overload(server, texts, goodput_rps, model.slo_p95_ms,
+                                                duration_s or durations.overload_s, credentials, log, model.name,
+                                                embed_models[1:], multiple)
+                    time.sleep(2.0)
             if "isolation" in parts:
                 report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
                                                     steady_rps, flood_rps, credentials, log)
