@@ -51,6 +51,15 @@ def test_at_three_times_goodput_every_request_is_answered_and_the_admitted_ones_
     assert 0 < overload["cpu"]["load_generator_share"] < 1 and 0 < overload["cpu"]["server_share"] <= 1
 
 
+def test_at_ten_times_goodput_every_request_is_still_answered_and_most_are_turned_away(report):
+    flood = report["overload_10x"]
+    assert flood["offered_rps"] == pytest.approx(10 * flood["goodput_rps"])
+    assert flood["lost"] == 0 and flood["failed_other"] == 0, flood["error_samples"]
+    assert flood["ok"] + flood["rejected"] == flood["offered"]
+    assert flood["rejected"] > flood["ok"]
+    assert flood["server_ready_after"] and "load_generator_share" in flood["cpu"]
+
+
 def test_a_flooding_tenant_is_turned_away_while_the_premium_tenant_is_never_rejected(report):
     b, a = report["isolation"]["b"], report["isolation"]["a"]
     slo_ms = report["isolation"]["slo_ms"]

@@ -559,7 +559,8 @@ def test_a_model_whose_buckets_linger_gets_an_express_model_without_a_linger(mea
     assert not config.dynamic_batching.preferred_batch_size
     assert config.instance_group[0].count == 2  # the device's lanes
     assert list(config.version_policy.specific.versions) == list(bucket.version_policy.specific.versions)
-    assert {(w.batch_size, tuple(w.inputs["INPUT_IDS"].dims)) for w in config.model_warmup} == {(1, (16,)), (config.max_batch_size, (16,))}
+    warmups = {(w.batch_size, tuple(w.inputs["INPUT_IDS"].dims)) for w in config.model_warmup}
+    assert warmups == {(1, (16,)), (config.max_batch_size, (16,))}
     assert (config.backend, express.adapter, express.files_of) == ("python", "encoder_model", "encoder_16")
     for key in ("onnx_inputs", "onnx_output", "pooling", "intra_op_threads"):
         assert config.parameters[key] == bucket.parameters[key]

@@ -219,3 +219,17 @@ def test_the_light_load_and_router_figures_are_rendered_from_the_goodput_result(
     assert ("Of that, the Python backend's own hop: a Python model that only forwards the same rows to "
             "`encoder_16` over one BLS call adds p50 0.6 ms; on those requests the router adds 0.9 ms, and 0.3 ms "
             "over the forwarding model: its own work (medians of the per-request differences).") in section
+
+
+def test_the_ten_times_phase_is_a_row_and_the_breakdown_a_table_of_its_own():
+    results = load_results(REPO_ROOT / "results")
+    overload = json.loads(json.dumps(results["overload"]))
+    breakdown = {"client_mean_ms": 150.0, "router_queue_ms": 40.0, "router_ms": 90.0, "unseen_ms": 20.0,
+                 "router_p95_ms": 180.0, "buckets": {}}
+    cpu = {"load_generator_s": 12.0, "server_s": 100.0, "load_generator_share": 0.1, "server_share": 0.83, "cores": 2}
+    overload["overload"].update(wait_breakdown=breakdown, cpu=cpu)
+    ten = dict(overload["overload"], offered_rps=10 * overload["overload"]["goodput_rps"], offered=123456)
+    overload["overload_10x"] = ten
+    section = render_sections({**results, "overload": overload}, "../results/")["overload"]
+    assert "123,456" in section  # the 10x phase's row
+    assert f"| 10{chr(0xD7)} | 150.0 ms | 40.0 ms | 90.0 ms | 20.0 ms | 10.0% | 83.0% |" in section

@@ -240,12 +240,18 @@ def _admitted(part: Mapping[str, Any]) -> str:
 def render_overload(result: Mapping[str, Any], results_link: str) -> str:
     del results_link  # the overload benchmark writes no plot
     flood = result["overload"]
-    overload_row = [f"{_int(flood['offered'])} ({_int(flood['offered_rps'])} req/s, "
-                    f"{_num(flood['offered_rps'] / flood['goodput_rps'], 0)}{TIMES} goodput "
-                    f"{_int(flood['goodput_rps'])})",
-                    f"{_int(flood['ok'])} ({_int(flood['ok'] / flood['duration_s'])} req/s)",
-                    _int(flood["rejected"]), _int(flood["failed_other"] + flood["crashed"]), _int(flood["lost"]),
-                    _admitted(flood), _pct(flood["admitted_within_slo"])]
+    phases = [result[part] for part in ("overload", "overload_10x") if part in result]
+    overload_rows = [[f"{_int(phase['offered'])} ({_int(phase['offered_rps'])} req/s, "
+                      f"{_num(phase['offered_rps'] / phase['goodput_rps'], 0)}{TIMES} goodput "
+                      f"{_int(phase['goodput_rps'])})",
+                      f"{_int(phase['ok'])} ({_int(phase['ok'] / phase['duration_s'])} req/s)",
+                      _int(phase["rejected"]), _int(phase["failed_other"] + phase["crashed"]), _int(phase["lost"]),
+                      _admitted(phase), _pct(phase["admitted_within_slo"])] for phase in phases]
+    breakdown_rows = [[f"{_num(phase['offered_rps'] / phase['goodput_rps'], 0)}{TIMES}",
+                       *(_ms(phase["wait_breakdown"][key])
+                         for key in ("client_mean_ms", "router_queue_ms", "router_ms", "unseen_ms")),
+                       _pct(phase["cpu"]["load_generator_share"]), _pct(phase["cpu"]["server_share"])]
+                      for phase in phases if "wait_breakdown" in phase]
     isolation = result["isolation"]
     b, a = isolation["b"], isolation["a"]
     isolation_rows = [
@@ -271,8 +277,15 @@ def render_overload(result: Mapping[str, Any], results_link: str) -> str:
         f"**Overload**: open-loop arrivals for {_int(flood['duration_s'])} s.",
         "",
         _table(["offered", "ok", "rejected (503)", "failed otherwise", "lost", "admitted p50 / p95 / p99",
-                "admitted within SLO"], ["---:"] * 7, [overload_row]),
+                "admitted within SLO"], ["---:"] * 7, overload_rows),
         "",
+        *([("Where an admitted request's time went (means: the client's latency = the router model's "
+            "queue + the router's own clock + what no server figure covers), and the CPU each side used, "
+            "as shares of the machine:"),
+           "",
+           _table(["offered", "client mean", "router queue", "router", "unseen", "load generator CPU",
+                   "server CPU"], ["---"] + ["---:"] * 6, breakdown_rows),
+           ""] if breakdown_rows else []),
         "**Isolation**: a premium tenant B beside a batch-tier tenant A's flood.",
         "",
         _table(["", "B p95", "B not served", "A ok", "A rejected (over quota / by admission)"],

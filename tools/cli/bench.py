@@ -272,30 +272,32 @@ def run_llm(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ overload
 
-OVERLOAD_PARTS = ("overload", "isolation", "crash")
+OVERLOAD_PARTS = ("overload", "overload_10x", "isolation", "crash")
 
 
 def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/overload.json"),
                         help="result JSON (default: %(default)s)")
     parser.add_argument("--goodput-rps", type=float, default=None,
-                        help="goodput to overload at 3x (default: slo_bucketed in results/goodput.json)")
+                        help="goodput to overload at 3x and 10x (default: slo_bucketed in results/goodput.json)")
     parser.add_argument("--parts", default=",".join(OVERLOAD_PARTS),
-                        help="comma-separated subset of overload, isolation, crash (default: all)")
+                        help="comma-separated subset of overload (3x goodput), overload_10x, isolation, crash "
+                             "(default: all)")
     parser.add_argument("--steady-rps", type=float, default=10.0, help="tenant B's rate (default: %(default)s)")
     parser.add_argument("--flood-rps", type=float, default=60.0,
                         help="tenant A's rate of 256-token texts (default: %(default)s)")
     parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
     parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="short form for the test suite: 15 s of overload, 6 s isolation phases, 6 s crash phases")
+                        help="short form for the test suite: 15 s of overload at 3x, 5 s at 10x, 6 s isolation "
+                             "phases, 6 s crash phases")
 
 
 def run_overload(args: argparse.Namespace) -> int:
     parts = comma_list(args.parts)
     unknown = sorted(set(parts) - set(OVERLOAD_PARTS))
     if unknown or not parts:
-        print(f"error: unknown parts {unknown}; choose from overload, isolation, crash", file=sys.stderr)
+        print(f"error: unknown parts {unknown}; choose from {', '.join(OVERLOAD_PARTS)}", file=sys.stderr)
         return 2
     try:
         spec = load_spec(DEFAULT_SPEC)
@@ -306,7 +308,7 @@ def run_overload(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     goodput_rps = args.goodput_rps or measured_goodput()
-    if "overload" in parts and not goodput_rps:
+    if {"overload", "overload_10x"} & set(parts) and not goodput_rps:
         print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps",
               file=sys.stderr)
         return 2
