@@ -2,7 +2,7 @@
 
 import pytest
 
-from tools.bench.derivation import summarize
+from tools.bench.derivation import remaining_budget_s, summarize
 from tools.bench.report import render_derivation
 
 
@@ -45,3 +45,10 @@ def test_report_section_without_and_with_a_result():
     text = render_derivation(result, "../results/")
     assert "| `embed` | 104.0 | 110.0 | 106.0 | 24,64,128,256 | **98%** |" in text
     assert "2.0 / 15.0 / 60.0 (40 points)" in text and "met: derived within 95pct of search best" in text
+
+
+def test_a_resumed_search_keeps_only_the_budget_its_earlier_points_left():
+    earlier = {"points": [{"measure_s": 600.0}, {"measure_s": 900.0}], "server_start_s": [8.0, 7.0]}
+    assert remaining_budget_s(3600.0, earlier) == pytest.approx(3600.0 - 1515.0)
+    assert remaining_budget_s(3600.0, {"points": [{"measure_s": 4000.0}]}) == 0.0
+    assert remaining_budget_s(3600.0, None) == 3600.0

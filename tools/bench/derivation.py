@@ -21,6 +21,7 @@ search's best within the noise of the rounds.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -122,20 +123,51 @@ def final_rounds(spec: ServingSpec, model: BucketedModelSpec, profile: LatencyPr
     return goodputs
 
 
+def profiling_record(model_name: str) -> Path:
+    """Where a run notes how long its profile of `model_name` took (for `--resume`)."""
+    return DERIVATION_DIR / f"profile_{model_name}.measure.json"
+
+
+def remaining_budget_s(budget_s: float, search_report: Mapping[str, Any] | None) -> float:
+    """The search budget left to a resumed run: what its earlier points and server starts did
+    not spend (a fresh run: all of it)."""
+    if not search_report:
+        return budget_s
+    spent = sum(float(point.get("measure_s", 0.0)) for point in search_report.get("points", []))
+    spent += sum(float(start) for start in search_report.get("server_start_s", []))
+    return max(0.0, budget_s - spent)
+
+
 def run_model(spec: ServingSpec, model: BucketedModelSpec,
               measure_profile: Callable[[BucketedModelSpec], LatencyProfile], options: DerivationOptions,
-              results_dir: Path, command: str, log: Callable[[str], None]) -> dict[str, Any]:
-    """One model's part of the report (see the module)."""
-    log(f"{model.name}: profiling (the derivation's measuring)")
-    started = time.monotonic()
-    profile = measure_profile(model)
-    derived_measure_s = time.monotonic() - started
-    log(f"{model.name}: profiled in {derived_measure_s:.0f} s")
-
-    log(f"{model.name}: structured search, budget {options.search_budget_s / 60:.0f} min")
+              results_dir: Path, command: str, log: Callable[[str], None],
+              resume: Callable[[BucketedModelSpec], tuple[LatencyProfile, float] | None] | None = None
+              ) -> dict[str, Any]:
+    """One model's part of the report (see the module). `resume(model)`: the profile and its
+    measuring seconds of an interrupted run, if one is to be continued (its search goes on from
+    its report, within what is left of its budget; tune and the final rounds run again)."""
     search_out = results_dir / f"search_{model.name}.json"
-    search = run_search(spec, model, profile, options.points, options.search_budget_s, options.top_k,
-                        options.points_per_bucket, search_out, True, command, log)
+    earlier = resume(model) if resume is not None else None
+    if earlier is not None:
+        profile, derived_measure_s = earlier
+        previous = json.loads(search_out.read_text()) if search_out.is_file() else None
+        search_budget_s = remaining_budget_s(options.search_budget_s, previous)
+        log(f"{model.name}: resuming the run whose profile took {derived_measure_s:.0f} s; "
+            f"{search_budget_s / 60:.1f} min of the search's budget left")
+    else:
+        log(f"{model.name}: profiling (the derivation's measuring)")
+        started = time.monotonic()
+        profile = measure_profile(model)
+        derived_measure_s = time.monotonic() - started
+        record = profiling_record(model.name)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"profile": str(profile.path), "measure_s": round(derived_measure_s, 1)}))
+        log(f"{model.name}: profiled in {derived_measure_s:.0f} s")
+        search_budget_s = options.search_budget_s
+
+    log(f"{model.name}: structured search, budget {search_budget_s / 60:.0f} min")
+    search = run_search(spec, model, profile, options.points, search_budget_s, options.top_k,
+                        options.points_per_bucket, search_out, earlier is None, command, log)
     if search["best"] is None:
         raise ValueError(f"{model.name}: the search measured no point within its budget; give it more")
     search_best = Point.from_dict(search["best"])

@@ -19,7 +19,7 @@ import os
 import platform
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,15 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
     bucket models all run the same graph, at different lengths."""
     target = BENCH_DIR / setup
     shutil.rmtree(target, ignore_errors=True)
-    for path, text in expected_files(plan, target).items():
+    add_to_repository(target, plan, plan)
+    return target
+
+
+def add_to_repository(target: Path, models: Sequence[GeneratedModel], plan: Sequence[GeneratedModel]) -> None:
+    """Write `models` (of `plan`) into the repository at `target` as `build_repository` does:
+    their configs and shims, their files hard-linked. A search point that lingers where the
+    session's first plan did not needs the express model added this way."""
+    for path, text in expected_files(list(models), target).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     by_name = {model.name: model for model in plan}
@@ -136,7 +144,7 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
                 break
         return model.name
 
-    for model in plan:
+    for model in models:
         folder = files_folder(model)
         if not (DEFAULT_MODEL_REPOSITORY / folder).is_dir() and model.config.backend == "python":
             continue  # a Python model of the benchmark's own (the shim is all it runs): no files to link
@@ -145,7 +153,6 @@ def build_repository(setup: str, plan: list[GeneratedModel]) -> Path:
             for item in source.iterdir():
                 if item.is_file() and item.name != "model.py":  # model files; the shim is generated
                     os.link(item, target / model.name / str(version) / item.name)
-    return target
 
 
 def link_or_copy(source: str, target: str) -> None:

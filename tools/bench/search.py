@@ -49,6 +49,7 @@ from tools.bench.goodput import (
 )
 from tools.bench.harness import (
     BENCH_DIR,
+    add_to_repository,
     build_repository,
     build_user_repository,
     detect_hardware,
@@ -325,6 +326,12 @@ class PointSession:
         changed = [generated for generated in plan
                    if served_config(generated).SerializeToString(deterministic=True) != self.loaded.get(generated.name)]
         changed.sort(key=lambda generated: generated.name == self.model.name)
+        # A model the session did not start with (the express model of a point that lingers
+        # where the derived configuration does not): into the repository first.
+        missing = [generated for generated in changed
+                   if generated.user_config is None and not (self.repository / generated.name).is_dir()]
+        if missing:
+            add_to_repository(self.repository, missing, plan)
         for generated in changed:
             config = served_config(generated)
             folder = (self.repository if generated.user_config is None

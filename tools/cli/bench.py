@@ -442,6 +442,10 @@ def add_derivation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the short form for the test suite: one-minute budgets, short points, one round, "
                              "a short profile; results go to build/ unless --out is given")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run: its profile (and the time it took) and the search's "
+                             "points so far are kept, the search goes on within what is left of its budget, "
+                             "tune and the final rounds run again")
 
 
 def derivation_profile(spec_path: Path, quick: bool) -> Callable:
@@ -464,6 +468,18 @@ def derivation_profile(spec_path: Path, quick: bool) -> Callable:
         return load_profile(out)
 
     return measure
+
+
+def derivation_resume(model) -> tuple[object, float] | None:
+    """The profile an interrupted run measured and the seconds it took, if it noted them."""
+    import json
+
+    record = bench_derivation.profiling_record(model.name)
+    if not record.is_file():
+        log(f"{model.name}: no interrupted run to resume ({record} is missing): measuring afresh")
+        return None
+    noted = json.loads(record.read_text())
+    return load_profile(Path(noted["profile"])), float(noted["measure_s"])
 
 
 def run_derivation(args: argparse.Namespace) -> int:
@@ -495,12 +511,13 @@ def run_derivation(args: argparse.Namespace) -> int:
                                 if name not in {model.name for model in models}}
     results_dir = args.out.parent
     measure_profile = derivation_profile(DEFAULT_SPEC, args.quick)
+    resume = derivation_resume if args.resume else None
     for model in models:
         try:
             report["models"][model.name] = {
                 "command": command_line(),
                 **bench_derivation.run_model(spec, model, measure_profile, options, results_dir,
-                                             command_line(), log)}
+                                             command_line(), log, resume)}
         except ServerError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
