@@ -588,8 +588,7 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                    f"{', '.join(map(str, left_out))} cannot, and their rows are still admitted and costed")
     return Admission(
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
-                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True,
-                               measured_target_ms=max_limit_ms),
+                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True),
         max_queue_size=max_queue_size,
         reasons={
             "admission": (f"admit while work in flight <= the bound, which starts at {ADMISSION_WORK_SHARE:.0%} of "
@@ -602,9 +601,7 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"{target_ms:.1f} ms (-5% per late one, +0.27% per one on time, "
                                 f"+2% until the first late one); between one row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and "
-                                f"S - o = {max_limit_ms:.1f} ms; where the router's own queue wait is measured "
-                                f"(from the server's /metrics), an answer's latency plus that wait is steered to "
-                                f"S - o = {max_limit_ms:.1f} ms instead"),
+                                f"S - o = {max_limit_ms:.1f} ms"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
