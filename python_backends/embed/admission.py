@@ -48,9 +48,6 @@ class AdmissionPolicy:
     min_work_ms: float = 0.0  # the adaptive bound never goes below this
     max_limit_ms: float = 0.0  # ... nor above this
     shared_lanes: bool = False  # buckets share the lanes at once: count work ahead as processor sharing
-    # Latency (ms) to steer to when the router's queue wait is measured (`queue_wait`) and
-    # added to each answer's latency; 0: never, `target_ms` with its fixed margin always.
-    measured_target_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
@@ -60,8 +57,6 @@ class AdmissionPolicy:
         if self.adaptive and not 0 < self.min_work_ms <= self.max_work_ms <= self.max_limit_ms:
             raise ValueError(f"need 0 < min_work_ms <= max_work_ms <= max_limit_ms, got {self.min_work_ms}, "
                              f"{self.max_work_ms}, {self.max_limit_ms}")
-        if not self.measured_target_ms >= 0:
-            raise ValueError(f"measured_target_ms must be >= 0, got {self.measured_target_ms}")
         for bucket, cost in self.row_cost_ms.items():
             if not cost >= 0:
                 raise ValueError(f"row_cost_ms of bucket {bucket} must be >= 0, got {cost}")
@@ -88,8 +83,7 @@ class AdmissionPolicy:
         return json.dumps({"row_cost_ms": {str(b): round(c, 4) for b, c in sorted(self.row_cost_ms.items())},
                            "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3),
                            "target_ms": round(self.target_ms, 3), "min_work_ms": round(self.min_work_ms, 3),
-                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes,
-                           "measured_target_ms": round(self.measured_target_ms, 3)},
+                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes},
                           sort_keys=True)
 
     @classmethod
@@ -100,8 +94,7 @@ class AdmissionPolicy:
                        lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]),
                        target_ms=float(data.get("target_ms", 0.0)), min_work_ms=float(data.get("min_work_ms", 0.0)),
                        max_limit_ms=float(data.get("max_limit_ms", 0.0)),
-                       shared_lanes=bool(data.get("shared_lanes", False)),
-                       measured_target_ms=float(data.get("measured_target_ms", 0.0)))
+                       shared_lanes=bool(data.get("shared_lanes", False)))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"admission policy is not valid: {err}") from None
 
@@ -171,26 +164,13 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms)
 
 
-QUEUE_WAIT_STALE_S = 3.0  # a measured queue wait older than this is not steered by
 STEP = 0.05  # relative change of the bound per late answer
 LATE_SHARE = 0.05  # answers allowed past the target: the SLO is a p95
 PROBE_STEP = 0.02  # growth per on-time answer until the first late one
 
 
-def steering(policy: AdmissionPolicy, latency_ms: float, queue_wait_ms: float | None) -> tuple[float, float]:
-    """(latency, target) an answer is judged by: with the router's queue wait measured (and a
-    `measured_target_ms`), the latency from the request's arrival at the router model and the
-    target for it; else the router's own latency and `target_ms`, whose margin stands for the
-    wait it cannot see."""
-    if queue_wait_ms is not None and policy.measured_target_ms > 0:
-        return latency_ms + queue_wait_ms, policy.measured_target_ms
-    return latency_ms, policy.target_ms
-
-
-def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, probing: bool = False,
-                 target_ms: float | None = None) -> float:
-    """The bound after an admitted request came back in `latency_ms` (judged against
-    `target_ms`, the policy's own by default).
+def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, probing: bool = False) -> float:
+    """The bound after an admitted request came back in `latency_ms`.
 
     It tracks the largest bound at which no more than `LATE_SHARE` of the answers are later
     than the target: each late answer shrinks it by `STEP`, each one on time grows it by the
@@ -204,7 +184,7 @@ def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, pr
     start) each on-time answer grows it by `PROBE_STEP`: about 60 answers span the whole range,
     and the first late answer ends the probing where the edge is.
     """
-    if latency_ms > (policy.target_ms if target_ms is None else target_ms):
+    if latency_ms > policy.target_ms:
         bound_ms *= 1.0 - STEP
     elif probing:
         bound_ms *= 1.0 + PROBE_STEP
@@ -233,9 +213,7 @@ WORK_FIELDS = (("work_ms", "<f8", (COLUMNS,)),)  # a row per instance: work of n
 # Table-wide: the adaptive bound (0 until a request adjusted it), whether an answer was late
 # since the server last drained (1.0) or not (0.0: probing), and how many rows from the top
 # any instance has used (one past the highest slot opened): the sums read only those.
-BOUND_FIELDS = (("bound_ms", "<f8"), ("late_seen", "<f8"), ("num_slots_used", "<u8"),
-                # The router's queue wait as the probe last measured it, and when (monotonic s; 0: never).
-                ("queue_wait_ms", "<f8"), ("queue_wait_at", "<f8"))
+BOUND_FIELDS = (("bound_ms", "<f8"), ("late_seen", "<f8"), ("num_slots_used", "<u8"))
 
 
 class SharedWork:
@@ -290,50 +268,32 @@ class SharedWork:
         bound = float(self._table.extra["bound_ms"])
         return bound if bound > 0 else policy.max_work_ms
 
-    def record_latency(self, policy: AdmissionPolicy, latency_ms: float, now: float = 0.0) -> None:
-        """Feed an admitted request's latency back into the shared bound (`now`: monotonic
-        seconds, for the freshness of the measured queue wait)."""
+    def record_latency(self, policy: AdmissionPolicy, latency_ms: float) -> None:
+        """Feed an admitted request's latency back into the shared bound."""
         if not policy.adaptive:
             return
         with self._table.locked():
-            self._adjust_bound(policy, latency_ms, now)
+            self._adjust_bound(policy, latency_ms)
 
-    def release(self, policy: AdmissionPolicy, own: float | Mapping[int, float], latency_ms: float,
-                now: float = 0.0) -> None:
+    def release(self, policy: AdmissionPolicy, own: float | Mapping[int, float], latency_ms: float) -> None:
         """An admitted request was answered after `latency_ms`: give its work `own` back and
         feed the latency into the shared bound, under one taking of the lock."""
         with self._table.locked(across_processes=policy.adaptive):
             self._add(own, sign=-1.0)
             if policy.adaptive:
-                self._adjust_bound(policy, latency_ms, now)
+                self._adjust_bound(policy, latency_ms)
 
-    def set_queue_wait(self, wait_ms: float, now: float) -> None:
-        """The router's queue wait as measured at `now` (monotonic seconds), for every instance."""
-        with self._table.locked():
-            self._table.extra["queue_wait_ms"] = wait_ms
-            self._table.extra["queue_wait_at"] = now
-
-    def queue_wait_ms(self, now: float) -> float | None:
-        """The measured queue wait when it is fresh at `now`; None otherwise (never measured, or
-        the probe stopped reading the server)."""
-        shared = self._table.extra
-        published_at = float(shared["queue_wait_at"])
-        if published_at <= 0 or now - published_at > QUEUE_WAIT_STALE_S:
-            return None
-        return float(shared["queue_wait_ms"])
-
-    def _adjust_bound(self, policy: AdmissionPolicy, latency_ms: float, now: float) -> None:
+    def _adjust_bound(self, policy: AdmissionPolicy, latency_ms: float) -> None:
         """The bound after one more answer; the caller holds the table across processes."""
         shared = self._table.extra
         probing = float(shared["late_seen"]) == 0.0
-        latency_ms, target_ms = steering(policy, latency_ms, self.queue_wait_ms(now) if now > 0 else None)
-        shared["bound_ms"] = adjust_bound(policy, self.bound_ms(policy), latency_ms, probing, target_ms)
+        shared["bound_ms"] = adjust_bound(policy, self.bound_ms(policy), latency_ms, probing)
         if self.total_ms() <= 0.0:
             # Drained: the late answers were about a queue that is gone, so the next
             # traffic probes again (TCP restarts its slow start after idle, too).
             # Under sustained overload the server never drains and this never fires.
             shared["late_seen"] = 0.0
-        elif latency_ms > target_ms:
+        elif latency_ms > policy.target_ms:
             shared["late_seen"] = 1.0
 
     def add(self, work: float | Mapping[int, float]) -> None:

@@ -44,7 +44,6 @@ from python_backends.embed.buckets import reassemble
 from python_backends.embed.inline import InlinePolicy, held_off, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
 from python_backends.embed.metrics import RouterMetrics
-from python_backends.embed.queue_wait import QueueWaitProbe, metrics_url_of, parent_argv
 from python_backends.embed.router import (
     EmbedRouter,
     PreparedRequest,
@@ -177,7 +176,6 @@ class EmbedService:
         regimes = config.linger_regimes
         self.regimes = RegimeTracker(regimes) if regimes is not None else None
         self.regime_gauge = self.metrics.linger_regime() if regimes is not None else None
-        self.queue_probe: QueueWaitProbe | None = None  # the first instance's (`start_queue_probe`)
         self.metrics.start()
 
     @classmethod
@@ -203,23 +201,10 @@ class EmbedService:
         # What the instance made at start (modules, schemas, the tokenizer) lives as long as it
         # does: frozen, a full collection no longer walks it while requests wait on the GIL
         # (measured: 37k objects, 7.2 ms a full collection before, on 2 vCPU under load).
-        service.start_queue_probe(metrics_url_of(parent_argv(os.getppid())), args["model_instance_name"])
         gc.freeze()
         return service
 
-    def start_queue_probe(self, metrics_url: str | None, instance_name: str) -> None:
-        """One instance of the router (the first) measures its queue wait for all of them
-        (`queue_wait`), when admission steers by it and the server exports metrics."""
-        if metrics_url is None or not self.admission.adaptive or self.admission.measured_target_ms <= 0:
-            return
-        if instance_slot(instance_name) != 0:
-            return
-        self.queue_probe = QueueWaitProbe(metrics_url, self.model, self.work.set_queue_wait,
-                                          on_error=self.logger.log_warn).start()
-
     def finalize(self) -> None:
-        if self.queue_probe is not None:
-            self.queue_probe.stop()
         self.request_pool.shutdown(wait=True)  # every accepted request is answered first
         self.metrics.stop()
         self.shadow_pool.shutdown(wait=True)
@@ -480,8 +465,7 @@ class EmbedService:
             inflight.increment(-1)
             raise
         finally:
-            now = time.monotonic()
-            self.work.release(self.admission, accepted.own_work, (now - started) * 1000.0, now)
+            self.work.release(self.admission, accepted.own_work, (time.monotonic() - started) * 1000.0)
         if failure is not None:
             inflight.increment(-1)
             model_name, error = failure
