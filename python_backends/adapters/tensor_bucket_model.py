@@ -15,10 +15,12 @@ from python_backends.tensor.bucket import OnnxTensorModel, parse_tensor_bucket_c
 class TritonPythonModel:
     def initialize(self, args):
         config = parse_tensor_bucket_config(json.loads(args["model_config"]))
+        # Before the session: loading a model (a reload after a crash, a canary version) must not
+        # take the cores from the instances serving; threads made later inherit the nice value.
+        lower_priority(config.cpu_nice)
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, args["model_name"], required=["model.onnx"])
         self.model = OnnxTensorModel(version_dir / "model.onnx", config)
-        lower_priority(config.cpu_nice)  # after the session: ONNX Runtime's threads too
         # A MetricFamily must outlive its Metrics: keep it on the instance.
         self.batch_family, self.batch_rows = batch_rows_metric(pb_utils, args["model_name"], args["model_version"],
                                                                config.max_batch_size)
