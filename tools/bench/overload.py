@@ -103,9 +103,8 @@ def wait_breakdown(window: Window, router: str, bucket_models: Sequence[str], ad
     the time no server figure covers (the front end's threads, the network, the client).
 
     Means, not percentiles: they add up, so the parts account for the whole. The router's
-    clock is observed for admitted answers only; its queue is Triton's mean over the requests
-    Triton counts as successful (it adds queue time on success only), which is where a
-    refusal, answered at once, would pull the mean down if counted at all."""
+    clock is observed for admitted answers only, and its queue time is Triton's mean over the
+    requests Triton counts as successful (it adds queue time on success only)."""
     requests = window.increase(SUCCESS, model=router)
     queue_ms = window.increase(QUEUE_US, model=router) / requests / 1000.0 if requests else None
     own_s = window.mean(ROUTER_LATENCY, model=router)
