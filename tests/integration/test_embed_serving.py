@@ -171,3 +171,17 @@ def test_bad_tenant_is_rejected(http_client):
         http_embed(http_client, ["hello"], parameters={"tenant": "no spaces allowed"})
     assert info.value.status() == "400"
     assert "parameter 'tenant'" in info.value.message()
+
+
+def test_on_a_cpu_the_bucket_models_run_at_the_spec_s_nice_value_and_the_router_at_zero(triton, http_client, texts):
+    import psutil
+
+    from tools.server.stubs import scan_stubs
+
+    http_embed(http_client, texts)  # every bucket has served
+    nice = {}
+    for stub in scan_stubs(triton.process.pid).values():
+        threads = [psutil.Process(thread.id) for thread in psutil.Process(stub.pid).threads()]
+        nice.setdefault(stub.model, set()).update(thread.nice() for thread in threads)
+    assert nice["embed"] == {0}
+    assert nice["encoder_16"] == {10} and nice["encoder_256"] == {10}

@@ -32,7 +32,7 @@ from tools.bench.harness import BENCH_DIR, detect_hardware, hardware_report
 from tools.bench.loadgen import percentile, poisson_arrival_times
 from tools.clients.http_infer import HttpInferClient, ProtocolError, error_message, infer_request
 from tools.clients.retrying import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s
-from tools.observe.metrics import QUEUE_US, ROUTER_LATENCY, SUCCESS, Window, queue_stats, take_snapshot
+from tools.observe.metrics import COMPUTE_US, QUEUE_US, ROUTER_LATENCY, SUCCESS, Window, take_snapshot
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
 from tools.server.supervisor import Supervisor, scan_stubs
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
@@ -105,20 +105,23 @@ def wait_breakdown(window: Window, router: str, bucket_models: Sequence[str], ad
     Means, not percentiles: they add up, so the parts account for the whole. The router's
     clock is observed for admitted answers only, and its queue time is Triton's mean over the
     requests Triton counts as successful (it adds queue time on success only)."""
-    requests = window.increase(SUCCESS, model=router)
-    queue_ms = window.increase(QUEUE_US, model=router) / requests / 1000.0 if requests else None
+    def per_request_ms(model: str, counters: Sequence[str]) -> tuple[float, float | None]:
+        """(successful requests, mean of the microsecond counters per request), every version summed."""
+        requests = window.increase(SUCCESS, model=model)
+        total_us = sum(window.increase(name, model=model) for name in counters)
+        return requests, total_us / requests / 1000.0 if requests else None
+
+    _, queue_ms = per_request_ms(router, (QUEUE_US,))
     own_s = window.mean(ROUTER_LATENCY, model=router)
     own_ms = own_s * 1000.0 if own_s is not None else None
     p95_s = window.quantile(0.95, ROUTER_LATENCY, model=router)
     known = [part for part in (queue_ms, own_ms) if part is not None]
     buckets = {}
-    for stats in queue_stats(window, set(bucket_models)):
-        entry = buckets.setdefault(stats.model, {"requests": 0.0, "queue_ms": 0.0, "compute_ms": 0.0})
-        total = entry["requests"] + stats.num_requests
-        if total:  # versions of one model, weighted by their requests
-            for key, value in (("queue_ms", stats.queue_ms), ("compute_ms", stats.compute_ms)):
-                entry[key] = (entry[key] * entry["requests"] + value * stats.num_requests) / total
-        entry["requests"] = total
+    for model in bucket_models:
+        requests, queue = per_request_ms(model, (QUEUE_US,))
+        _, compute = per_request_ms(model, COMPUTE_US)
+        if requests:
+            buckets[model] = {"requests": requests, "queue_ms": queue, "compute_ms": compute}
     return {
         "client_mean_ms": admitted_mean_ms,
         "router_queue_ms": None if queue_ms is None else round(queue_ms, 2),
@@ -130,22 +133,6 @@ def wait_breakdown(window: Window, router: str, bucket_models: Sequence[str], ad
                             "compute_ms": round(entry["compute_ms"], 2)}
                     for model, entry in sorted(buckets.items()) if entry["requests"]},
     }
-
-
-def cpu_seconds(pid: int, with_children: bool) -> float:
-    """User + system CPU seconds of a process (and its live children: a server's stubs)."""
-    import psutil
-
-    process = psutil.Process(pid)
-    processes = [process, *(process.children(recursive=True) if with_children else ())]
-    total = 0.0
-    for each in processes:
-        try:
-            times = each.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def cpu_share(load_generator_s: float, server_s: float, wall_s: float, cores: int) -> dict:
@@ -228,6 +215,10 @@ class Durations:
     crash_s: float  # each of the two phases; the kill comes at a third
     overload_10x_s: float = 0.0  # the 10x phase; 0: as long as the 3x one
 
+    def overload_phase_s(self, part: str) -> float:
+        """How long the overload phase `part` (of OVERLOAD_PHASES) lasts."""
+        return (self.overload_10x_s or self.overload_s) if part == "overload_10x" else self.overload_s
+
 
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
 METRICS_FLUSH_S = 1.0  # wait for the router's last metric flush (every 0.5 s) before reading /metrics
@@ -249,9 +240,10 @@ def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float,
         f"from {len(tenants)} tenants")
     arrivals = poisson_stream("load", rate, duration_s, texts, tenants, 0, seed=11)
     before = take_snapshot(server.metrics_url)
-    cpu_before = cpu_seconds(os.getpid(), False), cpu_seconds(server.process.pid, True), time.monotonic()
+    # The load generator's CPU as the goodput benchmark takes it; the server's with its stubs.
+    cpu_before = time.process_time(), server.cpu_seconds(), time.monotonic()
     records = asyncio.run(send_all(server.http_url, arrivals, NO_RETRIES, LOST_AFTER_S, credentials))
-    cpu_after = cpu_seconds(os.getpid(), False), cpu_seconds(server.process.pid, True), time.monotonic()
+    cpu_after = time.process_time(), server.cpu_seconds(), time.monotonic()
     time.sleep(METRICS_FLUSH_S)  # the router hands its histograms to Triton every half second
     after = take_snapshot(server.metrics_url)
     summary = summarize(records, slo_ms)
@@ -405,9 +397,8 @@ def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[st
                                  NO_RETRIES, LOST_AFTER_S, credentials))
             for part, multiple in OVERLOAD_PHASES.items():
                 if part in parts:
-                    duration_s = durations.overload_10x_s if part == "overload_10x" else durations.overload_s
                     report[part] = run_overload(server, texts, goodput_rps, model.slo_p95_ms,
-                                                duration_s or durations.overload_s, credentials, log, model.name,
+                                                durations.overload_phase_s(part), credentials, log, model.name,
                                                 embed_models[1:], multiple)
                     time.sleep(2.0)
             if "isolation" in parts:

@@ -272,7 +272,7 @@ def run_llm(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ overload
 
-OVERLOAD_PARTS = ("overload", "overload_10x", "isolation", "crash")
+OVERLOAD_PARTS = (*bench_overload.OVERLOAD_PHASES, "isolation", "crash")
 
 
 def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
