@@ -52,3 +52,27 @@ def test_a_resumed_search_keeps_only_the_budget_its_earlier_points_left():
     assert remaining_budget_s(3600.0, earlier) == pytest.approx(3600.0 - 1515.0)
     assert remaining_budget_s(3600.0, {"points": [{"measure_s": 4000.0}]}) == 0.0
     assert remaining_budget_s(3600.0, None) == 3600.0
+
+
+def test_models_measured_apart_keep_the_machine_and_time_of_their_own_run():
+    from tools.bench.derivation import merge_models
+
+    older = {"hardware": {"description": "2 x AMD EPYC", "cpu_count": 2, "gpu": None},
+             "measured_at": "2026-11-26T00:00:00Z", "command": "python -m tools bench derivation",
+             "options": {"rounds": 3}, "models": {"embed": {"derived_goodput_rps": 119.0},
+                                                   "audio": {"derived_goodput_rps": 1.0}}}
+    now = {"audio": {"hardware": {"description": "2 x Intel Xeon", "cpu_count": 2, "gpu": None},
+                     "measured_at": "2026-11-27T00:00:00Z", "command": "python -m tools bench derivation --model audio",
+                     "options": {"rounds": 3}, "derived_goodput_rps": 240.0}}
+    models = merge_models(older, now)
+    assert models["audio"] == now["audio"]  # measured again: the new run's entry only
+    assert models["embed"]["hardware"]["description"] == "2 x AMD EPYC"
+    assert models["embed"]["measured_at"] == "2026-11-26T00:00:00Z" and models["embed"]["derived_goodput_rps"] == 119.0
+    assert merge_models(None, now) == now
+    text = render_derivation({**older, "hardware": now["audio"]["hardware"], "measured_at": now["audio"]["measured_at"],
+                              "models": {"embed": {**figures([100, 110, 104], [112, 108, 110], [108, 104, 106]),
+                                                   **models["embed"]},
+                                         "audio": {**figures([100, 110, 104], [112, 108, 110], [108, 104, 106]),
+                                                   **models["audio"]}}}, "../results/")
+    assert "- `embed`: medians of 3 final rounds, measured 2026-11-26T00:00:00Z on 2 x AMD EPYC, 2 vCPU" in text
+    assert "- `audio`: medians of 3 final rounds, measured 2026-11-27T00:00:00Z on 2 x Intel Xeon, 2 vCPU" in text

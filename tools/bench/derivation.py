@@ -209,6 +209,22 @@ def new_report(command: str, options: DerivationOptions) -> dict[str, Any]:
     }
 
 
+PROVENANCE = ("hardware", "measured_at", "command", "options")  # what each model's entry says of its run
+
+
+def merge_models(previous: Mapping[str, Any] | None, entries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The report's `models`: the entries measured now (`entries`) and every other model of the
+    `previous` report, each with the hardware, time, command and options of the run that measured
+    it (an entry of a report that kept them only at its top level takes them from there). Each
+    model's proof is one run on one machine; models measured apart, on other machines, sit side by
+    side and say so."""
+    models: dict[str, Any] = {}
+    for name, entry in ((previous or {}).get("models") or {}).items():
+        if name not in entries:
+            models[name] = {**{key: previous[key] for key in PROVENANCE if key in previous}, **entry}
+    return {**models, **entries}
+
+
 def plot_derivation(report: Mapping[str, Any], path: Path) -> None:
     """Per model: the three setups' median goodput (rounds as dots) and their measuring minutes."""
     import matplotlib
@@ -233,7 +249,8 @@ def plot_derivation(report: Mapping[str, Any], path: Path) -> None:
         ax.set_xticks([i + width for i in range(len(models))], models)
         ax.set_ylabel(label, fontsize=8)
         ax.legend(fontsize=7)
-    fig.suptitle(f"derived knobs vs tune vs structured search, {report['hardware']['description']}", fontsize=9)
+    machines = sorted({report["models"][m].get("hardware", report["hardware"])["description"] for m in models})
+    fig.suptitle(f"derived knobs vs tune vs structured search, {'; '.join(machines)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

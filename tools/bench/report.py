@@ -476,8 +476,13 @@ def render_derivation(result: Mapping[str, Any] | None, results_link: str) -> st
     table = _table(["model", "derived (req/s)", "tuned", "search best", "search best's edges", "derived / best",
                     "measuring min: derived / tuned / search", "derived's share of the search's time", "targets"],
                    ["---", "---:", "---:", "---:", "---", "---:", "---", "---:", "---"], rows)
-    return "\n".join([table, "", f"Medians of {result['options']['rounds']} final rounds, measured "
-                      f"{result['measured_at']} on {_hardware(result)} by `{result['command']}` "
+    runs = []
+    for name, entry in sorted(result["models"].items()):
+        run = {**{key: result[key] for key in ("hardware", "measured_at", "command", "options") if key in result},
+               **entry}  # an entry says where it was measured; an older file said it once for all
+        runs.append(f"- `{name}`: medians of {run['options']['rounds']} final rounds, measured {run['measured_at']} "
+                    f"on {_hardware(run)} by `{run['command']}`")
+    return "\n".join([table, "", *runs, "", f"Each model's figures come from one run on one machine "
                       f"([derivation.json]({results_link}derivation.json), plot "
                       f"[derivation.png]({results_link}derivation.png)); every point of the search and of tune is "
                       f"in `search_MODEL.json` and `tune_MODEL.json` beside it."])

@@ -430,7 +430,8 @@ def add_derivation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a model of the spec to measure (repeatable; default: embed)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result JSON, a PNG beside it, the search's and tune's reports in its folder; a "
-                             "model measured before on this hardware keeps its entry unless measured again "
+                             "model measured before keeps its entry, with the hardware and time of its run, "
+                             "unless measured again "
                              "(default: results/derivation.json; with --quick build/bench/derivation/)")
     parser.add_argument("--search-budget-min", type=float, default=60.0,
                         help="the structured search's budget per model (default: %(default)s)")
@@ -504,18 +505,16 @@ def run_derivation(args: argparse.Namespace) -> int:
     report = bench_derivation.new_report(command_line(), options)
     args.out = args.out or (bench_derivation.DERIVATION_DIR / "derivation.json" if args.quick
                             else Path("results/derivation.json"))
-    if args.out.is_file():  # keep the other models measured on this hardware
-        previous = json.loads(args.out.read_text())
-        if previous.get("hardware", {}).get("description") == report["hardware"]["description"]:
-            report["models"] = {name: entry for name, entry in previous.get("models", {}).items()
-                                if name not in {model.name for model in models}}
+    # The other models measured before keep their entries, each saying where and when it was measured.
+    previous = json.loads(args.out.read_text()) if args.out.is_file() else None
     results_dir = args.out.parent
     measure_profile = derivation_profile(DEFAULT_SPEC, args.quick)
     resume = derivation_resume if args.resume else None
+    measured_now: dict[str, dict] = {}
     for model in models:
         try:
-            report["models"][model.name] = {
-                "command": command_line(),
+            measured_now[model.name] = {
+                **{key: report[key] for key in bench_derivation.PROVENANCE},
                 **bench_derivation.run_model(spec, model, measure_profile, options, results_dir,
                                              command_line(), log, resume)}
         except ServerError as err:
@@ -524,6 +523,7 @@ def run_derivation(args: argparse.Namespace) -> int:
         except (ResumeError, SpecError, ProfileError, SourceError, InfeasibleSLO, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        report["models"] = bench_derivation.merge_models(previous, measured_now)
         entry = report["models"][model.name]
         log(f"{model.name}: derived {entry['derived_goodput_rps']:.1f} req/s = {entry['derived_vs_search_best']:.0%} "
             f"of the search's best {entry['search_best_goodput_rps']:.1f} with {entry['derived_measure_share']:.0%} "
