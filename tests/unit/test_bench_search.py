@@ -99,6 +99,10 @@ def test_the_served_knobs_are_read_back_from_tritons_json():
     assert knobs_served(served) == KnobSet(8, 1, 20000, 3)
     assert knobs_served({"max_batch_size": 8, "dynamic_batching": {"preferred_batch_size": [4]},
                          "instance_group": [{"count": 2}]}) == KnobSet(8, 4, 0, 2)
+    # A point that prefers its max_batch_size is served as one that names no preferred size.
+    assert knobs_served({"max_batch_size": 2, "dynamic_batching": {"preferred_batch_size": [2]},
+                         "instance_group": [{"count": 2}]}) == KnobSet(2, 2, 0, 2).as_served()
+    assert KnobSet(8, 4, 0, 2).as_served() == KnobSet(8, 4, 0, 2)
 
 
 def test_the_rows_of_one_bucket_are_those_the_router_sends_there(spec, embed, profile):

@@ -342,7 +342,8 @@ class PointSession:
             except ControlError as err:
                 raise ServerError(f"reloading {generated.name} with its point's config failed: {err}") from None
             if generated.knobs is not None:
-                wanted, served = KnobSet.of(generated.knobs), knobs_served(self.control.model_config(generated.name))
+                wanted = KnobSet.of(generated.knobs).as_served()
+                served = knobs_served(self.control.model_config(generated.name))
                 if served != wanted:
                     raise ServerError(f"{generated.name} serves {served.label()} after its reload, "
                                       f"not {wanted.label()}")

@@ -89,6 +89,13 @@ class KnobSet:
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def as_served(self) -> KnobSet:
+        """These knobs as Triton serves them back: a preferred size equal to max_batch_size is the
+        batcher's own target, so a served config reads as naming none (the same batching)."""
+        if self.preferred_batch_size == self.max_batch_size:
+            return replace(self, preferred_batch_size=1)
+        return self
+
     @property
     def target_batch(self) -> int:
         """The batch the batcher aims for: the preferred size, else max_batch_size."""
