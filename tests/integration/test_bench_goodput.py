@@ -100,6 +100,10 @@ def test_quick_goodput_benchmark_writes_json_and_plot(tmp_path):
     assert floor["bucket"] == "encoder_16" and floor["num_triples"] == [40]
     assert all(isinstance(floor[key], float) for key in ("p50", "p95", "router_p50", "router_p95", "own_p50"))
     assert floor["p50"] > 0  # one more hop through a Python stub costs something
+    # Where the two Python models spend a request inside the server, from Triton's statistics.
+    for side in ("router", "forward"):
+        assert set(floor["server_ms"][side]) == {"queue", "input", "in_stub", "output"}
+        assert floor["server_ms"][side]["in_stub"] > 0  # a stub's own work and round trips beside the BLS call
     assert {"tritonserver", "embed", "encoder_16"} <= set(detail["cpu_ms_per_request_router_phase"])
     assert report["router_cpu_ms_per_request"] == pytest.approx(
         sum(ms for part, ms in detail["cpu_ms_per_request_router_phase"].items() if not part.startswith("encoder_"))

@@ -38,7 +38,10 @@ from tools.bench.goodput import (
     router_cost_report,
     router_cpu_ms,
     router_request_bytes,
+    server_split_ms,
     short_request_indices,
+    stage_means_ms,
+    stage_totals,
     text_router,
     unbatched_plan,
 )
@@ -200,6 +203,24 @@ def test_the_floor_and_the_routers_own_work_come_from_triples():
 
 
 
+def test_the_server_side_split_comes_from_tritons_statistics():
+    def stats(queue_ns, infer_ns, count):
+        figures = {"queue": {"count": count, "ns": queue_ns}, "compute_input": {"count": count, "ns": count * 30_000},
+                   "compute_infer": {"count": count, "ns": infer_ns}, "compute_output": {"count": count, "ns": 0}}
+        return {"model_stats": [{"version": "1", "inference_stats": figures}]}
+
+    before = {"embed": stage_totals(stats(0, 0, 0)), "encoder_16": stage_totals(stats(0, 0, 0))}
+    # 100 router requests of 9.5 ms compute; the bucket served 200 (router's and others') of 8 ms
+    after = {"embed": stage_totals(stats(10_000_000, 950_000_000, 100)),
+             "encoder_16": stage_totals(stats(20_000_000, 1_600_000_000, 200))}
+    means = {name: stage_means_ms(before[name], after[name]) for name in before}
+    assert means["encoder_16"] == {"queue": 0.1, "compute_input": 0.03, "compute_infer": 8.0, "compute_output": 0.0}
+    # in the stub: 9.5 ms less the bucket's whole 8.13 ms
+    assert server_split_ms(means, "embed", "encoder_16") == {"queue": 0.1, "input": 0.03, "in_stub": 1.37,
+                                                             "output": 0.0}
+    assert stage_means_ms(before["embed"], before["embed"])["queue"] == 0.0  # no request, no mean
+
+
 def test_the_overhead_is_a_percentile_of_the_differences_pair_by_pair():
     latencies = [12.0, 10.0, 14.0, 11.0, 30.0, 12.0, 13.0, 10.5]  # router, direct, router, direct, ...
     overhead = interleaved_overhead(latencies)
@@ -306,6 +327,15 @@ def test_the_python_floor_is_the_median_of_the_rounds_that_measured_it():
     assert (python_floor["p50"], python_floor["router_p50"], python_floor["own_p50"]) == (1.0, 2.0, 1.1)
     assert python_floor["bucket"] == "encoder_16" and python_floor["num_triples"] == [200, 200, 200]
     assert [r["own_p50"] for r in python_floor["by_round"]] == [1.0, 1.1, 1.2]
+    assert "server_ms" not in python_floor  # rounds recorded before the server-side split had none
+
+    def split(in_stub):
+        return {"queue": 0.05, "input": 0.03, "in_stub": in_stub, "output": 0.06}
+
+    rounds = [run({**floor(1.0, 2.0), "server_ms": {"router": split(stub), "forward": split(stub / 2)}})
+              for stub in (1.2, 1.4, 1.3)]
+    server = router_cost_report(rounds)["router_overhead"]["python_floor_ms"]["server_ms"]
+    assert server["router"]["in_stub"] == 1.3 and server["forward"]["in_stub"] == 0.65
 
 
 def test_the_short_form_sends_fewer_light_load_and_router_requests():

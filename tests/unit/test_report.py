@@ -219,6 +219,15 @@ def test_the_light_load_and_router_figures_are_rendered_from_the_goodput_result(
     assert ("Of that, the Python backend's own hop: a Python model that only forwards the same rows to "
             "`encoder_16` over one BLS call adds p50 0.6 ms; on those requests the router adds 0.9 ms, and 0.3 ms "
             "over the forwarding model: its own work (medians of the per-request differences).") in section
+    assert "Inside the server" not in section  # nor Triton's statistics
+    split = {"queue": 0.05, "input": 0.03, "output": 0.07}
+    result["router_overhead"]["python_floor_ms"]["server_ms"] = {"router": {**split, "in_stub": 1.34},
+                                                                 "forward": {**split, "in_stub": 0.6, "queue": 0.04}}
+    path.write_text(json.dumps(result))
+    section = render_sections(load_results(kit["results"]), "../results/")["goodput"]
+    assert ("Inside the server (Triton's statistics, means): the router's Python stub takes 1.34 ms beside its BLS "
+            "call against the forwarding model's 0.60 ms; its scheduler queue 0.05 ms against 0.04 ms, input and "
+            "output 0.10 ms against 0.10 ms.") in section
 
 
 def test_the_ten_times_phase_is_a_row_and_the_breakdown_a_table_of_its_own():

@@ -80,6 +80,7 @@ from tools.clients.http_infer import encode_infer_request
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.repository.configs import ROUTER_VERSIONS, GeneratedModel, bucket_curves, plan_embed_model
 from tools.repository.external import parse_config
+from tools.server.control import ServerControl
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
 from tools.spec.buckets import derived_edges
 from tools.spec.profile import LatencyProfile
@@ -512,6 +513,40 @@ def floor_overhead(latencies_ms: Sequence[float | None]) -> dict[str, Any]:
             "direct_ms": latency_summary(direct), "num_triples": len(triples)}
 
 
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton's per-request stages
+
+
+def stage_totals(statistics_json: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """(count, ns) per stage of one model's Triton statistics (`/v2/models/<model>/stats`), its versions summed."""
+    totals = {stage: (0, 0) for stage in STAGES}
+    for version in statistics_json.get("model_stats", []):
+        stats = version.get("inference_stats", {})
+        for stage in STAGES:
+            count, ns = totals[stage]
+            figures = stats.get(stage, {})
+            totals[stage] = (count + int(figures.get("count", 0)), ns + int(figures.get("ns", 0)))
+    return totals
+
+
+def stage_means_ms(before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]]) -> dict[str, float]:
+    """Mean ms per request of each stage between two `stage_totals` of one model."""
+    means = {}
+    for stage in STAGES:
+        count = after[stage][0] - before[stage][0]
+        means[stage] = round((after[stage][1] - before[stage][1]) / count / 1e6, 3) if count > 0 else 0.0
+    return means
+
+
+def server_split_ms(means: Mapping[str, Mapping[str, float]], router: str, bucket: str) -> dict[str, float]:
+    """Where a Python model in front of `bucket` spends a request inside the server, in mean ms from
+    Triton's statistics (`stage_means_ms` by model): `queue` in its scheduler, `input` and `output`
+    moving its tensors, and `in_stub`, its compute less the bucket model's whole time (the BLS call
+    it waits on): the Python stub's own work and its round trips."""
+    bucket_ms = sum(means[bucket].values())
+    return {"queue": means[router]["queue"], "input": means[router]["compute_input"],
+            "in_stub": round(means[router]["compute_infer"] - bucket_ms, 3), "output": means[router]["compute_output"]}
+
+
 def phase_cpu_ms(before: Mapping[str, float], after: Mapping[str, float], num_requests: int) -> dict[str, float]:
     """The server's CPU ms per request over one phase, by part (`TritonServer.cpu_seconds_by_part`)."""
     if num_requests < 1:
@@ -575,6 +610,9 @@ def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if floors:
         floor = {key: _median([f[key] for f in floors]) for key in ("p50", "p95", "router_p50", "router_p95",
                                                                      "own_p50")}
+        if all("server_ms" in f for f in floors):
+            floor["server_ms"] = {side: {stage: _median([f["server_ms"][side][stage] for f in floors])
+                                         for stage in floors[0]["server_ms"][side]} for side in ("router", "forward")}
         floor.update(bucket=floors[0]["bucket"], num_triples=[f["num_triples"] for f in floors],
                      by_round=[{key: f[key] for key in ("p50", "router_p50", "own_p50")} for f in floors],
                      how=("requests of that bucket sent in turn as triples: the router's, the same rows to a "
@@ -582,7 +620,9 @@ def router_cost_report(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                           "(python_backends/adapters/forward_model.py), and straight to the bucket model; p50 "
                           "and p95 are the forwarding model's latency less the direct one's, router_* the "
                           "router's, own_p50 the router's less the forwarding model's; each a percentile of "
-                          "the differences within the triples"))
+                          "the differences within the triples; server_ms, from Triton's statistics over the "
+                          "triples (means): the router's and the forwarding model's queue, input, output, and "
+                          "in_stub, their compute less the bucket model's whole time"))
     return {
         "router_overhead_ms": {"p50": _median([o["p50"] for o in overhead]),
                                "p95": _median([o["p95"] for o in overhead])},
@@ -812,8 +852,15 @@ async def measure_unbatched(server: TritonServer, model: BucketedModelSpec, shor
         triples = [(router_request_bytes(host, model.name, request), forward_request_bytes(host, request.calls[0]),
                     direct_request_bytes(host, version, request.calls[0])) for request in picked]
         await send_in_turn(server.http_url, [item for triple in triples[:warm] for item in triple])
+        control = ServerControl(server.http_url)
+        watched = (model.name, FORWARD_MODEL, floor_bucket)
+        before = {name: stage_totals(control.inference_statistics(name)) for name in watched}
         floor_turns = await send_in_turn(server.http_url, [item for triple in triples for item in triple])
-        floor = {**floor_overhead(floor_turns.latencies_ms), "bucket": floor_bucket}
+        means = {name: stage_means_ms(before[name], stage_totals(control.inference_statistics(name)))
+                 for name in watched}
+        floor = {**floor_overhead(floor_turns.latencies_ms), "bucket": floor_bucket,
+                 "server_ms": {"router": server_split_ms(means, model.name, floor_bucket),
+                               "forward": server_split_ms(means, FORWARD_MODEL, floor_bucket)}}
         errors += floor_turns.errors
     return {"unbatched": unbatched, "overhead": interleaved_overhead(turns.latencies_ms), "floor": floor,
             "cpu_router_phase": cpu_router, "cpu_direct_phase": cpu_direct,

@@ -143,6 +143,11 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} ms"
 
 
+def _fine_ms(value: float) -> str:
+    """A few tenths of a millisecond, which `_ms` would round away."""
+    return f"{value:.2f} ms"
+
+
 def _target(met: bool) -> str:
     return "met" if met else "missed"
 
@@ -174,6 +179,15 @@ def render_router_figures(result: Mapping[str, Any]) -> str:
                         f"to `{floor['bucket']}` over one BLS call adds p50 {_ms(floor['p50'])}; on those requests "
                         f"the router adds {_ms(floor['router_p50'])}, and {_ms(floor['own_p50'])} over the forwarding "
                         f"model: its own work (medians of the per-request differences).")
+        server = floor.get("server_ms")
+        if server:
+            router, forward = server["router"], server["forward"]
+            moved = {side: figures["input"] + figures["output"] for side, figures in server.items()}
+            router_text += (f" Inside the server (Triton's statistics, means): the router's Python stub takes "
+                            f"{_fine_ms(router['in_stub'])} beside its BLS call against the forwarding model's "
+                            f"{_fine_ms(forward['in_stub'])}; its scheduler queue {_fine_ms(router['queue'])} "
+                            f"against {_fine_ms(forward['queue'])}, input and output {_fine_ms(moved['router'])} "
+                            f"against {_fine_ms(moved['forward'])}.")
     return f"{light_text}\n{router_text}"
 
 

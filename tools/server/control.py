@@ -86,6 +86,11 @@ class ServerControl:
         with self._client() as client:
             return client.get_model_config(model)
 
+    def inference_statistics(self, model: str) -> dict[str, Any]:
+        """Triton's statistics of every version of `model` (`/v2/models/<model>/stats`, its JSON)."""
+        with self._client() as client:
+            return client.get_inference_statistics(model)
+
     def load(self, model: str, config: dict[str, Any] | str | None = None) -> None:
         """Load `model`, or reload it with `config` (Triton's JSON config, as a dict or text); Triton
         keeps serving the old instances until the new ones are ready."""
