@@ -25,6 +25,7 @@ def test_quick_derivation_records_every_figure(tmp_path):
     report = json.loads(out.read_text())
     entry = report["models"]["embed"]
     assert set(entry) >= MODEL_KEYS
+    assert entry["hardware"] == report["hardware"] and entry["measured_at"] == report["measured_at"]  # its own run
     assert entry["derived_measure_s"] > 0 and entry["search_measure_s"] > 0 and entry["search_points"] >= 1
     assert all(value > 0 for value in (entry["derived_goodput_rps"], entry["tuned_goodput_rps"],
                                        entry["search_best_goodput_rps"]))
