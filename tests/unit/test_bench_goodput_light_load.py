@@ -219,6 +219,9 @@ def test_the_server_side_split_comes_from_tritons_statistics():
     assert server_split_ms(means, "embed", "encoder_16") == {"queue": 0.1, "input": 0.03, "in_stub": 1.37,
                                                              "output": 0.0}
     assert stage_means_ms(before["embed"], before["embed"])["queue"] == 0.0  # no request, no mean
+    # A router that answered from its workers: execute returned before the bucket did; no split.
+    means["embed"]["compute_infer"] = 2.0
+    assert server_split_ms(means, "embed", "encoder_16")["in_stub"] is None
 
 
 def test_the_overhead_is_a_percentile_of_the_differences_pair_by_pair():

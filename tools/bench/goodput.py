@@ -541,10 +541,13 @@ def server_split_ms(means: Mapping[str, Mapping[str, float]], router: str, bucke
     """Where a Python model in front of `bucket` spends a request inside the server, in mean ms from
     Triton's statistics (`stage_means_ms` by model): `queue` in its scheduler, `input` and `output`
     moving its tensors, and `in_stub`, its compute less the bucket model's whole time (the BLS call
-    it waits on): the Python stub's own work and its round trips."""
+    it waits on): the Python stub's own work and its round trips. A Python model's statistics end
+    when `execute` returns: a router that answered some of the requests from its worker threads
+    (after `execute` returned) shows less compute than the bucket's, and `in_stub` is None."""
     bucket_ms = sum(means[bucket].values())
+    in_stub = round(means[router]["compute_infer"] - bucket_ms, 3)
     return {"queue": means[router]["queue"], "input": means[router]["compute_input"],
-            "in_stub": round(means[router]["compute_infer"] - bucket_ms, 3), "output": means[router]["compute_output"]}
+            "in_stub": in_stub if in_stub >= 0 else None, "output": means[router]["compute_output"]}
 
 
 def phase_cpu_ms(before: Mapping[str, float], after: Mapping[str, float], num_requests: int) -> dict[str, float]:

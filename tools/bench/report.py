@@ -180,7 +180,12 @@ def render_router_figures(result: Mapping[str, Any]) -> str:
                         f"the router adds {_ms(floor['router_p50'])}, and {_ms(floor['own_p50'])} over the forwarding "
                         f"model: its own work (medians of the per-request differences).")
         server = floor.get("server_ms")
-        if server:
+        in_stub = [figures["in_stub"] for figures in (server or {}).values()]
+        if server and any(ms is None or ms < 0 for ms in in_stub):
+            router_text += (" Triton's statistics cannot split the router's time on this run: it answered some "
+                            "of these requests from its worker threads, and a Python model's statistics end when "
+                            "`execute` returns.")
+        elif server:
             router, forward = server["router"], server["forward"]
             moved = {side: figures["input"] + figures["output"] for side, figures in server.items()}
             router_text += (f" Inside the server (Triton's statistics, means): the router's Python stub takes "
