@@ -537,7 +537,7 @@ def stage_means_ms(before: Mapping[str, tuple[int, int]], after: Mapping[str, tu
     return means
 
 
-def server_split_ms(means: Mapping[str, Mapping[str, float]], router: str, bucket: str) -> dict[str, float]:
+def server_split_ms(means: Mapping[str, Mapping[str, float]], router: str, bucket: str) -> dict[str, float | None]:
     """Where a Python model in front of `bucket` spends a request inside the server, in mean ms from
     Triton's statistics (`stage_means_ms` by model): `queue` in its scheduler, `input` and `output`
     moving its tensors, and `in_stub`, its compute less the bucket model's whole time (the BLS call
