@@ -27,6 +27,7 @@ from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.embed.buckets import Chunk, pad_rows, plan_chunks, truncate_tokens, validate_buckets
+from python_backends.embed.inline import InlineParameter, InlinePolicy, check_inline
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS, ModelKind
 from python_backends.embed.routing import RoutingTable, format_weights, parse_weights, pinned_version
 
@@ -86,6 +87,7 @@ class RouterConfig:
     labels: tuple[str, ...] = ()  # classifier label names by logit index; empty: no LABEL output
     pairs: bool = False  # rows may be text pairs (TEXT_PAIR)
     linger_regimes: LingerRegimes | None = None  # when the express model serves lingering buckets; None: never
+    inline: InlinePolicy = field(default_factory=InlinePolicy)  # how long a call served on execute's thread may take
 
     @property
     def output(self) -> str:
@@ -211,6 +213,7 @@ class RouterParameters(ModelParameters):
     labels: LabelsParameter = ()  # classifier label names by logit index
     pairs: Flag = False  # rows may be text pairs (TEXT_PAIR)
     linger_regimes: RegimesParameter = None  # JSON: when the express model serves the lingering buckets
+    inline_max_ms: InlineParameter = InlinePolicy()  # JSON: each target's limit on a call served inline
 
     @model_validator(mode="after")
     def _every_bucket_covered(self) -> RouterParameters:
@@ -220,7 +223,9 @@ class RouterParameters(ModelParameters):
         no_cost = sorted(set(self.bucket_lens) - set(self.admission.row_cost_ms))
         if self.admission.max_work_ms > 0 and no_cost:
             raise ValueError(f"parameter admission has no row cost for buckets {no_cost}")
-        check_regimes(self.linger_regimes, [f"{self.encoder_prefix}{b}" for b in self.bucket_lens])
+        buckets = [f"{self.encoder_prefix}{b}" for b in self.bucket_lens]
+        check_regimes(self.linger_regimes, buckets)
+        check_inline(self.inline_max_ms, buckets + ([self.linger_regimes.express] if self.linger_regimes else []))
         return self
 
     def router_config(self) -> RouterConfig:
@@ -231,7 +236,7 @@ class RouterParameters(ModelParameters):
                             max_concurrent_requests=self.max_concurrent_requests, kind=self.kind,
                             token_types=self.token_types, query_prefix=self.query_prefix,
                             document_prefix=self.document_prefix, labels=self.labels, pairs=self.pairs,
-                            linger_regimes=self.linger_regimes)
+                            linger_regimes=self.linger_regimes, inline=self.inline_max_ms)
 
 
 def check_regimes(regimes: LingerRegimes | None, bucket_models: Sequence[str]) -> None:

@@ -41,7 +41,7 @@ from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, r
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import SharedWork, instance_slot, tier_share
 from python_backends.embed.buckets import reassemble
-from python_backends.embed.inline import InlinePolicy, held_off, record_inline, serves_inline
+from python_backends.embed.inline import held_off, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
 from python_backends.embed.metrics import RouterMetrics
 from python_backends.embed.router import (
@@ -153,8 +153,9 @@ class EmbedService:
         self.shadow_pool = ThreadPoolExecutor(MAX_SHADOWS_IN_FLIGHT, thread_name_prefix="shadow")
         self.shadow_slots = threading.BoundedSemaphore(MAX_SHADOWS_IN_FLIGHT)
         # A lone request of an idle instance is served on the execute thread (`inline`).
-        self.inline = InlinePolicy()
+        self.inline = config.inline
         self.inline_held_off: dict[str, float] = {}  # target model -> until when workers serve it
+        self.inline_strikes: dict[str, int] = {}  # target model -> its inline calls over the limit in a row
         self.in_flight = 0  # requests handed to the workers and not yet answered
         self.in_flight_lock = threading.Lock()
         # Tenant authentication: each instance reads the keys file itself (a stat a second at
@@ -250,11 +251,11 @@ class EmbedService:
             return None
         target = self._targets(accepted.prepared)[0]
         started = time.monotonic()
-        if held_off(target, self.inline_held_off, started):
+        if held_off(self.inline, target, self.inline_held_off, started):
             return None
         response = self._respond(accepted)
         now = time.monotonic()
-        record_inline(self.inline, target, (now - started) * 1000.0, self.inline_held_off, now)
+        record_inline(self.inline, target, (now - started) * 1000.0, self.inline_held_off, self.inline_strikes, now)
         return response
 
     def _hand_to_worker(self, sender, accepted: Accepted) -> None:

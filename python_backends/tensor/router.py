@@ -40,6 +40,7 @@ from python_backends.common.regimes import LingerRegimes, RegimesParameter
 from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from python_backends.embed.buckets import Chunk, choose_bucket, reassemble
+from python_backends.embed.inline import InlineParameter, InlinePolicy, check_inline
 from python_backends.embed.pooling import pad_axis
 from python_backends.embed.router import (
     DEFAULT_ROUTING_FILE,
@@ -194,6 +195,7 @@ class TensorRouterConfig:
     auth: AuthConfig = AUTH_OFF  # how a request proves its tenant (spec [tenants.auth])
     max_concurrent_requests: int = 32  # requests one instance serves at once (its worker threads)
     linger_regimes: LingerRegimes | None = None  # when the express model serves lingering buckets; None: never
+    inline: InlinePolicy = field(default_factory=InlinePolicy)  # how long a call served on execute's thread may take
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -234,7 +236,9 @@ class TensorRouterConfig:
         if self.fixed_model and self.linger_regimes is not None:
             raise ValueError(f"parameter linger_regimes: the external model {self.fixed_model!r} has no express model "
                              "(its backend is the user's)")
-        check_regimes(self.linger_regimes, [self.model_for(bucket) for bucket in self.bucket_lens])
+        buckets = [self.model_for(bucket) for bucket in self.bucket_lens]
+        check_regimes(self.linger_regimes, buckets)
+        check_inline(self.inline, buckets + ([self.linger_regimes.express] if self.linger_regimes else []))
 
     @property
     def carriers(self) -> tuple[TensorSpec, ...]:
@@ -350,6 +354,7 @@ class TensorRouterParameters(ModelParameters):
     tenant_auth: AuthParameter = AUTH_OFF  # how a request proves its tenant
     max_concurrent_requests: PositiveInt = 32  # requests one instance serves at once
     linger_regimes: RegimesParameter = None  # JSON: when the express model serves the lingering buckets
+    inline_max_ms: InlineParameter = InlinePolicy()  # JSON: each target's limit on a call served inline
 
     @model_validator(mode="after")
     def _consistent(self) -> TensorRouterParameters:
@@ -370,7 +375,7 @@ class TensorRouterParameters(ModelParameters):
             bucket_max_batch=self.bucket_max_batch, encoder_prefix=self.encoder_prefix, fixed_model=self.fixed_model,
             default_routing=self.version_weights, routing_file=self.routing_file, tenants=self.tenants,
             admission=self.admission, auth=self.tenant_auth, max_concurrent_requests=self.max_concurrent_requests,
-            linger_regimes=self.linger_regimes)
+            linger_regimes=self.linger_regimes, inline=self.inline_max_ms)
 
 
 def parse_tensor_router_config(model_name: str, parameters: Mapping[str, str]) -> TensorRouterConfig:

@@ -3,6 +3,7 @@ linger-free server's configs, the overhead and CPU arithmetic, the medians of ro
 length mixes (which configs a mix gets, where its report goes, the command's refusals)."""
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.regimes import REGIMES_PARAMETER, express_model_name
+from python_backends.embed.inline import INLINE_PARAMETER
 from python_backends.embed.kinds import ATTENTION_MASK, INPUT_IDS
 from tests import user_models
 from tools.bench.goodput import (
@@ -142,6 +144,9 @@ def test_the_unbatched_server_has_the_generated_configs_without_linger(embed):
     router = mc.ModelConfig()
     router.CopyFrom(generated["embed"].config)
     del router.parameters[REGIMES_PARAMETER]
+    limits = json.loads(router.parameters[INLINE_PARAMETER].string_value)
+    del limits[express_model_name(model.encoder_prefix)]  # nor an inline limit for it
+    router.parameters[INLINE_PARAMETER].string_value = json.dumps(limits)
     assert unbatched["embed"].config == router
     assert express_model_name(model.encoder_prefix) in generated
     assert express_model_name(model.encoder_prefix) not in unbatched

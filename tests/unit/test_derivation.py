@@ -181,6 +181,19 @@ def test_router_has_an_instance_per_core_and_workers_for_all_that_admission_lets
     assert derive_router(1.0, 50.0, 1, 8, ADMIT_ALL).max_concurrent_requests == 1
 
 
+def test_inline_limits_allow_twice_a_lone_call_within_a_tenth_of_the_slo():
+    from tools.planning.derivation import derive_inline
+
+    policy, reason = derive_inline({"encoder_16": 6.7, "encoder_32": 11.0, "encoder_64": 18.7}, overhead_ms=5.2,
+                                   slo_p95_ms=200.0)
+    # 2·6.7 + 5.2 = 18.6; 2·11 + 5.2 = 27.2 is capped at 10% of 200 ms; 18.7 + 5.2 alone is over 20 ms.
+    assert dict(policy.max_ms_by_target) == {"encoder_16": 18.6, "encoder_32": 20.0, "encoder_64": 0.0}
+    assert "encoder_16 18.6, encoder_32 20.0 ms" in reason
+    assert "never for encoder_64" in reason
+    # A looser SLO lets the longer bucket in as well.
+    assert derive_inline({"encoder_64": 18.7}, 5.2, 500.0)[0].limit_ms("encoder_64") == 42.6
+
+
 def test_shared_device_batches_grow_where_they_free_the_most_time():
     from tools.planning.derivation import SharedLoad, plan_shared_batches
 

@@ -44,6 +44,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes, express_model_name
 from python_backends.embed.encoder import EncoderConfig, parse_encoder_config
+from python_backends.embed.inline import INLINE_PARAMETER, InlinePolicy
 from python_backends.embed.kinds import ModelKind
 from python_backends.embed.router import EmbedRouter, RouterConfig, parse_router_config
 from python_backends.tensor.bucket import TensorBucketConfig, parse_tensor_bucket_config
@@ -167,8 +168,19 @@ def without_light_regimes(router: mc.ModelConfig) -> mc.ModelConfig:
     config = mc.ModelConfig()
     config.CopyFrom(router)
     if REGIMES_PARAMETER in config.parameters:
+        express = LingerRegimes.from_json(config.parameters[REGIMES_PARAMETER].string_value).express
         del config.parameters[REGIMES_PARAMETER]
+        keep_inline_limits(config, lambda target: target != express)
     return config
+
+
+def keep_inline_limits(router: mc.ModelConfig, keep: Callable[[str], bool]) -> None:
+    """Drop from a router's `inline_max_ms` the targets a benchmark copy no longer calls."""
+    if INLINE_PARAMETER not in router.parameters:
+        return
+    policy = InlinePolicy.from_json(router.parameters[INLINE_PARAMETER].string_value)
+    kept = {target: ms for target, ms in policy.max_ms_by_target.items() if keep(target)}
+    router.parameters[INLINE_PARAMETER].string_value = replace(policy, max_ms_by_target=kept).to_json()
 
 
 def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: BucketedModelSpec,
@@ -197,6 +209,7 @@ def padded_only_plan(spec: ServingSpec, profile: LatencyProfile, model: Bucketed
     if largest != FIXED_BUCKET:  # a fixed-shape model's router names no bucket lengths
         router.parameters["bucket_lens"].string_value = str(largest)
     router.parameters["bucket_max_batch"].string_value = f"{largest}:{encoder.max_batch_size}"
+    keep_inline_limits(router, lambda target: target == bucket.name)
     # Without this project's admission control too: a baseline serves late rather than refusing.
     del router.parameters["admission"]
     router.dynamic_batching.ClearField("default_queue_policy")

@@ -22,6 +22,9 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
   the rate the queue drains at x the budget after overhead (`S - o`), at least one full
   batch; more would only delay the rejection, fewer would turn away bursts that could
   still be served (the SLO is a p95: the tail may be late, which beats being rejected).
+- the router's inline limits (`derive_inline`): how long a lone request served on the
+  router's own thread may take before its bucket counts as lingering, and which buckets are
+  too slow to serve that way at all.
 - instance count: enough instances to carry the peak rate at `b_pref` throughput under a
   target utilisation, and at least one per lane of the device (a CPU core per
   single-threaded instance), so a burst on one bucket runs on every lane the other buckets
@@ -45,6 +48,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from python_backends.embed.admission import AdmissionPolicy
+from python_backends.embed.inline import InlinePolicy
 from tools.spec.profile import LatencyCurve
 
 
@@ -247,6 +251,37 @@ def derive_router(peak_rps: float, slo_p95_ms: float, host_cores: int, max_insta
                                         f"flight over {instances} instance(s) = {per_instance}"),
         },
     )
+
+
+INLINE_SLO_SHARE = 0.10  # an inline call may hold a router instance for at most this share of the SLO
+INLINE_MARGIN = 2.0  # a call over this many times its target's c(1) (plus o) counts as lingering
+
+
+def derive_inline(call_ms: Mapping[str, float], overhead_ms: float, slo_p95_ms: float) -> tuple[InlinePolicy, str]:
+    """The router's limit on an inline call to each target (`python_backends.embed.inline`),
+    from `call_ms`: the target's c(1), a lone row's compute.
+
+    A lone call takes about c(1) plus the router path's overhead `o`; a target that lingers
+    takes its queue delay on top. The limit is `2·c(1) + o` (twice the compute, so jitter
+    of another process on the cores is not taken for a linger; the router also waits for
+    two slow calls in a row), and at most `INLINE_SLO_SHARE` of the SLO, since a request
+    that reaches a router whose instances are all busy inline waits behind such a call with
+    nothing counting it. A target whose lone call `c(1) + o` alone is over that share is
+    never served inline (limit 0): the quarter millisecond the worker handoff costs is
+    nothing beside it.
+    """
+    cap_ms = INLINE_SLO_SHARE * slo_p95_ms
+    limits = {target: round(min(INLINE_MARGIN * c1 + overhead_ms, cap_ms), 3) if c1 + overhead_ms <= cap_ms else 0.0
+              for target, c1 in call_ms.items()}
+    served = [f"{target} {limits[target]:.1f}" for target in sorted(limits) if limits[target] > 0]
+    never = [target for target in sorted(limits) if limits[target] == 0]
+    reason = (f"a lone request of an idle instance is served on its own thread while its call takes at most "
+              f"min({INLINE_MARGIN:g}·c(1) + o, {INLINE_SLO_SHARE:.0%} of the {slo_p95_ms:.0f} ms SLO) "
+              f"(o = {overhead_ms:.1f} ms; two calls over it in a row are a linger, and the target goes to the workers "
+              f"for a while): "
+              + (", ".join(served) + " ms" if served else "none")
+              + (f"; never for {', '.join(never)} (c(1) + o over {cap_ms:.1f} ms)" if never else ""))
+    return InlinePolicy(max_ms_by_target=limits), reason
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from python_backends.common.quotas import TenantPolicy
 from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
 from python_backends.common.tenant_auth import AuthConfig, AuthMode
 from python_backends.embed.encoder import EncoderParameters
+from python_backends.embed.inline import INLINE_PARAMETER, InlinePolicy
 from python_backends.embed.kinds import TOKEN_TYPE_IDS, ModelKind, bucket_inputs
 from python_backends.embed.router import RouterParameters
 from python_backends.llm.config import LLMInferParameters, LLMParameters
@@ -39,6 +40,7 @@ from tools.planning.derivation import (
     SharedLoad,
     admission_target_ms,
     derive_admission,
+    derive_inline,
     derive_knobs,
     derive_router,
     plan_shared_batches,
@@ -260,7 +262,7 @@ def _router_base(model: BucketedModelSpec, spec: ServingSpec, router: RouterPlan
 
 def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: TensorRouterConfig,
                          router: RouterPlan, admission: Admission,
-                         regimes: LingerRegimes | None = None) -> mc.ModelConfig:
+                         regimes: LingerRegimes | None = None, inline: InlinePolicy | None = None) -> mc.ModelConfig:
     """A tensor model's router: the graph's inputs (the variable axis free) in, its outputs back."""
     config = _router_base(model, spec, router, admission)
     for tensor in layout.inputs:
@@ -277,7 +279,8 @@ def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: Te
         version_weights=model.traffic, routing_file=ROUTING_FILE, tenants=spec.tenant_policy(),
         admission=admission.policy, tenant_auth=spec.auth_config(),
         max_concurrent_requests=router.max_concurrent_requests,
-        **({REGIMES_PARAMETER: regimes} if regimes is not None else {}))
+        **({REGIMES_PARAMETER: regimes} if regimes is not None else {}),
+        **({INLINE_PARAMETER: inline} if inline is not None else {}))
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
@@ -285,7 +288,7 @@ def tensor_router_config(model: BucketedModelSpec, spec: ServingSpec, layout: Te
 
 def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch: dict[int, int],
                   router: RouterPlan, admission: Admission, graph: ServedGraph,
-                  regimes: LingerRegimes | None = None) -> mc.ModelConfig:
+                  regimes: LingerRegimes | None = None, inline: InlinePolicy | None = None) -> mc.ModelConfig:
     """A text model's router: TEXT (and TEXT_PAIR) in; the bucket output, TOKENS, VERSION (and LABEL) back."""
     config = _router_base(model, spec, router, admission)
     _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
@@ -306,7 +309,8 @@ def router_config(model: BucketedModelSpec, spec: ServingSpec, bucket_max_batch:
         **{key: value for key, value in (("token_types", TOKEN_TYPE_IDS in graph.onnx_inputs),
                                          ("query_prefix", model.query_prefix),
                                          ("document_prefix", model.document_prefix), ("labels", model.labels),
-                                         ("pairs", model.pairs), (REGIMES_PARAMETER, regimes))
+                                         ("pairs", model.pairs), (REGIMES_PARAMETER, regimes),
+                                         (INLINE_PARAMETER, inline))
            if value})  # what a plain encoder leaves out
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
@@ -635,6 +639,12 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             model.peak_rps, instances=router.instance_count, express=model.express_name)
     if regimes is not None:
         generated.append(plan_express(model, spec, profile, regimes, generated, hardware, lanes, graph, tensors))
+    # A lone row's compute at each model the router calls; the express model's is its slowest bucket's.
+    call_ms = {model.encoder_name(b): curves[b].at(1) for b in model.bucket_lens}
+    if regimes is not None:
+        call_ms[regimes.express] = max(curves[b].at(1) for b in model.bucket_lens
+                                       if model.encoder_name(b) in regimes.peak_us)
+    inline, inline_reason = derive_inline(call_ms, overhead.p95_ms, model.slo_p95_ms)
     router_header = (
         *provenance(spec, profile),
         "",
@@ -655,11 +665,12 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
         f"version_weights: the encoder version split at start (spec `traffic`); {ROUTING_FILE} in this folder,",
         "when present, overrides it live (`python -m tools rollout` writes it); a request may pin `version`.",
         f"{REGIMES_PARAMETER}: {regimes_reason}.",
+        f"{INLINE_PARAMETER}: {inline_reason}.",
     )
-    router_model = (router_config(model, spec, bucket_max_batch, router, admission, graph, regimes)
+    router_model = (router_config(model, spec, bucket_max_batch, router, admission, graph, regimes, inline)
                     if graph is not None else
                     tensor_router_config(model, spec, tensor_layout(model, tensors, bucket_max_batch), router,
-                                         admission, regimes))
+                                         admission, regimes, inline))
     generated.insert(0, GeneratedModel(
         name=model.name,
         config=router_model,
@@ -756,7 +767,7 @@ def check(files: dict[Path, str], repository: Path) -> list[str]:
 
 
 ROUTER_KNOBS = ("tenants", "tenant_auth", "bucket_max_batch", "instance_count", "max_concurrent_requests",
-                "admission", "admission_bound", "max_queue_size", "version_weights", "linger_regimes")
+                "admission", "admission_bound", "max_queue_size", "version_weights", "linger_regimes", "inline_max_ms")
 
 
 def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfile) -> str:
