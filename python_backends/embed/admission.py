@@ -108,6 +108,7 @@ class AdmissionDecision:
     work_ahead_ms: float  # in flight when the request arrived, ms per lane
     own_work_ms: float  # what the request adds
     limit_ms: float  # what its tier may have in flight, its own work included
+    waited_ms: float | None = None  # how long it waited before the router took it; None: unknown
 
     @property
     def retry_after_s(self) -> float:
@@ -119,9 +120,13 @@ class AdmissionDecision:
         return max(0.001, (self.work_ahead_ms + self.own_work_ms - self.limit_ms) / 1000.0)
 
     def message(self) -> str:
+        waited = f" after its {self.waited_ms:.0f} ms wait before the router" if self.waited_ms else ""
+        if self.waited_ms and self.limit_ms <= 0:
+            return (f"server busy: this request waited {self.waited_ms:.0f} ms before the router took it, too "
+                    f"long to meet the latency SLO; retry after {self.retry_after_s:.3f} s")
         return (f"server busy: {self.work_ahead_ms:.0f} ms of work in flight plus this request's "
-                f"{self.own_work_ms:.0f} ms exceeds the {self.limit_ms:.0f} ms that still meets the latency SLO; "
-                f"retry after {self.retry_after_s:.3f} s")
+                f"{self.own_work_ms:.0f} ms exceeds the {self.limit_ms:.0f} ms that still meets the latency SLO"
+                f"{waited}; retry after {self.retry_after_s:.3f} s")
 
 
 def shared_work_ahead_ms(policy: AdmissionPolicy, ahead_by_bucket: Mapping[int | None, float],
@@ -154,14 +159,46 @@ def tier_share(priority: int, default_priority: int) -> float:
 
 
 def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, share: float = 1.0,
-           bound_ms: float | None = None) -> AdmissionDecision:
+           bound_ms: float | None = None, waited_ms: float | None = None) -> AdmissionDecision:
     """Admit when the work in flight, this request's included, stays within its tier's share of
     the bound (`bound_ms`, the adaptive bound now; `max_work_ms` when None). An idle server
     admits anything, so a request larger than the whole bound is served (late) rather than
-    refused forever."""
+    refused forever.
+
+    `waited_ms`, how long the request waited before the router took it (its `X-Request-Start`
+    stamp; None: unknown), takes what it used from the latency left to it: the work ahead and
+    its own must also fit in `max_limit_ms` (S - o) less the wait, and a request that waited
+    longer than that is refused even by an idle server: its answer would be late whatever the
+    router did, so it costs no compute (a deadline that passed in a queue)."""
     limit_ms = (policy.max_work_ms if bound_ms is None else bound_ms) * share
-    admitted = policy.max_work_ms <= 0 or work_ahead_ms <= 0 or work_ahead_ms + own_work_ms <= limit_ms
-    return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms)
+    if policy.max_work_ms <= 0:
+        return AdmissionDecision(True, work_ahead_ms, own_work_ms, limit_ms)
+    if waited_ms is not None and policy.max_limit_ms > 0:
+        left_ms = policy.max_limit_ms - waited_ms
+        if left_ms <= 0:
+            return AdmissionDecision(False, work_ahead_ms, own_work_ms, max(0.0, left_ms), waited_ms)
+        limit_ms = min(limit_ms, left_ms)
+    admitted = work_ahead_ms <= 0 or work_ahead_ms + own_work_ms <= limit_ms
+    return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms, waited_ms)
+
+
+def deadline_passed(policy: AdmissionPolicy, waited_ms: float | None) -> AdmissionDecision | None:
+    """The refusal of a request that waited longer than `max_limit_ms` (S - o) before the
+    router took it, decided before any work on it (tokenizing included); None otherwise."""
+    if waited_ms is None or policy.max_work_ms <= 0 or policy.max_limit_ms <= 0 or waited_ms < policy.max_limit_ms:
+        return None
+    return AdmissionDecision(False, 0.0, 0.0, 0.0, waited_ms)
+
+
+def seen_latency_ms(policy: AdmissionPolicy, router_ms: float, waited_ms: float | None) -> float:
+    """The latency the adaptive bound judges an answer by: the router's own (from its instance
+    taking the request to the answer), plus what the request waited before that beyond the
+    allowance the target leaves for it (`max_limit_ms - target_ms`, S - o - T). Without a
+    stamp that wait is unknown and the allowance stands for it; with one, an answer counts as
+    late when the request's whole time, wait included, is over S - o."""
+    if waited_ms is None or policy.max_limit_ms <= 0 or policy.target_ms <= 0:
+        return router_ms
+    return router_ms + max(0.0, waited_ms - (policy.max_limit_ms - policy.target_ms))
 
 
 STEP = 0.05  # relative change of the bound per late answer
@@ -311,13 +348,15 @@ class SharedWork:
             mine[column] = total = total if total > 1e-6 else 0.0  # no float residue left on an idle instance
             row[column] = total
 
-    def admit(self, policy: AdmissionPolicy, own: float | Mapping[int, float], share: float = 1.0) -> AdmissionDecision:
+    def admit(self, policy: AdmissionPolicy, own: float | Mapping[int, float], share: float = 1.0,
+              waited_ms: float | None = None) -> AdmissionDecision:
         """Decide on a request of `own` work (ms per lane; by bucket for the lanes' sharing to
-        count) and, when admitted, count its work, as one step."""
+        count) that waited `waited_ms` before the router (None: unknown) and, when admitted,
+        count its work, as one step."""
         own_work_ms = sum(own.values()) if isinstance(own, Mapping) else own
         with self._table.locked():
             work_ahead_ms = shared_work_ahead_ms(policy, self.ahead_by_bucket(), own_work_ms)
-            decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy))
+            decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy), waited_ms)
             if decision.admitted:
                 self._add(own)
             return decision

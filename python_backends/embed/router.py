@@ -23,6 +23,7 @@ from python_backends.common.errors import InvalidInput
 from python_backends.common.params import AuthParameter, Flag, ModelParameters, PositiveInt, TenantsParameter
 from python_backends.common.quotas import UNLIMITED, TenantPolicy, parse_tenant
 from python_backends.common.regimes import LingerRegimes, RegimesParameter
+from python_backends.common.request_start import request_start
 from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
@@ -268,6 +269,7 @@ class RequestOptions:
     truncate: bool = True  # False: a row over the token limit is an error instead of cut
     version: int | None = None  # encoder version the request pins; None: the routing table decides
     input_type: str = "query"  # which of the model's prefixes its texts get: query or document
+    started_at_s: float | None = None  # its X-Request-Start stamp (seconds since the epoch); None: none
 
 
 def parse_request_options(parameters_json: str | None,
@@ -301,7 +303,12 @@ def parse_request_options(parameters_json: str | None,
     input_type = params.get("input_type", "query")
     if input_type not in INPUT_TYPES:
         raise InvalidInput(f"parameter 'input_type' must be one of {', '.join(INPUT_TYPES)}, got {input_type!r}")
-    return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params), input_type=input_type)
+    try:
+        started_at_s = request_start(params)
+    except ValueError as err:
+        raise InvalidInput(str(err)) from None
+    return RequestOptions(tenant=tenant, truncate=truncate, version=pinned_version(params), input_type=input_type,
+                          started_at_s=started_at_s)
 
 
 def _options_without_parameters(tenant_of: Callable[[Mapping[str, object]], str]) -> RequestOptions:

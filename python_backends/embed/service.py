@@ -36,10 +36,11 @@ from python_backends.common.drift import drift_rows
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import SharedBuckets, admit
 from python_backends.common.regimes import Regime, RegimeTracker
+from python_backends.common.request_start import waited_ms
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
 from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, resolve_tenant
 from python_backends.common.tokenization import TextTokenizer
-from python_backends.embed.admission import SharedWork, instance_slot, tier_share
+from python_backends.embed.admission import SharedWork, deadline_passed, instance_slot, seen_latency_ms, tier_share
 from python_backends.embed.buckets import reassemble
 from python_backends.embed.inline import held_off, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
@@ -119,6 +120,7 @@ class Accepted:
     table: RoutingTable  # the routing table it was routed by (for shadowing)
     own_work: dict[int, float]  # its work as admission counted it (ms per lane by bucket); given back when answered
     started: float  # time.monotonic() when the router took it
+    waited_ms: float | None = None  # how long it waited before that (its X-Request-Start stamp); None: unknown
 
     @property
     def tenant(self):
@@ -352,6 +354,10 @@ class EmbedService:
         return accepted
 
     def _admit(self, request, options, started):
+        waited = waited_ms(options.started_at_s, time.time())
+        late = deadline_passed(self.admission, waited)
+        if late is not None:  # its answer would be late whatever the router did: no tokenizing
+            return self._error(late.message(), self.pb.TritonError.UNAVAILABLE)
         try:
             prepared = self.codec.prepare(self.pb, request, options)
         except InvalidInput as err:
@@ -363,11 +369,11 @@ class EmbedService:
         version = pinned if pinned is not None else table.pick(self.draw())
         own_work = self.admission.work_by_bucket(prepared.rows_by_bucket()) if self.admission.max_work_ms else {}
         admission = self.work.admit(self.admission, own_work, self.share_of_tier[self.tenants.tier_of(
-            prepared.options.tenant).name])
+            prepared.options.tenant).name], waited)
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
-        return Accepted(prepared, version, pinned, table, own_work, started)
+        return Accepted(prepared, version, pinned, table, own_work, started, waited)
 
     # --- serving an admitted request ----------------------------------------------------------
 
@@ -466,7 +472,8 @@ class EmbedService:
             inflight.increment(-1)
             raise
         finally:
-            self.work.release(self.admission, accepted.own_work, (time.monotonic() - started) * 1000.0)
+            self.work.release(self.admission, accepted.own_work, seen_latency_ms(
+                self.admission, (time.monotonic() - started) * 1000.0, accepted.waited_ms))
         if failure is not None:
             inflight.increment(-1)
             model_name, error = failure

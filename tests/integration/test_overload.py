@@ -60,6 +60,14 @@ def test_at_ten_times_goodput_every_request_is_still_answered_and_most_are_turne
     assert flood["server_ready_after"] and "load_generator_share" in flood["cpu"]
 
 
+def test_a_request_stamped_as_already_late_is_refused_retryably_and_cheaply(report):
+    refusals = report["refusals"]
+    assert refusals["rejected"] == refusals["offered"] > 0  # X-Request-Start reached the router through Triton
+    assert refusals["lost"] == 0 and refusals["failed_other"] == 0
+    assert any("too long to meet the latency SLO; retry after" in sample for sample in refusals["error_samples"])
+    assert refusals["server_cpu_ms_per_refusal"] is not None and refusals["server_cpu_ms_per_refusal"] >= 0
+
+
 def test_a_flooding_tenant_is_turned_away_while_the_premium_tenant_is_never_rejected(report):
     b, a = report["isolation"]["b"], report["isolation"]["a"]
     slo_ms = report["isolation"]["slo_ms"]

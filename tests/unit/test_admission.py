@@ -14,8 +14,10 @@ from python_backends.embed.admission import (
     AdmissionPolicy,
     SharedWork,
     adjust_bound,
+    deadline_passed,
     decide,
     instance_slot,
+    seen_latency_ms,
     shared_work_ahead_ms,
     tier_share,
 )
@@ -289,6 +291,36 @@ def test_the_bound_stays_between_its_limits():
         low = adjust_bound(ADAPTIVE, low, latency_ms=1000.0)
         high = adjust_bound(ADAPTIVE, high, latency_ms=1.0)
     assert low == ADAPTIVE.min_work_ms and high == ADAPTIVE.max_limit_ms
+
+
+def test_a_requests_wait_before_the_router_takes_its_share_of_the_room():
+    # S - o = 190 ms: a request that waited 150 ms has 40 left, under the bound of 60.
+    assert decide(ADAPTIVE, 20.0, 10.0, bound_ms=60.0, waited_ms=0.0).admitted
+    assert decide(ADAPTIVE, 20.0, 10.0, bound_ms=60.0, waited_ms=150.0).admitted
+    refused = decide(ADAPTIVE, 25.0, 20.0, bound_ms=60.0, waited_ms=150.0)
+    assert not refused.admitted and refused.limit_ms == pytest.approx(40.0)
+    assert "exceeds the 40 ms that still meets the latency SLO after its 150 ms wait" in refused.message()
+    assert decide(ADAPTIVE, 25.0, 20.0, bound_ms=60.0, waited_ms=None).admitted  # no stamp: the bound alone
+
+
+def test_a_request_that_waited_past_the_slo_is_refused_even_by_an_idle_server_before_any_work():
+    late = deadline_passed(ADAPTIVE, 190.0)
+    assert late is not None and not late.admitted
+    assert "waited 190 ms before the router took it" in late.message()
+    assert not decide(ADAPTIVE, 0.0, 5.0, waited_ms=195.0).admitted
+    assert deadline_passed(ADAPTIVE, 189.0) is None and deadline_passed(ADAPTIVE, None) is None
+    assert deadline_passed(ADMIT_ALL, 10_000.0) is None  # no admission, no refusals
+
+
+def test_the_bound_judges_an_answer_by_the_wait_beyond_what_the_target_leaves_for_it():
+    # Target 150 of S - o = 190: 40 ms of waiting are allowed for; only what is beyond counts.
+    assert seen_latency_ms(ADAPTIVE, 120.0, None) == 120.0
+    assert seen_latency_ms(ADAPTIVE, 120.0, 30.0) == 120.0
+    assert seen_latency_ms(ADAPTIVE, 120.0, 70.0) == pytest.approx(150.0)
+    # Late exactly when the whole time, wait included, is over S - o.
+    assert adjust_bound(ADAPTIVE, 100.0, seen_latency_ms(ADAPTIVE, 120.0, 71.0)) < 100.0
+    assert adjust_bound(ADAPTIVE, 100.0, seen_latency_ms(ADAPTIVE, 120.0, 69.0)) > 100.0
+    assert seen_latency_ms(POLICY, 120.0, 500.0) == 120.0  # a fixed bound has no target
 
 
 def test_the_shared_bound_starts_at_the_policy_and_follows_the_answers(tmp_path):

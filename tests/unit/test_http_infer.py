@@ -18,6 +18,7 @@ from tools.clients.http_infer import (
     error_message,
     infer_request,
     parse_response_head,
+    with_header,
 )
 
 
@@ -48,6 +49,14 @@ def test_an_infer_request_carries_its_rows_as_binary_data_and_asks_for_binary_ou
     # Triton reads priority (and timeout) from the parameters; the rest reach the model.
     assert header["parameters"] == {"priority": 1, "tenant_token": "v1.x", "binary_data_output": True}
     assert "outputs" not in header  # every output, each binary
+
+
+def test_a_header_added_per_send_leaves_the_request_whole():
+    request = infer_request("localhost", "embed", "TEXT", [b"one"])
+    lines, header, data = split_request(with_header(request, "X-Request-Start", "t=1795714406123456"))
+    assert lines[0] == "POST /v2/models/embed/infer HTTP/1.1"
+    assert "X-Request-Start: t=1795714406123456" in lines
+    assert (header, data) == split_request(request)[1:]
 
 
 def test_an_infer_request_without_rows_is_refused():

@@ -9,6 +9,8 @@ that reloads crashed instances) and drives it open loop over HTTP (`send_all`):
              Beside the figures, where the admitted requests' time went (`wait_breakdown`)
              and the CPU the load generator and the server used (`cpu_share`).
   overload_10x  the same at 10x the goodput.
+  refusals   requests stamped as already late (`X-Request-Start`) at 10x the goodput: the
+             server's CPU per refused request.
   isolation  tenant B (premium) sends steady short texts, alone and then while tenant A
              (batch tier) floods the longest bucket: B's p95 and rejections with and without
              the flood, A's rejections.
@@ -28,9 +30,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from python_backends.common.request_start import stamp
 from tools.bench.harness import BENCH_DIR, detect_hardware, hardware_report
 from tools.bench.loadgen import percentile, poisson_arrival_times
-from tools.clients.http_infer import HttpInferClient, ProtocolError, error_message, infer_request
+from tools.clients.http_infer import HttpInferClient, ProtocolError, error_message, infer_request, with_header
 from tools.clients.retrying import NO_RETRIES, Outcome, RetryPolicy, classify, next_delay_s
 from tools.observe.metrics import COMPUTE_US, QUEUE_US, ROUTER_LATENCY, SUCCESS, Window, take_snapshot
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC
@@ -152,9 +155,11 @@ def poisson_stream(stream: str, rate_rps: float, duration_s: float, texts: Seque
 
 
 async def send_all(http_url: str, arrivals: Sequence[Arrival], policy: RetryPolicy,
-                   budget_s: float, credentials: Mapping[str, dict], seed: int = 0) -> list[Record]:
+                   budget_s: float, credentials: Mapping[str, dict], seed: int = 0,
+                   stamp_age_s: float = 0.0) -> list[Record]:
     """Send every arrival at its time (open loop), retrying per `policy` within `budget_s`;
     `credentials` holds the request parameters that make a request its tenant's (a token).
+    Each request's `X-Request-Start` is the time it was due, less `stamp_age_s`.
 
     Over Triton's HTTP endpoint with the lean client of `tools.clients.http_infer`: the load
     generator shares the machine with the server, and at 10x goodput tritonclient's gRPC client
@@ -164,7 +169,7 @@ async def send_all(http_url: str, arrivals: Sequence[Arrival], policy: RetryPoli
     host, _, port = http_url.rpartition(":")
 
     async with HttpInferClient(host, int(port), max_connections=MAX_CONNECTIONS) as client:
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
 
         async def send(arrival: Arrival) -> None:
             scheduled = start + arrival.offset_s
@@ -175,8 +180,12 @@ async def send_all(http_url: str, arrivals: Sequence[Arrival], policy: RetryPoli
             while True:
                 attempts += 1
                 remaining_s = max(0.001, scheduled + LOST_AFTER_S - time.perf_counter())
+                # Stamped with the time it was due (a retry: sent), so that the router's admission
+                # counts the wait in this client, the front end and the router's queue too.
+                started = (wall_start + arrival.offset_s if attempts == 1 else time.time()) - stamp_age_s
                 try:
-                    status, body = await client.post(request, remaining_s)
+                    status, body = await client.post(with_header(request, "X-Request-Start", stamp(started)),
+                                                     remaining_s)
                 except TimeoutError:
                     records.append(Record(arrival.stream, arrival.tenant, arrival.offset_s, "lost", None,
                                           attempts, f"no answer within {LOST_AFTER_S:.0f} s"))
@@ -214,6 +223,7 @@ class Durations:
     isolation_s: float  # each of the two phases
     crash_s: float  # each of the two phases; the kill comes at a third
     overload_10x_s: float = 0.0  # the 10x phase; 0: as long as the 3x one
+    refusals_s: float = 10.0  # the phase of requests refused for their wait
 
     def overload_phase_s(self, part: str) -> float:
         """How long the overload phase `part` (of OVERLOAD_PHASES) lasts."""
@@ -223,7 +233,7 @@ class Durations:
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
 METRICS_FLUSH_S = 1.0  # wait for the router's last metric flush (every 0.5 s) before reading /metrics
 BENCH_EXIT_TIMEOUT_S = 5  # seconds tritonserver waits on stop (see run_benchmark)
-QUICK = Durations(overload_s=15.0, isolation_s=6.0, crash_s=6.0, overload_10x_s=5.0)
+QUICK = Durations(overload_s=15.0, isolation_s=6.0, crash_s=6.0, overload_10x_s=5.0, refusals_s=3.0)
 OVERLOAD_PHASES = {"overload": 3.0, "overload_10x": 10.0}  # part -> offered rate as a multiple of goodput
 
 
@@ -262,6 +272,32 @@ def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float,
     log(f"  admitted mean {parts['client_mean_ms']} ms = router queue {parts['router_queue_ms']} + router "
         f"{parts['router_ms']} + unseen {parts['unseen_ms']}; CPU: load generator "
         f"{result['cpu']['load_generator_share']:.0%}, server {result['cpu']['server_share']:.0%} of the machine")
+    return result
+
+
+def run_refusals(server: TritonServer, texts: Sequence[str], rate_rps: float, duration_s: float, slo_ms: float,
+                 credentials: Mapping[str, dict], log) -> dict:
+    """What a refusal costs the server: requests stamped (`X-Request-Start`) as having waited
+    twice the SLO already, so that the router refuses every one before any work on it, open
+    loop at `rate_rps`; the server's CPU (tritonserver and every stub) per request, less what
+    it burns idle over as long."""
+    tenants = ordinary_tenants()
+    log(f"refusals: {rate_rps:.0f} req/s for {duration_s:.0f} s, each stamped {2 * slo_ms:.0f} ms old")
+    idle_before = server.cpu_seconds(), time.monotonic()
+    time.sleep(min(duration_s, 5.0))
+    idle_cpu_per_s = (server.cpu_seconds() - idle_before[0]) / (time.monotonic() - idle_before[1])
+    arrivals = poisson_stream("refused", rate_rps, duration_s, texts, tenants, 0, seed=41)
+    cpu_before, wall_before = server.cpu_seconds(), time.monotonic()
+    records = asyncio.run(send_all(server.http_url, arrivals, NO_RETRIES, LOST_AFTER_S, credentials,
+                                   stamp_age_s=2 * slo_ms / 1000.0))
+    server_s, wall_s = server.cpu_seconds() - cpu_before, time.monotonic() - wall_before
+    summary = summarize(records, slo_ms)
+    busy_s = max(0.0, server_s - idle_cpu_per_s * wall_s)
+    result = {"rate_rps": rate_rps, "duration_s": duration_s, "stamp_age_ms": 2 * slo_ms, **summary,
+              "server_cpu_s": round(server_s, 2), "server_idle_cpu_s": round(idle_cpu_per_s * wall_s, 2),
+              "server_cpu_ms_per_refusal": round(busy_s * 1000.0 / len(records), 3) if records else None}
+    log(f"  {summary['rejected']} of {summary['offered']} refused; server CPU {result['server_cpu_ms_per_refusal']} "
+        f"ms a refusal")
     return result
 
 
@@ -401,6 +437,10 @@ def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[st
                                                 durations.overload_phase_s(part), credentials, log, model.name,
                                                 embed_models[1:], multiple)
                     time.sleep(2.0)
+            if "refusals" in parts:
+                report["refusals"] = run_refusals(server, texts, OVERLOAD_PHASES["overload_10x"] * goodput_rps,
+                                                  durations.refusals_s, model.slo_p95_ms, credentials, log)
+                time.sleep(2.0)
             if "isolation" in parts:
                 report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
                                                     steady_rps, flood_rps, credentials, log)

@@ -272,7 +272,7 @@ def run_llm(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ overload
 
-OVERLOAD_PARTS = (*bench_overload.OVERLOAD_PHASES, "isolation", "crash")
+OVERLOAD_PARTS = (*bench_overload.OVERLOAD_PHASES, "refusals", "isolation", "crash")
 
 
 def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -281,16 +281,16 @@ def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput-rps", type=float, default=None,
                         help="goodput to overload at 3x and 10x (default: slo_bucketed in results/goodput.json)")
     parser.add_argument("--parts", default=",".join(OVERLOAD_PARTS),
-                        help="comma-separated subset of overload (3x goodput), overload_10x, isolation, crash "
-                             "(default: all)")
+                        help="comma-separated subset of overload (3x goodput), overload_10x, refusals (the "
+                             "server's CPU per refused request), isolation, crash (default: all)")
     parser.add_argument("--steady-rps", type=float, default=10.0, help="tenant B's rate (default: %(default)s)")
     parser.add_argument("--flood-rps", type=float, default=60.0,
                         help="tenant A's rate of 256-token texts (default: %(default)s)")
     parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
     parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="short form for the test suite: 15 s of overload at 3x, 5 s at 10x, 6 s isolation "
-                             "phases, 6 s crash phases")
+                        help="short form for the test suite: 15 s of overload at 3x, 5 s at 10x, 3 s of "
+                             "refusals, 6 s isolation phases, 6 s crash phases")
 
 
 def run_overload(args: argparse.Namespace) -> int:
@@ -308,7 +308,7 @@ def run_overload(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     goodput_rps = args.goodput_rps or measured_goodput()
-    if {"overload", "overload_10x"} & set(parts) and not goodput_rps:
+    if {"overload", "overload_10x", "refusals"} & set(parts) and not goodput_rps:
         print("error: no measured goodput; run `python -m tools bench goodput` or pass --goodput-rps",
               file=sys.stderr)
         return 2

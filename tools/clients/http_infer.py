@@ -86,6 +86,13 @@ def infer_request(host: str, model: str, input_name: str, rows: Sequence[bytes],
     return encode_infer_request(host, model, [tensor], parameters)
 
 
+def with_header(request: bytes, name: str, value: str) -> bytes:
+    """`request` (`encode_infer_request`'s bytes) with one more header line after its request
+    line: a per-send header such as `X-Request-Start` without encoding the request again."""
+    end = request.index(b"\r\n") + 2
+    return request[:end] + f"{name}: {value}\r\n".encode("ascii") + request[end:]
+
+
 @dataclass(frozen=True)
 class ResponseHead:
     """What the client needs from a response's status line and headers."""

@@ -33,9 +33,10 @@ from tools.server.stubs import STUB_BINARY, cpu_by_part, process_group, shm_regi
 
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "triton"
 # RE2, matched against header names: `tenant` and `tenant-token` reach the models as request
-# parameters of the same names. Nothing else is forwarded (an `authorization` header belongs
-# to whatever proxy sits in front, not to the tenant).
-TENANT_HEADER_PATTERN = "(?i)^tenant(-token)?$"
+# parameters of the same names, and `x-request-start` (when a proxy or the client accepted the
+# request: `python_backends.common.request_start`). Nothing else is forwarded (an
+# `authorization` header belongs to whatever proxy sits in front, not to the tenant).
+FORWARDED_HEADER_PATTERN = "(?i)^(tenant(-token)?|x-request-start)$"
 
 
 class ServerError(RuntimeError):
@@ -186,8 +187,8 @@ def build_command(config: ServerConfig, dist: TritonDistribution, backends_dir: 
         # 0 without a GPU: skip the pinned-memory pool instead of warning about it.
         f"--pinned-memory-pool-byte-size={config.pinned_memory_bytes}",
         # `tenant` and `tenant-token` headers reach the models as request parameters.
-        f"--http-header-forward-pattern={TENANT_HEADER_PATTERN}",
-        f"--grpc-header-forward-pattern={TENANT_HEADER_PATTERN}",
+        f"--http-header-forward-pattern={FORWARDED_HEADER_PATTERN}",
+        f"--grpc-header-forward-pattern={FORWARDED_HEADER_PATTERN}",
     ]
     if config.model_control_mode is ModelControlMode.POLL:
         command.append("--repository-poll-secs=5")
