@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
+from python_backends.common.request_start import stamp
 from tests.integration.helpers import (
     BUCKETS,
     ROUTER_COUNTERS_LAG_S,
@@ -164,6 +165,26 @@ def test_tenant_token_and_priority_are_accepted_over_all_protocols(triton, http_
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
+
+
+def test_a_request_start_stamp_reaches_the_router_over_both_protocols(http_client, grpc_client):
+    # Stamped 10 s ago (X-Request-Start, as a proxy writes it): refused as too late, retryably.
+    old = {"X-Request-Start": stamp(time.time() - 10.0)}
+    with pytest.raises(httpclient.InferenceServerException) as info:
+        http_client.infer("embed", [_text_input(httpclient)], headers=old)
+    assert info.value.status() == "503" and "too long to meet the latency SLO" in info.value.message()
+    with pytest.raises(grpcclient.InferenceServerException) as info:
+        grpc_client.infer("embed", [_text_input(grpcclient)], headers={"x-request-start": old["X-Request-Start"]})
+    assert info.value.status() == "StatusCode.UNAVAILABLE" and "too long to meet" in info.value.message()
+    # Stamped now: served.
+    fresh = http_client.infer("embed", [_text_input(httpclient)], headers={"X-Request-Start": stamp(time.time())})
+    assert fresh.as_numpy("EMBEDDING").shape == (1, 384)
+
+
+def _text_input(client_module):
+    text = client_module.InferInput("TEXT", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hello"]], dtype=object))
+    return text
 
 
 def test_bad_tenant_is_rejected(http_client):
