@@ -217,29 +217,18 @@ class RouterPlan:
     reasons: dict[str, str] = field(default_factory=dict)  # knob -> why
 
 
-# Router instances per host core. Measured with `bench overload` at 10x goodput (960 req/s
-# offered for 60 s, 2 vCPU, one run each): with one instance per core the server used 61% of
-# the CPU while requests waited 32 ms (mean) in the router's queue and 74 req/s were served
-# within the SLO; with two per core, 87%, 6 ms and 104 req/s. An instance's `execute` thread
-# refuses or admits while its workers wait for the GIL to answer, so one process per core
-# leaves the core idle.
-ROUTER_INSTANCES_PER_CORE = 2
-
-
 def derive_router(peak_rps: float, slo_p95_ms: float, host_cores: int, max_instances: int,
                   admission: AdmissionPolicy) -> RouterPlan:
     """Router instances and their worker threads.
 
     An instance does not hold a request: it checks and admits it and hands it to a worker
     thread, which waits on the buckets and answers. Instances are only for the Python work
-    (a process runs Python on one core at a time, under one GIL): `ROUTER_INSTANCES_PER_CORE`
-    per host core, since an instance's `execute` thread, which admits and refuses, and its
-    workers, which answer, take turns on its GIL. Workers are what waits: enough across the
-    instances for every request admission can let in at once (its upper bound of work over
-    the cheapest row's cost), and at least Little's law at peak, so that admission, never a
-    missing thread, decides who waits on the cores.
+    (a process runs Python on one core at a time): one per host core. Workers are what
+    waits: enough across the instances for every request admission can let in at once (its
+    upper bound of work over the cheapest row's cost), and at least Little's law at peak,
+    so that admission, never a missing thread, decides who waits on the cores.
     """
-    instances = max(1, min(ROUTER_INSTANCES_PER_CORE * host_cores, max_instances))
+    instances = max(1, min(host_cores, max_instances))
     little = max(1, math.ceil(peak_rps * slo_p95_ms / 1000.0))
     if admission.max_work_ms > 0:
         cheapest_ms = min(admission.row_cost_ms.values())
@@ -254,11 +243,9 @@ def derive_router(peak_rps: float, slo_p95_ms: float, host_cores: int, max_insta
         instance_count=instances,
         max_concurrent_requests=per_instance,
         reasons={
-            "instance_count": (f"{ROUTER_INSTANCES_PER_CORE} per host core ({host_cores}), for the Python work of "
-                               f"checking, tokenizing, admitting and refusing (an instance's admitting and answering "
-                               f"threads share its GIL); an instance holds no request" +
-                               (f"; capped at {max_instances} by the spec"
-                                if instances < ROUTER_INSTANCES_PER_CORE * host_cores else "")),
+            "instance_count": (f"one per host core ({host_cores}), for the Python work of checking, tokenizing and "
+                               f"admitting; an instance holds no request" +
+                               (f"; capped at {max_instances} by the spec" if instances < host_cores else "")),
             "max_concurrent_requests": (f"worker threads per instance: max(Little's law at peak {peak_rps:.1f} req/s "
                                         f"x {slo_p95_ms:.0f} ms = {little}; {admissible_text}) = {in_flight} in "
                                         f"flight over {instances} instance(s) = {per_instance}"),
