@@ -246,3 +246,15 @@ def test_the_ten_times_phase_is_a_row_and_the_breakdown_a_table_of_its_own():
     section = render_sections({**results, "overload": overload}, "../results/")["overload"]
     assert "123,456" in section  # the 10x phase's row
     assert f"| 10{chr(0xD7)} | 150.0 ms | 40.0 ms | 90.0 ms | 20.0 ms | 10.0% | 83.0% |" in section
+
+
+def test_the_cost_of_a_refusal_is_rendered_when_the_run_measured_it():
+    results = load_results(REPO_ROOT / "results")
+    overload = json.loads(json.dumps(results["overload"]))
+    overload["refusals"] = {"rate_rps": 960.0, "duration_s": 10.0, "stamp_age_ms": 400.0, "offered": 9558,
+                            "rejected": 9558, "server_cpu_ms_per_refusal": 0.891}
+    section = render_sections({**results, "overload": overload}, "../results/")["overload"]
+    assert ("**Refusals**: 9,558 requests at 960 req/s, each stamped (`X-Request-Start`) as sent 400 ms earlier: "
+            "9,558 refused (503) before any work on them, at 0.89 ms of server CPU each") in section
+    del overload["refusals"]
+    assert "**Refusals**" not in render_sections({**results, "overload": overload}, "../results/")["overload"]

@@ -305,6 +305,12 @@ def render_overload(result: Mapping[str, Any], results_link: str) -> str:
            _table(["offered", "client mean", "router queue", "router", "unseen", "load generator CPU",
                    "server CPU"], ["---"] + ["---:"] * 6, breakdown_rows),
            ""] if breakdown_rows else []),
+        *([f"**Refusals**: {_int(refusals['offered'])} requests at {_int(refusals['rate_rps'])} req/s, each "
+           f"stamped (`X-Request-Start`) as sent {_int(refusals['stamp_age_ms'])} ms earlier: "
+           f"{_int(refusals['rejected'])} refused (503) before any work on them, at "
+           f"{_num(refusals['server_cpu_ms_per_refusal'], 2)} ms of server CPU each (tritonserver and the "
+           "router's stubs, less their idle use).", ""]
+          if (refusals := result.get("refusals")) is not None else []),
         "**Isolation**: a premium tenant B beside a batch-tier tenant A's flood.",
         "",
         _table(["", "B p95", "B not served", "A ok", "A rejected (over quota / by admission)"],
