@@ -173,11 +173,11 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
     limit_ms = (policy.max_work_ms if bound_ms is None else bound_ms) * share
     if policy.max_work_ms <= 0:
         return AdmissionDecision(True, work_ahead_ms, own_work_ms, limit_ms)
+    late = deadline_passed(policy, waited_ms)
+    if late is not None:
+        return late
     if waited_ms is not None and policy.max_limit_ms > 0:
-        left_ms = policy.max_limit_ms - waited_ms
-        if left_ms <= 0:
-            return AdmissionDecision(False, work_ahead_ms, own_work_ms, max(0.0, left_ms), waited_ms)
-        limit_ms = min(limit_ms, left_ms)
+        limit_ms = min(limit_ms, policy.max_limit_ms - waited_ms)
     admitted = work_ahead_ms <= 0 or work_ahead_ms + own_work_ms <= limit_ms
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms, waited_ms)
 

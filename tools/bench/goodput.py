@@ -69,6 +69,7 @@ from tools.bench.loadgen import (
     StepResult,
     duration_for_arrivals,
     flatten_step,
+    ns_count,
     percentile,
     run_one_at_a_time,
     run_open_loop,
@@ -532,12 +533,11 @@ STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton
 def stage_totals(statistics_json: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     """(count, ns) per stage of one model's Triton statistics (`/v2/models/<model>/stats`), its versions summed."""
     totals = {stage: (0, 0) for stage in STAGES}
-    for version in statistics_json.get("model_stats", []):
-        stats = version.get("inference_stats", {})
+    for version in statistics_json.get("model_stats") or ():
+        stats = version.get("inference_stats") or {}
         for stage in STAGES:
-            count, ns = totals[stage]
-            figures = stats.get(stage, {})
-            totals[stage] = (count + int(figures.get("count", 0)), ns + int(figures.get("ns", 0)))
+            ns, count = ns_count(stats, stage)
+            totals[stage] = (totals[stage][0] + count, totals[stage][1] + ns)
     return totals
 
 

@@ -222,7 +222,8 @@ def flatten_step(result: StepResult) -> dict[str, Any]:
 # Pure: server-side times from Triton's statistics API
 
 
-def _ns_count(stats: Mapping[str, Any], name: str) -> tuple[int, int]:
+def ns_count(stats: Mapping[str, Any], name: str) -> tuple[int, int]:
+    """(ns, count) of one duration entry of Triton's statistics JSON; (0, 0) where it is left out."""
     # gRPC JSON (MessageToJson) writes int64 as strings and leaves out zero fields.
     entry = stats.get(name) or {}
     return int(entry.get("ns", 0)), int(entry.get("count", 0))
@@ -239,16 +240,16 @@ def batch_compute_ns(model_stats: Mapping[str, Any], batch_size: int | None = No
         if batch_size is not None and int(batch["batch_size"]) != batch_size:
             continue
         for part in ("compute_input", "compute_infer", "compute_output"):
-            total_ns += _ns_count(batch, part)[0]
-        executions += _ns_count(batch, "compute_infer")[1]
+            total_ns += ns_count(batch, part)[0]
+        executions += ns_count(batch, "compute_infer")[1]
     return total_ns, executions
 
 
 def _model_counters(model_stats: Mapping[str, Any]) -> Counter[str]:
     inference = model_stats.get("inference_stats") or {}
-    queue_ns, queue_count = _ns_count(inference, "queue")
-    _, success_count = _ns_count(inference, "success")
-    _, fail_count = _ns_count(inference, "fail")
+    queue_ns, queue_count = ns_count(inference, "queue")
+    _, success_count = ns_count(inference, "success")
+    _, fail_count = ns_count(inference, "fail")
     exec_ns, exec_count = batch_compute_ns(model_stats)
     return Counter({
         "inference_count": int(model_stats.get("inference_count", 0)),
