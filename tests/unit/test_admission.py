@@ -235,10 +235,6 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.max_queue_size == 20
     assert "c_256(1)" in admission.reasons["admission"] and "Little" not in admission.reasons["admission"]
     assert "at peak over S - o: 100 req/s" in admission.reasons["max_queue_size"]
-    # A request that waited in that queue past the wait the target leaves for it, S - o - T, is refused there.
-    assert admission.queue_timeout_us == round((195.0 - admission.policy.target_ms) * 1000)
-    assert admission.queue_timeout_us == round(0.75 * (1 - ADMISSION_WORK_SHARE) * wait_budget_ms * 1000)
-    assert "before any Python runs" in admission.reasons["router_queue_timeout"]
 
 
 def test_the_lateness_target_leaves_room_for_the_wait_admission_cannot_see():

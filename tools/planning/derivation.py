@@ -551,7 +551,6 @@ class Admission:
 
     policy: AdmissionPolicy  # in-flight work bound (the router's `admission` parameter)
     max_queue_size: int  # the router queue's bound (default_queue_policy.max_queue_size)
-    queue_timeout_us: int = 0  # the router queue's time bound (default_timeout_microseconds, REJECT); 0: none
     reasons: dict[str, str] = field(default_factory=dict)  # knob -> why
 
 
@@ -626,7 +625,6 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
                                min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True),
         max_queue_size=max_queue_size,
-        queue_timeout_us=round((max_limit_ms - target_ms) * 1000),
         reasons={
             "admission": (f"admit while work in flight <= the bound, which starts at {ADMISSION_WORK_SHARE:.0%} of "
                           f"{budget}: {max_work_ms:.1f} ms per lane ({lanes} lanes), halved for each tenant tier "
@@ -639,10 +637,6 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"+2% until the first late one); between one row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and "
                                 f"S - o = {max_limit_ms:.1f} ms"),
-            "router_queue_timeout": (f"a request queued for the router longer than the wait the target leaves "
-                                     f"for it, S - o - T = {max_limit_ms:.1f} - {target_ms:.1f} = "
-                                     f"{max_limit_ms - target_ms:.1f} ms, is refused by Triton before any Python "
-                                     f"runs (a refusal in the router costs a stub round trip)"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "

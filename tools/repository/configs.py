@@ -254,9 +254,6 @@ def _router_base(model: BucketedModelSpec, spec: ServingSpec, router: RouterPlan
     # A full router queue turns requests away in C++, before any Python runs: it only fills
     # when the router's instances stall, and then it bounds the wait before admission.
     batching.default_queue_policy.max_queue_size = admission.max_queue_size
-    # ... and so does a request that waited in it past the allowance admission leaves for that
-    # wait (checked on Triton 2.51 with lone requests, back to back and spaced: none refused).
-    batching.default_queue_policy.default_timeout_microseconds = admission.queue_timeout_us
     group = config.instance_group.add()
     group.count = router.instance_count
     group.kind = mc.ModelInstanceGroup.KIND_CPU  # the router's checks are CPU work on every node
@@ -770,8 +767,7 @@ def check(files: dict[Path, str], repository: Path) -> list[str]:
 
 
 ROUTER_KNOBS = ("tenants", "tenant_auth", "bucket_max_batch", "instance_count", "max_concurrent_requests",
-                "admission", "admission_bound", "router_queue_timeout", "max_queue_size", "version_weights",
-                "linger_regimes", "inline_max_ms")
+                "admission", "admission_bound", "max_queue_size", "version_weights", "linger_regimes", "inline_max_ms")
 
 
 def explain(plan: list[GeneratedModel], spec: ServingSpec, profile: LatencyProfile) -> str:
