@@ -38,7 +38,7 @@ from python_backends.common.quotas import SharedBuckets, admit
 from python_backends.common.regimes import Regime, RegimeTracker
 from python_backends.common.request_start import waited_ms
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
-from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, resolve_tenant
+from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, VerifiedTokens, resolve_tenant
 from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import SharedWork, deadline_passed, instance_slot, seen_latency_ms, tier_share
 from python_backends.embed.buckets import reassemble
@@ -164,6 +164,7 @@ class EmbedService:
         # most), so a rotated key reaches every instance without a restart.
         self.auth = config.auth
         self.key_source = KeySource(config.auth.keys_path()) if config.auth.mode is not AuthMode.OFF else None
+        self.verified_tokens = VerifiedTokens()  # tokens whose signatures were checked already
         # Quotas hold across every instance of the router (each its own process) of this
         # server run, so the buckets live in one shared file; admission counts the work in
         # flight across the instances the same way.
@@ -326,7 +327,7 @@ class EmbedService:
 
     def _tenant_of(self, params):
         keys = self.key_source.keys(time.monotonic(), on_error=self.logger.log_warn) if self.key_source else {}
-        return resolve_tenant(params, self.auth, keys, time.time())
+        return resolve_tenant(params, self.auth, keys, time.time(), self.verified_tokens)
 
     def _accept(self, request):
         """Check, prepare and admit one request: an error response to send at once, or the

@@ -22,7 +22,15 @@ import numpy as np
 from python_backends.common.artifacts import verify_artifacts
 from python_backends.common.errors import InvalidInput
 from python_backends.common.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
-from python_backends.common.tenant_auth import AUTH_OFF, AuthConfig, AuthError, AuthMode, KeySource, resolve_tenant
+from python_backends.common.tenant_auth import (
+    AUTH_OFF,
+    AuthConfig,
+    AuthError,
+    AuthMode,
+    KeySource,
+    VerifiedTokens,
+    resolve_tenant,
+)
 from python_backends.llm.config import LLMParameters
 from python_backends.llm.engine import EngineLoop, EngineStats, LLMEngine, StepOutput, inputs_from_arrays
 
@@ -144,6 +152,7 @@ class LLMService:
         self.tenants = tenants
         self.auth = auth
         self.key_source = KeySource(auth.keys_path()) if auth.mode is not AuthMode.OFF else None
+        self.verified_tokens = VerifiedTokens()  # tokens whose signatures were checked already
         self.token_buckets = LocalBuckets()  # one instance owns the engine, so its buckets are local
         self.metrics = LLMMetrics(pb, model)
         self.ids = itertools.count()
@@ -176,7 +185,7 @@ class LLMService:
     def _tenant_of(self, request) -> str:
         keys = self.key_source.keys(time.monotonic(), on_error=self.pb.Logger.log_warn) if self.key_source else {}
         params = json.loads(request.parameters() or "{}")
-        return resolve_tenant(params, self.auth, keys, time.time())
+        return resolve_tenant(params, self.auth, keys, time.time(), self.verified_tokens)
 
     def _refuse(self, sender, message: str, code) -> None:
         error = self.pb.TritonError(message, code)

@@ -28,6 +28,7 @@ from python_backends.common.tenant_auth import (
     AuthMode,
     KeySource,
     PublicKey,
+    VerifiedTokens,
     decode_secret,
     encode_secret,
     find_token,
@@ -135,6 +136,35 @@ def test_an_expired_token_is_refused_after_the_signature_is_checked():
     # A forged token is told it is forged, never that it expired.
     forged = token(expiry_s=int(NOW) - 100, secret=OTHER_SECRET)
     assert failure(lambda: verify_token(forged, KEYS, NOW)).reason is AuthFailure.BAD_SIGNATURE
+
+
+def test_a_token_checked_once_is_taken_again_until_it_expires_or_its_key_goes():
+    tokens, issued = VerifiedTokens(), token(expiry_s=int(NOW) + 60)
+    assert tokens.verify(issued, KEYS, NOW) == "team-a"
+    assert tokens.verify(issued, KEYS, NOW + 59) == "team-a"  # found, not checked again
+    # Its expiry is checked on every request, found or not.
+    assert failure(lambda: tokens.verify(issued, KEYS, NOW + 61)).reason is AuthFailure.EXPIRED
+    # A key file that changed gives another keys object: the token is checked against it afresh.
+    rotated = {"k2": OTHER_SECRET}
+    assert failure(lambda: tokens.verify(issued, rotated, NOW)).reason is AuthFailure.UNKNOWN_KEY
+    assert failure(lambda: tokens.verify(issued, dict(KEYS) | {"k1": OTHER_SECRET}, NOW)).reason is \
+        AuthFailure.BAD_SIGNATURE
+    # A forged token is never taken for the genuine one it was made from, and never kept.
+    forged = issued[:-2] + ("AA" if not issued.endswith("AA") else "BA")
+    assert failure(lambda: tokens.verify(forged, KEYS, NOW)).reason is AuthFailure.BAD_SIGNATURE
+    assert failure(lambda: tokens.verify(forged, KEYS, NOW)).reason is AuthFailure.BAD_SIGNATURE
+    assert failure(lambda: tokens.verify(None, KEYS, NOW)).reason is AuthFailure.MALFORMED
+
+
+def test_kept_tokens_are_bounded_and_resolve_tenant_uses_them():
+    tokens = VerifiedTokens(max_entries=2)
+    issued = [token(f"team-{i}") for i in range(5)]
+    assert [tokens.verify(t, KEYS, NOW) for t in issued] == [f"team-{i}" for i in range(5)]
+    assert len(tokens._checked) <= 2
+    config = AuthConfig(mode=AuthMode.REQUIRED, keys_file="keys.json")
+    assert resolve_tenant({"tenant_token": issued[0]}, config, KEYS, NOW, tokens) == "team-0"
+    with pytest.raises(AuthError):
+        resolve_tenant({"tenant_token": issued[0]}, config, KEYS, NOW + 7200, tokens)
 
 
 def test_the_clock_skew_allowance_takes_a_token_just_past_its_expiry():
