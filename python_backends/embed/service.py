@@ -40,7 +40,14 @@ from python_backends.common.request_start import waited_ms
 from python_backends.common.shared_files import server_run, shared_dir, shared_file_name, sweep_stale
 from python_backends.common.tenant_auth import AuthError, AuthMode, KeySource, VerifiedTokens, resolve_tenant
 from python_backends.common.tokenization import TextTokenizer
-from python_backends.embed.admission import SharedWork, deadline_passed, instance_slot, seen_latency_ms, tier_share
+from python_backends.embed.admission import (
+    AdmissionDecision,
+    SharedWork,
+    deadline_passed,
+    instance_slot,
+    seen_latency_ms,
+    tier_share,
+)
 from python_backends.embed.buckets import reassemble
 from python_backends.embed.inline import held_off, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
@@ -121,6 +128,7 @@ class Accepted:
     own_work: dict[int, float]  # its work as admission counted it (ms per lane by bucket); given back when answered
     started: float  # time.monotonic() when the router took it
     waited_ms: float | None = None  # how long it waited before that (its X-Request-Start stamp); None: unknown
+    admission: AdmissionDecision | None = None  # the decision that admitted it; None: none taken
 
     @property
     def tenant(self):
@@ -359,6 +367,10 @@ class EmbedService:
         late = deadline_passed(self.admission, waited)
         if late is not None:  # its answer would be late whatever the router did: no tokenizing
             return self._error(late.message(), self.pb.TritonError.UNAVAILABLE)
+        share = self.share_of_tier[self.tenants.tier_of(options.tenant).name]
+        busy = self.work.refuses_any(self.admission, share, waited)
+        if busy is not None:  # not even its smallest possible work fits: no tokenizing either
+            return self._error(busy.message(), self.pb.TritonError.UNAVAILABLE)
         try:
             prepared = self.codec.prepare(self.pb, request, options)
         except InvalidInput as err:
@@ -369,12 +381,11 @@ class EmbedService:
             return self._not_served(pinned)
         version = pinned if pinned is not None else table.pick(self.draw())
         own_work = self.admission.work_by_bucket(prepared.rows_by_bucket()) if self.admission.max_work_ms else {}
-        admission = self.work.admit(self.admission, own_work, self.share_of_tier[self.tenants.tier_of(
-            prepared.options.tenant).name], waited)
+        admission = self.work.admit(self.admission, own_work, share, waited)
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
-        return Accepted(prepared, version, pinned, table, own_work, started, waited)
+        return Accepted(prepared, version, pinned, table, own_work, started, waited, admission)
 
     # --- serving an admitted request ----------------------------------------------------------
 
@@ -474,7 +485,8 @@ class EmbedService:
             raise
         finally:
             self.work.release(self.admission, accepted.own_work, seen_latency_ms(
-                self.admission, (time.monotonic() - started) * 1000.0, accepted.waited_ms))
+                self.admission, (time.monotonic() - started) * 1000.0, accepted.waited_ms),
+                accepted.admission)
         if failure is not None:
             inflight.increment(-1)
             model_name, error = failure

@@ -11,6 +11,7 @@ import pytest
 from python_backends.embed.admission import (
     ADMIT_ALL,
     MAX_SLOTS,
+    AdmissionDecision,
     AdmissionPolicy,
     SharedWork,
     adjust_bound,
@@ -94,6 +95,25 @@ def test_shared_admission_lets_short_requests_past_long_work_and_refuses_long_on
     assert short.admitted and short.work_ahead_ms == pytest.approx(4.0)
     work.add({256: -40.0, 16: -2.0})
     assert work.ahead_by_bucket()[256] == pytest.approx(40.0) and work.total_ms() == pytest.approx(40.0)
+    work.close()
+
+
+def test_a_request_refused_even_at_the_least_work_is_refused_before_its_rows_are_known(tmp_path):
+    shared = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=81.0, shared_lanes=True,
+                             target_ms=150.0, min_work_ms=10.0, max_limit_ms=190.0)
+    assert shared.smallest_work_ms == pytest.approx(SHARED.row_cost_ms[16] / 2)
+    work = SharedWork(tmp_path / "work.bin", 0, buckets=(16, 64, 256))
+    assert work.refuses_any(shared) is None  # idle
+    work.add({16: 80.0})
+    refused = work.refuses_any(shared)
+    assert refused is not None and refused.at_least and "this request's at least 2 ms" in refused.message()
+    # Whatever its rows, `admit` refuses it too: the check only spares the tokenizing.
+    assert not work.admit(shared, {16: 2.0}).admitted and not work.admit(shared, {256: 40.0}).admitted
+    # Long work ahead counts as the lanes share it: a short request still fits beside it.
+    work.add({16: -80.0, 256: 80.0})
+    assert work.refuses_any(shared) is None and work.admit(shared, {16: 2.0}).admitted
+    assert "waited 200 ms" in work.refuses_any(shared, waited_ms=200.0).message()
+    assert work.refuses_any(ADMIT_ALL) is None
     work.close()
 
 
@@ -228,7 +248,9 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.lanes == 2
     assert admission.policy.shared_lanes  # the buckets run side by side: work ahead counts as they share lanes
     assert "share the lanes" in admission.reasons["admission"]
-    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
+    # Its floor: one preferred batch of the bucket whose batch costs least (4 rows of 16, 12 ms), per lane.
+    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(6.0)
+    assert "one preferred batch of bucket 16 (4 rows, 6.0 ms per lane" in admission.reasons["admission_bound"]
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
     assert admission.policy.target_ms < 195.0  # room for the wait before the router takes a request
     # The router queue is a hand-off buffer: Little's law at peak over S - o, 100 x 195 ms.
@@ -281,8 +303,48 @@ def test_while_probing_the_bound_climbs_fast_on_time_answers_and_still_shrinks_o
 def test_the_bound_settles_where_one_answer_in_twenty_is_late():
     bound = 100.0
     for index in range(20_000):
-        bound = adjust_bound(ADAPTIVE, bound, latency_ms=200.0 if index % 20 == 0 else 100.0)
+        bound = adjust_bound(ADAPTIVE, bound, latency_ms=170.0 if index % 20 == 0 else 100.0)
     assert bound == pytest.approx(100.0, rel=0.05)  # 5% late: neither grows nor shrinks
+
+
+def under(bound_ms: float, in_use_ms: float | None = None) -> AdmissionDecision:
+    """The decision that admitted a request under `bound_ms` with `in_use_ms` in flight, its own work included."""
+    in_use_ms = bound_ms if in_use_ms is None else in_use_ms
+    return AdmissionDecision(True, in_use_ms - 2.0, 2.0, bound_ms, bound_ms=bound_ms)
+
+
+def test_late_answers_of_requests_admitted_together_cut_the_bound_once():
+    # A burst of late answers, all admitted under a bound of 100: one cut, not one per answer.
+    bound = 100.0
+    for _ in range(100):
+        bound = adjust_bound(ADAPTIVE, bound, latency_ms=170.0, admitted=under(100.0))
+    assert bound == pytest.approx(95.0)
+    # A request admitted under the cut bound and late again cuts it once more.
+    assert adjust_bound(ADAPTIVE, bound, latency_ms=170.0, admitted=under(bound)) == pytest.approx(90.25)
+    # A late answer never raises the bound, whatever it was admitted under.
+    assert adjust_bound(ADAPTIVE, 50.0, latency_ms=170.0, admitted=under(100.0)) == 50.0
+
+
+def test_an_answer_that_missed_the_slo_cuts_by_how_late_it_was_down_to_half():
+    # Target 150, S - o = 190: an answer at 250 ms cuts to 150/250 of the bound it was admitted under.
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=250.0, admitted=under(100.0)) == pytest.approx(60.0)
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=190.0, admitted=under(100.0)) == pytest.approx(95.0)
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=5000.0, admitted=under(100.0)) == pytest.approx(50.0)
+
+
+def test_only_answers_admitted_while_the_bound_was_in_use_grow_it():
+    # On time, but admitted with 20 of 100 in use: says nothing about admitting more.
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=100.0, probing=True, admitted=under(100.0, 20.0)) == 100.0
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=100.0, admitted=under(100.0, 20.0)) == 100.0
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=100.0, probing=True, admitted=under(100.0, 60.0)) == \
+        pytest.approx(102.0)
+    # A late one cuts all the same.
+    assert adjust_bound(ADAPTIVE, 100.0, latency_ms=170.0, admitted=under(100.0, 20.0)) == pytest.approx(95.0)
+    # A warm-up at a twentieth of the bound leaves it where it was.
+    bound = ADAPTIVE.max_work_ms
+    for _ in range(40):
+        bound = adjust_bound(ADAPTIVE, bound, latency_ms=20.0, probing=True, admitted=under(bound, 3.0))
+    assert bound == ADAPTIVE.max_work_ms
 
 
 def test_the_bound_stays_between_its_limits():
@@ -312,21 +374,21 @@ def test_a_request_that_waited_past_the_slo_is_refused_even_by_an_idle_server_be
     assert deadline_passed(ADMIT_ALL, 10_000.0) is None  # no admission, no refusals
 
 
-def test_the_bound_judges_an_answer_by_the_wait_beyond_what_the_target_leaves_for_it():
-    # Target 150 of S - o = 190: 40 ms of waiting are allowed for; only what is beyond counts.
+def test_the_bound_judges_an_answer_by_its_whole_time_when_its_stamp_says_how_long_it_waited():
+    # No stamp: the router's own time; the rest of the SLO beyond the target (S - o - T = 40 ms)
+    # stands for the wait before the router and the way back.
     assert seen_latency_ms(ADAPTIVE, 120.0, None) == 120.0
-    assert seen_latency_ms(ADAPTIVE, 120.0, 30.0) == 120.0
-    assert seen_latency_ms(ADAPTIVE, 120.0, 70.0) == pytest.approx(150.0)
-    # Late exactly when the whole time, wait included, is over S - o.
-    assert adjust_bound(ADAPTIVE, 100.0, seen_latency_ms(ADAPTIVE, 120.0, 71.0)) < 100.0
-    assert adjust_bound(ADAPTIVE, 100.0, seen_latency_ms(ADAPTIVE, 120.0, 69.0)) > 100.0
+    # A stamp: the wait counts in full, and the 40 ms are left to the way back alone.
+    assert seen_latency_ms(ADAPTIVE, 120.0, 30.0) == pytest.approx(150.0)
+    assert adjust_bound(ADAPTIVE, 100.0, seen_latency_ms(ADAPTIVE, 120.0, 31.0)) < 100.0
+    assert adjust_bound(ADAPTIVE, 100.0, seen_latency_ms(ADAPTIVE, 120.0, 29.0)) > 100.0
     assert seen_latency_ms(POLICY, 120.0, 500.0) == 120.0  # a fixed bound has no target
 
 
 def test_the_shared_bound_starts_at_the_policy_and_follows_the_answers(tmp_path):
     work = SharedWork(tmp_path / "work.bin", 0)
     assert work.bound_ms(ADAPTIVE) == 60.0
-    work.record_latency(ADAPTIVE, 500.0)
+    work.record_latency(ADAPTIVE, 170.0)
     assert work.bound_ms(ADAPTIVE) == pytest.approx(57.0)
     assert SharedWork(tmp_path / "work.bin", 1).bound_ms(ADAPTIVE) == pytest.approx(57.0)  # every instance sees it
     work.record_latency(POLICY, 500.0)  # a fixed policy ignores answers
@@ -338,7 +400,7 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
     first.add(10.0)  # work in flight all along: the server never drains
     first.record_latency(ADAPTIVE, 100.0)
     assert first.bound_ms(ADAPTIVE) == pytest.approx(60.0 * 1.02)  # probing: fast growth
-    second.record_latency(ADAPTIVE, 500.0)  # late, on another instance: probing ends for all
+    second.record_latency(ADAPTIVE, 170.0)  # late, on another instance: probing ends for all
     after_late = first.bound_ms(ADAPTIVE)
     assert after_late == pytest.approx(60.0 * 1.02 * 0.95)
     first.record_latency(ADAPTIVE, 100.0)
@@ -354,7 +416,7 @@ def test_release_gives_the_work_back_and_feeds_the_latency_as_one_step(tmp_path)
     work, other = SharedWork(tmp_path / "work.bin", 0, (16,)), SharedWork(tmp_path / "work.bin", 1, (16,))
     other.add({16: 5.0})  # work in flight elsewhere: the server does not drain
     assert work.admit(ADAPTIVE, {16: 8.0}).admitted
-    work.release(ADAPTIVE, {16: 8.0}, latency_ms=500.0)
+    work.release(ADAPTIVE, {16: 8.0}, latency_ms=170.0)
     assert work.ahead_by_bucket()[16] == pytest.approx(5.0)  # only the other instance's work is left
     assert work.bound_ms(ADAPTIVE) == pytest.approx(57.0)  # the late answer shrank the bound
     assert work.admit(POLICY, {16: 8.0}).admitted

@@ -160,12 +160,23 @@ def test_admission_refuses_work_beyond_the_bound_while_other_instances_are_busy(
     other = SharedWork(tmp_path / "work.bin", 5, CONFIG.bucket_lens)  # another instance of the router
     try:
         other.add({64: 45.0})
-        code, message = error_of(answer(service, request([words(10)])))  # 45 ms ahead + 10 ms > 50 ms
+        tokenized = []
+        tokenizer = service.codec.router.tokenizer
+        encode = tokenizer.encode
+        tokenizer.encode = lambda texts: tokenized.append(texts) or encode(texts)
+        # 45 ms ahead + the least any request brings (one row of bucket 16, 10 ms) > 50 ms:
+        # refused before its text is tokenized.
+        code, message = error_of(answer(service, request([words(10)])))
         assert code == TritonError.UNAVAILABLE
-        assert message == ("server busy: 45 ms of work in flight plus this request's 10 ms exceeds the 50 ms that "
-                           "still meets the latency SLO; retry after 0.005 s")
-        assert fake.calls == []
-        other.add({64: -45.0})
+        assert message == ("server busy: 45 ms of work in flight plus this request's at least 10 ms exceeds the "
+                           "50 ms that still meets the latency SLO; retry after 0.005 s")
+        assert fake.calls == [] and tokenized == []
+        # 35 ms ahead: a row of bucket 16 would fit, so it is tokenized; its row of bucket 32 does not.
+        other.add({64: -10.0})
+        code, message = error_of(answer(service, request([words(20)])))
+        assert message.startswith("server busy: 35 ms of work in flight plus this request's 20 ms exceeds")
+        assert fake.calls == [] and len(tokenized) == 1
+        other.add({64: -35.0})
         assert not answer(service, request([words(10)])).has_error()
         assert other.total_ms() == 0.0  # the answered request gave its work back
     finally:
