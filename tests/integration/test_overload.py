@@ -49,6 +49,8 @@ def test_at_three_times_goodput_every_request_is_answered_and_the_admitted_ones_
     assert parts["unseen_ms"] == pytest.approx(parts["client_mean_ms"] - parts["router_queue_ms"] - parts["router_ms"],
                                                abs=0.1)
     assert 0 < overload["cpu"]["load_generator_share"] < 1 and 0 < overload["cpu"]["server_share"] <= 1
+    assert overload["cpu"]["load_generator_within_bound"] == (
+        overload["cpu"]["load_generator_share"] <= overload["cpu"]["load_generator_max_share"])
 
 
 def test_at_ten_times_goodput_every_request_is_still_answered_and_most_are_turned_away(report):

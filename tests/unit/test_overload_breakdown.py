@@ -38,6 +38,8 @@ def test_a_window_without_router_traffic_leaves_the_parts_unknown():
 def test_cpu_shares_are_of_the_whole_machine_over_the_phase():
     share = cpu_share(load_generator_s=6.0, server_s=30.0, wall_s=20.0, cores=2)
     assert share["load_generator_share"] == pytest.approx(0.15) and share["server_share"] == pytest.approx(0.75)
+    assert share["load_generator_max_share"] == 0.15 and share["load_generator_within_bound"]
+    assert not cpu_share(load_generator_s=6.1, server_s=30.0, wall_s=20.0, cores=2)["load_generator_within_bound"]
 
 
 def test_summaries_carry_the_admitted_mean():

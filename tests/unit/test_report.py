@@ -246,6 +246,14 @@ def test_the_ten_times_phase_is_a_row_and_the_breakdown_a_table_of_its_own():
     section = render_sections({**results, "overload": overload}, "../results/")["overload"]
     assert "123,456" in section  # the 10x phase's row
     assert f"| 10{chr(0xD7)} | 150.0 ms | 40.0 ms | 90.0 ms | 20.0 ms | 10.0% | 83.0% |" in section
+    assert "The load generator's bound" not in section  # a run that recorded none
+    overload["overload"]["cpu"] = dict(cpu, load_generator_max_share=0.15, load_generator_within_bound=True)
+    overload["overload_10x"]["cpu"] = dict(cpu, load_generator_max_share=0.15, load_generator_within_bound=True)
+    section = render_sections({**results, "overload": overload}, "../results/")["overload"]
+    assert "The load generator's bound: 15.0% of the machine's CPU; every phase kept within it." in section
+    overload["overload_10x"]["cpu"] = dict(cpu, load_generator_max_share=0.15, load_generator_within_bound=False)
+    section = render_sections({**results, "overload": overload}, "../results/")["overload"]
+    assert "**a phase went over it**" in section
 
 
 def test_the_cost_of_a_refusal_is_rendered_when_the_run_measured_it():

@@ -138,13 +138,22 @@ def wait_breakdown(window: Window, router: str, bucket_models: Sequence[str], ad
     }
 
 
+# The load generator shares the machine with the server it measures: a phase whose generator
+# took more than this share of the machine's CPU describes the generator as much as the server.
+LOAD_GENERATOR_MAX_SHARE = 0.15
+
+
 def cpu_share(load_generator_s: float, server_s: float, wall_s: float, cores: int) -> dict:
     """The CPU the load generator and the server used over a phase: seconds, and each as a
-    share of the machine's CPU over the phase (cores x wall time)."""
+    share of the machine's CPU over the phase (cores x wall time); with the load generator's
+    bound (`LOAD_GENERATOR_MAX_SHARE`) and whether it held."""
     capacity = max(cores, 1) * wall_s
+    generator_share = load_generator_s / capacity if capacity > 0 else None
     return {"load_generator_s": round(load_generator_s, 2), "server_s": round(server_s, 2),
-            "load_generator_share": round(load_generator_s / capacity, 3) if capacity > 0 else None,
-            "server_share": round(server_s / capacity, 3) if capacity > 0 else None, "cores": cores}
+            "load_generator_share": round(generator_share, 3) if generator_share is not None else None,
+            "server_share": round(server_s / capacity, 3) if capacity > 0 else None, "cores": cores,
+            "load_generator_max_share": LOAD_GENERATOR_MAX_SHARE,
+            "load_generator_within_bound": generator_share is not None and generator_share <= LOAD_GENERATOR_MAX_SHARE}
 
 
 def poisson_stream(stream: str, rate_rps: float, duration_s: float, texts: Sequence[str], tenants: Sequence[str],
@@ -272,6 +281,9 @@ def run_overload(server: TritonServer, texts: Sequence[str], goodput_rps: float,
     log(f"  admitted mean {parts['client_mean_ms']} ms = router queue {parts['router_queue_ms']} + router "
         f"{parts['router_ms']} + unseen {parts['unseen_ms']}; CPU: load generator "
         f"{result['cpu']['load_generator_share']:.0%}, server {result['cpu']['server_share']:.0%} of the machine")
+    if not result["cpu"]["load_generator_within_bound"]:
+        log(f"  warning: the load generator took more than {LOAD_GENERATOR_MAX_SHARE:.0%} of the machine; "
+            "these figures describe it as much as the server")
     return result
 
 

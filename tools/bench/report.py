@@ -304,7 +304,8 @@ def render_overload(result: Mapping[str, Any], results_link: str) -> str:
            "",
            _table(["offered", "client mean", "router queue", "router", "unseen", "load generator CPU",
                    "server CPU"], ["---"] + ["---:"] * 6, breakdown_rows),
-           ""] if breakdown_rows else []),
+           "",
+           *_generator_bound(phases)] if breakdown_rows else []),
         *([f"**Refusals**: {_int(refusals['offered'])} requests at {_int(refusals['rate_rps'])} req/s, each "
            f"stamped (`X-Request-Start`) as sent {_int(refusals['stamp_age_ms'])} ms earlier: "
            f"{_int(refusals['rejected'])} refused (503) before any work on them, at "
@@ -323,6 +324,19 @@ def render_overload(result: Mapping[str, Any], results_link: str) -> str:
         "",
         f"Server healthy at the end: {'yes' if result['server_healthy_at_end'] else 'no'}.",
     ])
+
+
+def _generator_bound(phases: list[Mapping[str, Any]]) -> list[str]:
+    """The sentence on the load generator's CPU bound and whether every phase kept it (none
+    for a run that recorded no bound)."""
+    cpus = [phase["cpu"] for phase in phases if "load_generator_max_share" in phase.get("cpu", {})]
+    if not cpus:
+        return []
+    held = all(cpu["load_generator_within_bound"] for cpu in cpus)
+    verdict = ("every phase kept within it." if held else
+               "**a phase went over it**: its figures describe the load generator as much as the server.")
+    return [f"The load generator's bound: {_pct(cpus[0]['load_generator_max_share'])} of the machine's CPU; "
+            f"{verdict}", ""]
 
 
 def render_loadtest_step(result: Mapping[str, Any], results_link: str) -> str:
