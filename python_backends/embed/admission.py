@@ -224,7 +224,7 @@ STEP = 0.05  # relative change of the bound per late answer
 MAX_CUT = 0.5  # a late answer cuts the bound to no less than this share of the bound it was admitted under
 LATE_SHARE = 0.05  # answers allowed past the target: the SLO is a p95
 PROBE_STEP = 0.02  # growth per on-time answer until the first late one
-FILLED_TO_GROW = 0.5  # an on-time answer grows the bound only if this share of it was in use at its admission
+FILLED_TO_MOVE = 0.5  # an answer moves the bound only if this share of it was in use at its admission
 
 
 def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, probing: bool = False,
@@ -254,20 +254,22 @@ def adjust_bound(policy: AdmissionPolicy, bound_ms: float, latency_ms: float, pr
     start) each on-time answer grows it by `PROBE_STEP`: about 60 answers span the whole range,
     and the first late answer ends the probing where the edge is.
 
-    Only an answer admitted while the bound was at least `FILLED_TO_GROW` in use grows it: one
+    Only an answer admitted while the bound was at least `FILLED_TO_MOVE` in use moves it: one
     that came back on time while little was in flight says nothing about admitting more (TCP
-    grows its window only while the window limits what it sends, RFC 7661). Otherwise 40
-    answers of a 2 s warm-up at 20 req/s took the bound from 58 to 128 ms per lane, and the
-    surge that followed was admitted on it: a fifth of its first 5 s came back past the SLO.
+    grows its window only while the window limits what it sends, RFC 7661), and one that came
+    back late with little ahead of it was late for its own compute, which no bound shortens.
+    Otherwise 40 answers of a 2 s warm-up at 20 req/s took the bound from 58 to 128 ms per
+    lane, and the surge that followed was admitted on it: a fifth of its first 5 s came back
+    past the SLO; and near capacity a lone long row late on its own halved the bound.
     """
+    if admitted is not None and admitted.filled < FILLED_TO_MOVE:
+        return bound_ms
     if latency_ms > policy.target_ms:
         admitted_under_ms = bound_ms if admitted is None else admitted.bound_ms
         cut = 1.0 - STEP
         if 0 < policy.max_limit_ms < latency_ms:  # past S - o: the SLO itself was missed
             cut = max(MAX_CUT, min(cut, policy.target_ms / latency_ms))
         bound_ms = min(bound_ms, admitted_under_ms * cut)
-    elif admitted is not None and admitted.filled < FILLED_TO_GROW:
-        return bound_ms
     elif probing:
         bound_ms *= 1.0 + PROBE_STEP
     else:
