@@ -11,7 +11,15 @@ import pytest
 
 from python_backends.common.drift import DriftMeasure
 from tools.cli import main
-from tools.ops.rollout import RolloutError, RolloutLock, lock_path, make_plan, rollout_running
+from tools.ops.rollout import (
+    Recorder,
+    RolloutError,
+    RolloutLock,
+    lock_path,
+    make_plan,
+    request_abort,
+    rollout_running,
+)
 from tools.paths import DEFAULT_MODEL_REPOSITORY, DEFAULT_SPEC, REPO_ROOT
 
 ROUTING = DEFAULT_MODEL_REPOSITORY / "embed" / "routing.json"
@@ -152,3 +160,17 @@ def test_abort_after_the_tool_died_and_its_pid_was_reused_rolls_back_at_once(tmp
             ROUTING.unlink(missing_ok=True)
         else:
             ROUTING.write_text(routing)
+
+
+def test_an_abort_request_survives_the_running_tool_saving_its_state(tmp_path):
+    # The tool rewrites its state file at every check; a request written into that file was
+    # lost when the tool saved between reading it and the request landing.
+    plan = make_plan(DEFAULT_SPEC, "embed", DEFAULT_MODEL_REPOSITORY, 2)
+    recorder = Recorder(tmp_path, "embed")
+    recorder.start(plan)
+    assert not recorder.abort_requested()
+    request_abort(tmp_path, "embed")
+    recorder.event("step 10%: v2 takes 10% of unpinned traffic")  # saves the state file
+    assert recorder.abort_requested()
+    Recorder(tmp_path, "embed").start(plan)  # the next rollout does not inherit it
+    assert not recorder.abort_requested()

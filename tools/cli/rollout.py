@@ -132,7 +132,7 @@ def abort(args: argparse.Namespace, model_name: str) -> int:
         print(f"no rollout of {model_name} is running")
         return 1
     if rollout_running(args.records, model_name):
-        request_abort(args.records, model_name, state)
+        request_abort(args.records, model_name)
         print(f"abort requested; the rollout (pid {state.get('pid', '?')}) rolls back at its next check", flush=True)
         deadline = time.monotonic() + args.drain_timeout + 60
         while time.monotonic() < deadline:
