@@ -483,7 +483,8 @@ def make_plan(spec: Path, model_name: str, model_repository: Path, to: int, *, f
 
 def request_abort(records_dir: Path, model: str) -> None:
     """Ask the running rollout of `model` to roll back at its next check (`abort_path`)."""
-    abort_path(records_dir, model).write_text(f"abort requested at {time.strftime('%Y-%m-%dT%H:%M:%SZ')}\n")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    abort_path(records_dir, model).write_text(f"abort requested at {stamp}\n")
 
 
 def roll_back_orphan(records_dir: Path, spec: Path, model_repository: Path, model_name: str, state: dict) -> None:
