@@ -172,11 +172,22 @@ def tier_share(priority: int, default_priority: int) -> float:
 
 
 def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, share: float = 1.0,
-           bound_ms: float | None = None, waited_ms: float | None = None) -> AdmissionDecision:
+           bound_ms: float | None = None, waited_ms: float | None = None,
+           probing: bool = False) -> AdmissionDecision:
     """Admit when the work in flight, this request's included, stays within its tier's share of
     the bound (`bound_ms`, the adaptive bound now; `max_work_ms` when None). An idle server
     admits anything, so a request larger than the whole bound is served (late) rather than
     refused forever.
+
+    While `probing` (no answer has been late since the server last drained), a server with no
+    more than its tier's share of the bound's floor (`min_work_ms`) ahead of a request admits it
+    whatever its own work, as an idle one does. At light load the bound has rarely been in use
+    and has barely moved from its starting guess, which is only a guess: without this, two long
+    rows that happened to overlap at 6 req/s were turned away (one request in 91 of a 15 s
+    Locust run, on a server whose answers all came back within half the target). Such an
+    admission fills the bound, so its answer moves the bound either way (`adjust_bound`):
+    light load teaches it what the long rows cost. Under overload answers are late and the
+    server never drains, so this never applies there.
 
     `waited_ms`, how long the request waited before the router took it (its `X-Request-Start`
     stamp; None: unknown), takes what it used from the latency left to it: the work ahead and
@@ -192,7 +203,8 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
         return late
     if waited_ms is not None and policy.max_limit_ms > 0:
         limit_ms = min(limit_ms, policy.max_limit_ms - waited_ms)
-    admitted = work_ahead_ms <= 0 or work_ahead_ms + own_work_ms <= limit_ms
+    idle_ms = policy.min_work_ms * share if probing else 0.0
+    admitted = work_ahead_ms <= idle_ms or work_ahead_ms + own_work_ms <= limit_ms
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms, waited_ms, bound_ms)
 
 
@@ -352,6 +364,10 @@ class SharedWork:
         bound = float(self._table.extra["bound_ms"])
         return bound if bound > 0 else policy.max_work_ms
 
+    def _probing(self, policy: AdmissionPolicy) -> bool:
+        """No answer has been late since the server last drained (an adaptive bound only)."""
+        return policy.adaptive and float(self._table.extra["late_seen"]) == 0.0
+
     def record_latency(self, policy: AdmissionPolicy, latency_ms: float,
                        admitted: AdmissionDecision | None = None) -> None:
         """Feed an admitted request's latency back into the shared bound (`adjust_bound`)."""
@@ -373,7 +389,7 @@ class SharedWork:
     def _adjust_bound(self, policy: AdmissionPolicy, latency_ms: float, admitted: AdmissionDecision | None) -> None:
         """The bound after one more answer; the caller holds the table across processes."""
         shared = self._table.extra
-        probing = float(shared["late_seen"]) == 0.0
+        probing = self._probing(policy)
         shared["bound_ms"] = adjust_bound(policy, self.bound_ms(policy), latency_ms, probing, admitted)
         if self.total_ms() <= 0.0:
             # Drained: the late answers were about a queue that is gone, so the next
@@ -406,7 +422,8 @@ class SharedWork:
         own_work_ms = sum(own.values()) if isinstance(own, Mapping) else own
         with self._table.locked():
             work_ahead_ms = shared_work_ahead_ms(policy, self.ahead_by_bucket(), own_work_ms)
-            decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy), waited_ms)
+            decision = decide(policy, work_ahead_ms, own_work_ms, share, self.bound_ms(policy), waited_ms,
+                              self._probing(policy))
             if decision.admitted:
                 self._add(own)
             return decision
@@ -421,7 +438,7 @@ class SharedWork:
             return None
         own_ms = policy.smallest_work_ms
         ahead_ms = shared_work_ahead_ms(policy, self.ahead_by_bucket(), own_ms)
-        decision = decide(policy, ahead_ms, own_ms, share, self.bound_ms(policy), waited_ms)
+        decision = decide(policy, ahead_ms, own_ms, share, self.bound_ms(policy), waited_ms, self._probing(policy))
         return None if decision.admitted else replace(decision, at_least=True)
 
     def close(self) -> None:

@@ -413,6 +413,36 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
     assert first.bound_ms(ADAPTIVE) == pytest.approx(slow * (1 / 0.95) ** (1 / 19) * 1.02)  # probing again
 
 
+def test_while_probing_a_request_with_no_more_than_the_floor_ahead_is_admitted_as_by_an_idle_server():
+    # Two long rows overlapping at light load: 20 ms ahead (the floor) + 50 ms over the 60 ms bound.
+    assert decide(ADAPTIVE, 20.0, 50.0, probing=True).admitted
+    assert not decide(ADAPTIVE, 20.0, 50.0).admitted  # once an answer was late: the bound decides
+    assert not decide(ADAPTIVE, 20.5, 50.0, probing=True).admitted  # more than the floor ahead
+    assert not decide(ADAPTIVE, 20.0, 50.0, share=0.5, probing=True).admitted  # a lower tier: half the floor
+    assert decide(ADAPTIVE, 10.0, 50.0, share=0.5, probing=True).admitted
+    assert not decide(POLICY, 1.0, 60.0, probing=True).admitted  # a fixed bound has no floor: only idle admits all
+    # Admitted over the bound, it filled it: its answer moves the bound, on time or late.
+    admitted = decide(ADAPTIVE, 20.0, 50.0, probing=True)
+    assert adjust_bound(ADAPTIVE, 60.0, 100.0, probing=True, admitted=admitted) == pytest.approx(61.2)
+    assert adjust_bound(ADAPTIVE, 60.0, 160.0, probing=True, admitted=admitted) == pytest.approx(57.0)
+
+
+def test_the_shared_table_admits_past_the_bound_at_light_load_until_an_answer_is_late(tmp_path):
+    work, other = SharedWork(tmp_path / "work.bin", 0), SharedWork(tmp_path / "work.bin", 1)
+    other.add(20.0)  # one long row in flight on another instance
+    assert work.refuses_any(ADAPTIVE) is None
+    light = work.admit(ADAPTIVE, 50.0)
+    assert light.admitted and light.filled > 1.0
+    work.release(ADAPTIVE, 50.0, latency_ms=170.0, admitted=light)  # late, with work still in flight
+    assert not work.admit(ADAPTIVE, 50.0).admitted  # no longer probing: 20 + 50 > the cut bound
+    other.add(-20.0)
+    work.record_latency(ADAPTIVE, 100.0)  # drained: probing again
+    other.add(20.0)
+    assert work.admit(ADAPTIVE, 50.0).admitted
+    for table in (work, other):
+        table.close()
+
+
 def test_release_gives_the_work_back_and_feeds_the_latency_as_one_step(tmp_path):
     work, other = SharedWork(tmp_path / "work.bin", 0, (16,)), SharedWork(tmp_path / "work.bin", 1, (16,))
     other.add({16: 5.0})  # work in flight elsewhere: the server does not drain
