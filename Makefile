@@ -42,8 +42,13 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 
+# The unit tests spread over the cores (pytest-xdist, at most 4 workers); the integration
+# tests run one at a time, since they time real servers that two at once would slow down.
+# Exit status 5 is "no test selected" (a PYTEST_ARGS -k that matches only the other half).
+UNIT_WORKERS ?= -n auto --maxprocesses=4
 test: models lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(UNIT_WORKERS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # A headless Locust run against the server `make serve` started; exits non-zero on an SLO miss.
 LOADTEST_ARGS ?=
@@ -52,7 +57,7 @@ loadtest: $(STAMP)
 	$(PY) -m locust --config loadtest/locust.conf $(LOADTEST_ARGS)
 
 unit: $(STAMP)
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(UNIT_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build
