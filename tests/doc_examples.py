@@ -11,7 +11,8 @@ The convention, for README.md and docs/*.md:
   `<!-- run: server -->`, against the integration tests' tritonserver, with `localhost:8000`,
   `:8001` and `:8002` replaced by its HTTP, gRPC and metrics ports; `<!-- run: batch -->`,
   against a batch API (`python -m tools batch serve`) in front of that server, with
-  `localhost:8080` replaced by the API's port too.
+  `localhost:8080` replaced by the API's port too (`--port N` is substituted like
+  `localhost:N`; the LLM API's shown port is 9000).
 - a ```bash block shows commands that start servers, run for minutes or wait for another
   process: an integration test runs each as written, its own way (it starts the server,
   waits for it, makes its requests and stops it), taking the command from the docs with
@@ -50,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 RUN_MARKER = re.compile(r"<!-- run: (?P<where>server|batch) -->")
 LANGUAGES = {"console", "pycon", "bash", "text", "toml", "json"}
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "batch": 8080}
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "batch": 8080, "llm_api": 9000}
 SEPARATOR = "@@doc-example-exit"
 CHECKER = doctest.OutputChecker()
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -177,6 +178,7 @@ def setup_problem() -> str | None:
 def with_ports(text: str, ports: dict[str, int] | None) -> str:
     for name, port in (ports or {}).items():
         text = text.replace(f"localhost:{DEFAULT_PORTS[name]}", f"localhost:{port}")
+        text = text.replace(f"--port {DEFAULT_PORTS[name]}", f"--port {port}")
     return text
 
 

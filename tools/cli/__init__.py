@@ -21,6 +21,7 @@ from tools.cli import (
     capacity,
     explain,
     gen_config,
+    llm_api,
     profile,
     report,
     rollout,
@@ -50,6 +51,7 @@ COMMANDS = {
     "autoscale": autoscale,
     "capacity": capacity,
     "batch": batch,
+    "llm-api": llm_api,
     "admin-key": admin_key,
     "tenant-token": tenant_token,
 }

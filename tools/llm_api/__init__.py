@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP front for the kit's LLM models (`python -m tools llm-api`)."""
