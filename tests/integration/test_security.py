@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -38,7 +39,7 @@ from .conftest import LOG_DIR, REPO
 DOC = "docs/security.md"
 EMBED = load_spec().models[0]
 ENCODERS = [EMBED.encoder_name(length) for length in EMBED.bucket_lens]
-SHOWN_PORTS = (8000, 8001, 8002)  # `serve` as shown: its default HTTP, gRPC and metrics ports
+SHOWN_PORTS = (8000, 8001, 8002, 9000)  # `serve` as shown: its default HTTP, gRPC, metrics and LLM API ports
 
 
 def run_shown(command: str, cwd: Path, timeout_s: float = 120, **env: str) -> subprocess.CompletedProcess:
@@ -109,8 +110,8 @@ def locked_server(tmp_path_factory):
     command = shown("docs/security.md",
                     "python -m tools serve --admin-key-file build/admin.key --grpc-tls-cert build/tls/server.crt "
                     "--grpc-tls-key build/tls/server.key")
-    require_free({f"{command} ({what})": port for what, port in zip(("HTTP", "gRPC", "metrics"), SHOWN_PORTS,
-                                                                     strict=True)})
+    require_free({f"{command} ({what})": port for what, port in zip(("HTTP", "gRPC", "metrics", "LLM API"),
+                                                                     SHOWN_PORTS, strict=True)})
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / "serve-tls.log"
     argv, environ = shell(command)
@@ -194,6 +195,24 @@ def test_a_sweep_and_a_load_run_connect_over_tls(locked_server):
     requests, failures = (int(value) for value in grpc_row.split(",")[2:4])
     assert requests > 0 and failures == 0, locust.stdout[-3000:] + locust.stderr[-3000:]
     assert (checkout / "build" / "loadtest" / "verdict.json").is_file(), locust.stdout[-3000:] + locust.stderr[-3000:]
+
+
+def test_the_llm_api_beside_the_server_calls_it_over_tls(locked_server):
+    """`serve` starts the OpenAI-compatible API beside a server whose gRPC is TLS only: the API
+    trusts the server's certificate."""
+    assert "  OpenAI   http://localhost:9000/v1   (llm; " in (LOG_DIR / "serve-tls.log").read_text()
+    deadline = time.monotonic() + 60  # it starts once the server is ready
+    while True:
+        try:
+            if requests.get("http://localhost:9000/health", timeout=5).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "the LLM API did not come up"
+        time.sleep(0.2)
+    reply = requests.post("http://localhost:9000/v1/completions", timeout=120,
+                          json={"model": "llm", "prompt": "The capital of France is", "max_tokens": 4})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length", reply.text
 
 
 def test_control_endpoints_refuse_without_the_key_and_the_model_keeps_serving(locked_server):

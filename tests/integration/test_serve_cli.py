@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -36,9 +37,9 @@ def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path
     serve = shown("docs/security.md", "python -m tools serve --admin-key-file build/admin.key")
     if (problem := setup_problem()) is not None:
         pytest.fail(problem)
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "llm_api": free_port()}
     serve_args = (f"--http-port={ports['http']} --grpc-port={ports['grpc']} --metrics-port={ports['metrics']} "
-                  f"--host=127.0.0.1 --log-file={tmp_path / 'server.log'}")
+                  f"--llm-api-port={ports['llm_api']} --host=127.0.0.1 --log-file={tmp_path / 'server.log'}")
     argv, env = shell(command, SERVE_ARGS=serve_args)
     # Its own process group, as a terminal gives a foreground job: Ctrl-C signals all of it.
     process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -63,6 +64,16 @@ def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path
         assert f"http://localhost:{ports['metrics']}/metrics" in banner
         assert f"curl -s -X POST localhost:{ports['http']}/v2/models/embed/infer" in banner
         assert "control endpoints need the key from build/admin.key" in banner and key not in banner
+        assert f"OpenAI   http://localhost:{ports['llm_api']}/v1   (llm; the API key is a tenant token)" in banner
+        deadline = time.monotonic() + 60  # the LLM API starts once the server is ready
+        while True:
+            try:
+                models = requests.get(f"http://localhost:{ports['llm_api']}/v1/models", timeout=5)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, "the LLM API did not come up"
+                time.sleep(0.2)
+        assert [m["id"] for m in models.json()["data"]] == ["llm"]
 
         client = httpclient.InferenceServerClient(f"localhost:{ports['http']}")
         short = text_tensor("served by the CLI")
@@ -110,4 +121,4 @@ def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path
     assert "Traceback" not in rest and "error:" not in rest, rest
     # The server and its Python backend stubs are gone: the ports are free again.
     time.sleep(0.5)
-    assert busy_ports({"HTTP": ports["http"], "gRPC": ports["grpc"]}, "127.0.0.1") == {}
+    assert busy_ports({"HTTP": ports["http"], "gRPC": ports["grpc"], "LLM API": ports["llm_api"]}, "127.0.0.1") == {}

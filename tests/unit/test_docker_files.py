@@ -109,7 +109,7 @@ def test_deployment_has_a_gpu_probes_and_a_drain():
     assert pod["terminationGracePeriodSeconds"] >= sleep_s + 30
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "llm-api": 9000}
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "8002"
 

@@ -2,6 +2,9 @@
 
 Starts the server, waits until every model is ready, prints the endpoints and an
 example request, and stops cleanly on Ctrl-C or SIGTERM (in-flight requests finish).
+When it serves an LLM model of the spec, the OpenAI-compatible API (`python -m tools
+llm-api`) runs beside it on --llm-api-port, started once the server is ready and stopped
+before it.
 The serving spec's external models are served from the users' own repositories, given to
 tritonserver beside the kit's (each `--model-repository`); of those repositories only the
 models the spec names are loaded.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Mapping
@@ -27,6 +31,7 @@ from tools.server.triton_server import (
     ServerConfig,
     ServerError,
     TritonServer,
+    busy_ports,
     find_distribution,
     model_names,
 )
@@ -82,8 +87,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the private key of --grpc-tls-cert")
     parser.add_argument("--pinned-memory-mb", type=int, default=0, metavar="MB",
                         help="CUDA pinned host memory pool: 0 without a GPU (default), e.g. 256 on GPU nodes")
+    parser.add_argument("--llm-api-port", type=int, default=LLM_API_PORT, metavar="PORT",
+                        help="port of the OpenAI-compatible API in front of the spec's LLM models, started when "
+                             "one is served (default: %(default)s; 0: none)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up if the models are not ready within this time (default: %(default)s)")
+
+
+LLM_API_PORT = 9000
+API_STOP_TIMEOUT_S = 15  # the API cuts streams still open 10 s after SIGTERM (tools.llm_api.app)
+
+
+def llm_api_argv(port: int, host: str, grpc_port: int, models: list[str], tls: GrpcTls | None) -> list[str]:
+    """The command line of the LLM API beside the server: it calls the server's gRPC port
+    (over TLS when the server's gRPC is, trusting the server's certificate)."""
+    argv = [sys.executable, "-m", "tools", "llm-api", "--host", host, "--port", str(port),
+            "--triton-url", f"localhost:{grpc_port}"]
+    for model in models:
+        argv += ["--model", model]
+    return argv + (["--grpc-tls-ca", str(tls.cert)] if tls is not None else [])
+
+
+def stop_process(process: subprocess.Popen | None, timeout_s: float) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def example_request(http_port: int) -> str:
@@ -156,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
         admin_key=admin_key,
         grpc_tls=tls,
     )
+    served = set(load_models) if load_models else set(model_names(config.model_repository))
+    llm_models = [m.name for m in (spec.llm_models if spec is not None else ()) if m.name in served]
+    api_port = args.llm_api_port if llm_models else 0
+    if api_port and busy_ports({"--llm-api-port": api_port}, args.host):
+        print(f"error: port {api_port} (--llm-api-port, the LLM API) is in use: stop what listens there, or pass "
+              "another port (0: no LLM API)", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -175,19 +215,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         server.stop()
         return 1
+    api = None
+    if api_port:
+        # Its own process group: Ctrl-C reaches serve, which stops the API first, then the server.
+        api = subprocess.Popen(llm_api_argv(api_port, args.host, config.grpc_port, llm_models, tls),
+                               stdout=subprocess.DEVNULL, start_new_session=True)
+    api_line = (f"  OpenAI   http://localhost:{api_port}/v1   ({', '.join(llm_models)}; the API key is a tenant "
+                "token)\n" if api is not None else "")
     print(
         "\ntritonserver is ready\n"
         f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
         f"  gRPC     localhost:{config.grpc_port}{'   (TLS)' if tls else ''}\n"
         f"  metrics  http://localhost:{config.metrics_port}/metrics\n"
         f"  models   {', '.join([*model_names(config.model_repository), *external_models])}\n"
+        f"{api_line}"
         f"  admin    {admin_line(args.admin_key_file, admin_key)}\n\n"
         f"Try:\n{example_request(config.http_port)}\n\nCtrl-C stops the server.",
         flush=True,
     )
     supervise = args.supervise and config.model_control_mode is ModelControlMode.EXPLICIT
-    exited = serve_until_stopped(server, stop, supervise=supervise, admin_key=admin_key,
-                                 log=lambda line: print(line, flush=True))
+    try:
+        exited = serve_until_stopped(server, stop, supervise=supervise, admin_key=admin_key,
+                                     log=lambda line: print(line, flush=True))
+    finally:
+        stop_process(api, API_STOP_TIMEOUT_S)
     if exited is not None:
         print(f"error: tritonserver exited with code {exited}", file=sys.stderr)
         server.stop()  # its stubs' stragglers and the shared memory it left
