@@ -38,6 +38,10 @@ from tools.server.triton_server import (
 from tools.spec.serving import ServingSpec, SpecError, load_spec
 
 
+def port_or_zero(value: str) -> int:
+    return 0 if value.strip() == "0" else port(value)
+
+
 def port(value: str) -> int:
     number = int(value)
     if not 1 <= number <= 65535:
@@ -87,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the private key of --grpc-tls-cert")
     parser.add_argument("--pinned-memory-mb", type=int, default=0, metavar="MB",
                         help="CUDA pinned host memory pool: 0 without a GPU (default), e.g. 256 on GPU nodes")
-    parser.add_argument("--llm-api-port", type=int, default=LLM_API_PORT, metavar="PORT",
+    parser.add_argument("--llm-api-port", type=port_or_zero, default=LLM_API_PORT, metavar="PORT",
                         help="port of the OpenAI-compatible API in front of the spec's LLM models, started when "
                              "one is served (default: %(default)s; 0: none)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
