@@ -30,7 +30,11 @@ def test_profile_measures_every_bucket_and_the_router_and_gen_config_reads_it(tm
     for name, model in profile["models"].items():
         curve = {int(b): ms for b, ms in model["compute_ms"].items()}
         assert curve[1] > 0, name  # measured, not a zero from the wrong version's statistics
-        assert curve[max(curve)] > curve[1], name  # a bigger batch costs more
+        # A bigger batch costs more. The profile stops at the first batch costing over half the
+        # spec's 200 ms SLO, which on a busy 2-core host can be the 256-token bucket's first
+        # (measured once: 100.9 ms).
+        assert (len(curve) == 1 and curve[1] > 100) or curve[max(curve)] > curve[1], (name, curve)
+    assert len(profile["models"]["encoder_16"]["compute_ms"]) > 1
     assert profile["models"]["encoder_256"]["compute_ms"]["1"] > profile["models"]["encoder_16"]["compute_ms"]["1"]
     assert profile["overhead_ms"]["embed"]["p95"] > 0
 
