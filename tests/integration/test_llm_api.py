@@ -146,7 +146,7 @@ def test_bad_requests_get_openai_errors_naming_the_problem(api, kwargs, error, s
     assert set(refused.value.body) >= {"message", "type", "code"}
 
 
-def test_a_bad_token_is_401_and_a_tenant_over_its_quota_429(api):
+def test_a_bad_token_is_401_and_a_tenant_over_its_quota_429(api, triton):
     with pytest.raises(openai.AuthenticationError) as refused:
         client(api, "v1.garbage").chat.completions.create(model="llm", messages=[{"role": "user", "content": "Hi"}],
                                                           max_tokens=4)
@@ -162,3 +162,5 @@ def test_a_bad_token_is_401_and_a_tenant_over_its_quota_429(api):
         assert over.value.code == "rate_limit_exceeded"
     finally:
         running.close()
+    # Closing the stream cancelled the generation that held the reservation: nothing keeps running.
+    assert wait_for(lambda: metric(triton, "llm_running_sequences") == 0)
