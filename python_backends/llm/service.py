@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from python_backends.common.artifacts import verify_artifacts
-from python_backends.common.errors import InvalidInput
+from python_backends.common.errors import INVALID_REQUEST, InvalidInput
 from python_backends.common.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
 from python_backends.common.tenant_auth import (
     AUTH_OFF,
@@ -37,8 +37,6 @@ from python_backends.llm.engine import EngineLoop, EngineStats, LLMEngine, StepO
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 TTFT_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0]
 TPOT_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
-# Starts every bad-input error, so a BLS caller (whose errors all arrive as INTERNAL) can tell.
-INVALID_REQUEST = "invalid request: "
 
 
 def response_of(pb, text: str, output: StepOutput):

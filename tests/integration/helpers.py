@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import numpy as np
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -22,6 +24,40 @@ def settled(read, check, timeout_s: float = 5.0):
     while not check(value := read()) and time.monotonic() < deadline:
         time.sleep(0.1)
     return value
+
+
+def metric(triton, name: str, **labels) -> float:
+    text = requests.get(triton.metrics_url, timeout=10).text
+    wanted = {"model": "llm", **labels}
+    for line in text.splitlines():
+        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) == wanted:
+            return float(match.group(2))
+    raise AssertionError(f"metric {name}{wanted} not exported")
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def wait_until_up(url: str, timeout_s: float = 60.0, process=None) -> None:
+    """Poll `url` until it answers 200 (a server that starts after its parent printed its
+    banner); fail if `process` exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        assert process is None or process.poll() is None, f"{url}: the process exited"
+        assert time.monotonic() < deadline, f"{url} did not come up within {timeout_s:.0f} s"
+        time.sleep(0.2)
 
 
 @functools.cache

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import openai
@@ -14,8 +13,7 @@ import requests
 
 from tests.doc_examples import run_shown, shell, shown
 from tests.integration.conftest import LOG_DIR
-from tests.integration.helpers import CHAT_QUESTIONS, as_tenant
-from tests.integration.test_llm_serving import metric, wait_for
+from tests.integration.helpers import CHAT_QUESTIONS, as_tenant, metric, wait_for, wait_until_up
 from tools.clients.llm import LLMStream
 from tools.server.triton_server import free_port
 
@@ -40,15 +38,7 @@ def api(triton):
     process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{ports['llm_api']}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, (LOG_DIR / "llm-api.log").read_text()
-            time.sleep(0.2)
+        wait_until_up(f"{base}/health", process=process)
         yield {"url": f"{base}/v1", "ports": ports}
     finally:
         process.terminate()

@@ -4,7 +4,6 @@ generate_stream, plain infer through `llm_infer`, concurrency, cancellation, bad
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 
@@ -14,7 +13,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.integration.conftest import LOG_DIR
-from tests.integration.helpers import CHAT_QUESTIONS, as_tenant
+from tests.integration.helpers import CHAT_QUESTIONS, as_tenant, metric, wait_for
 from tools.clients.llm import LLMStream, llm_inputs
 
 QUESTIONS = CHAT_QUESTIONS
@@ -22,25 +21,6 @@ QUESTIONS = CHAT_QUESTIONS
 
 def chat(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
-
-
-def metric(triton, name: str, **labels) -> float:
-    text = requests.get(triton.metrics_url, timeout=10).text
-    wanted = {"model": "llm", **labels}
-    for line in text.splitlines():
-        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) == wanted:
-            return float(match.group(2))
-    raise AssertionError(f"metric {name}{wanted} not exported")
-
-
-def wait_for(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def generate_url(triton, stream: bool = False) -> str:

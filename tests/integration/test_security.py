@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 from python_backends.common.artifacts import MANIFEST
 from tests import doc_examples
 from tests.doc_examples import require_free, shell, shown
+from tests.integration.helpers import wait_until_up
 from tools.batch.policy import ItemKind
 from tools.batch.worker import make_callers
 from tools.clients.retrying import EmbedClient
@@ -201,15 +202,7 @@ def test_the_llm_api_beside_the_server_calls_it_over_tls(locked_server):
     """`serve` starts the OpenAI-compatible API beside a server whose gRPC is TLS only: the API
     trusts the server's certificate."""
     assert "  OpenAI   http://localhost:9000/v1   (llm; " in (LOG_DIR / "serve-tls.log").read_text()
-    deadline = time.monotonic() + 60  # it starts once the server is ready
-    while True:
-        try:
-            if requests.get("http://localhost:9000/health", timeout=5).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert time.monotonic() < deadline, "the LLM API did not come up"
-        time.sleep(0.2)
+    wait_until_up("http://localhost:9000/health")  # it starts once the server is ready
     reply = requests.post("http://localhost:9000/v1/completions", timeout=120,
                           json={"model": "llm", "prompt": "The capital of France is", "max_tokens": 4})
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length", reply.text

@@ -16,6 +16,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.doc_examples import REPO, setup_problem, shell, shown
+from tests.integration.helpers import wait_until_up
 from tools.server.admin_key import ADMIN_HEADER, admin_headers, grpc_admin_metadata, read_key_file
 from tools.server.triton_server import busy_ports, free_port
 
@@ -65,14 +66,8 @@ def test_make_serve_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path
         assert f"curl -s -X POST localhost:{ports['http']}/v2/models/embed/infer" in banner
         assert "control endpoints need the key from build/admin.key" in banner and key not in banner
         assert f"OpenAI   http://localhost:{ports['llm_api']}/v1   (llm; the API key is a tenant token)" in banner
-        deadline = time.monotonic() + 60  # the LLM API starts once the server is ready
-        while True:
-            try:
-                models = requests.get(f"http://localhost:{ports['llm_api']}/v1/models", timeout=5)
-                break
-            except requests.ConnectionError:
-                assert time.monotonic() < deadline, "the LLM API did not come up"
-                time.sleep(0.2)
+        wait_until_up(f"http://localhost:{ports['llm_api']}/health")  # it starts once the server is ready
+        models = requests.get(f"http://localhost:{ports['llm_api']}/v1/models", timeout=5)
         assert [m["id"] for m in models.json()["data"]] == ["llm"]
 
         client = httpclient.InferenceServerClient(f"localhost:{ports['http']}")

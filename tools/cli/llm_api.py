@@ -20,9 +20,9 @@ Options, printing and wiring only: the API is `tools.llm_api.app`, its shapes
 from __future__ import annotations
 
 import argparse
-import socket
 
 from tools.clients.tls import add_ca_argument
+from tools.server.triton_server import busy_ports
 
 DEFAULT_PORT = 9000
 
@@ -40,12 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tools.llm_api.app import serve
 
-    with socket.socket() as probe:  # a taken port is one line, not a traceback from inside uvicorn
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((args.host, args.port))
-        except OSError as err:
-            raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    if busy_ports({"--port": args.port}, args.host):  # one line, not a traceback from inside uvicorn
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: it is in use; choose another --port")
     models = args.models or ["llm"]
     print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 for {', '.join(models)} "
           f"(tritonserver gRPC {args.triton_url})", flush=True)

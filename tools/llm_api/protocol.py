@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from python_backends.common.errors import INVALID_REQUEST
 from python_backends.common.tenant_auth import TOKEN_PARAMETER
 
-INVALID_REQUEST = "invalid request: "  # how the `llm` model starts a bad-input error
 ANONYMOUS_KEY = "anonymous"  # the API key that means "no tenant token": the spec's anonymous tenant
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 
