@@ -3,8 +3,8 @@
 Starts the server, waits until every model is ready, prints the endpoints and an
 example request, and stops cleanly on Ctrl-C or SIGTERM (in-flight requests finish).
 When it serves an LLM model of the spec, the OpenAI-compatible API (`python -m tools
-llm-api`) runs beside it on --llm-api-port, started once the server is ready and stopped
-before it.
+llm-api`) runs beside it on --llm-api-port, started once the server is ready (left out, with a
+line saying so, when that port is taken) and stopped before it.
 The serving spec's external models are served from the users' own repositories, given to
 tritonserver beside the kit's (each `--model-repository`); of those repositories only the
 models the spec names are loaded.
@@ -196,10 +196,6 @@ def run(args: argparse.Namespace) -> int:
     served = set(load_models) if load_models else set(model_names(config.model_repository))
     llm_models = [m.name for m in (spec.llm_models if spec is not None else ()) if m.name in served]
     api_port = args.llm_api_port if llm_models else 0
-    if api_port and busy_ports({"--llm-api-port": api_port}, args.host):
-        print(f"error: port {api_port} (--llm-api-port, the LLM API) is in use: stop what listens there, or pass "
-              "another port (0: no LLM API)", file=sys.stderr)
-        return 2
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -219,13 +215,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         server.stop()
         return 1
-    api = None
-    if api_port:
+    api, api_line = None, ""
+    if api_port and busy_ports({"--llm-api-port": api_port}, args.host):
+        # The API is beside the server, not part of it: a taken port leaves it out, not the server.
+        api_line = f"  OpenAI   not started: port {api_port} is in use (--llm-api-port moves it)\n"
+    elif api_port:
         # Its own process group: Ctrl-C reaches serve, which stops the API first, then the server.
         api = subprocess.Popen(llm_api_argv(api_port, args.host, config.grpc_port, llm_models, tls),
                                stdout=subprocess.DEVNULL, start_new_session=True)
-    api_line = (f"  OpenAI   http://localhost:{api_port}/v1   ({', '.join(llm_models)}; the API key is a tenant "
-                "token)\n" if api is not None else "")
+        api_line = (f"  OpenAI   http://localhost:{api_port}/v1   ({', '.join(llm_models)}; the API key is a "
+                    "tenant token)\n")
     print(
         "\ntritonserver is ready\n"
         f"  HTTP     http://localhost:{config.http_port}   (KServe v2 REST)\n"
