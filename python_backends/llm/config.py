@@ -26,6 +26,8 @@ from python_backends.common.tenant_auth import AUTH_OFF
 from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
 from python_backends.llm.scheduler import BatchingPolicy, SchedulerConfig
 
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -40,6 +42,8 @@ class EngineConfig:
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS  # continuous, or the static baseline
     num_threads: int = 0  # torch intra-op threads; 0: every core
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
+    device: str = "auto"  # cpu, cuda (or cuda:N); auto: cuda where torch sees a GPU, else cpu
+    dtype: str = "auto"  # float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a GPU
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -48,6 +52,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("dtype float16 needs a GPU (CPU GEMMs in float16 are slow): use float32 or bfloat16")
 
     def scheduler_config(self, kv: KVCacheSpec) -> SchedulerConfig:
         return SchedulerConfig(num_blocks=num_blocks_for_budget(kv, self.kv_cache_bytes), block_size=self.block_size,
@@ -81,6 +91,8 @@ class LLMParameters(ModelParameters):
     default_max_tokens: PositiveInt = 128  # output tokens when a request does not say
     num_threads: CountInt = 0  # torch intra-op threads; 0: every core
     prefix_caching: Flag = True  # reuse the KV blocks of prompt prefixes already computed
+    device: str = "auto"  # cpu, cuda[:N], or auto (cuda where torch sees a GPU)
+    dtype: str = "auto"  # float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on a GPU)
     tenants: TenantsParameter = UNLIMITED  # each tenant's generated-token quota by tier
     tenant_auth: AuthParameter = AUTH_OFF  # how a request proves its tenant
 
@@ -88,7 +100,8 @@ class LLMParameters(ModelParameters):
         return EngineConfig(kv_cache_bytes=int(self.kv_cache_mb * MIB), block_size=self.block_size,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens,
-                            policy=self.batching, num_threads=self.num_threads, prefix_caching=self.prefix_caching)
+                            policy=self.batching, num_threads=self.num_threads, prefix_caching=self.prefix_caching,
+                            device=self.device, dtype=self.dtype)
 
 
 def parse_engine_config(model_name: str, params: Mapping[str, str]) -> EngineConfig:

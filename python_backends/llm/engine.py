@@ -32,7 +32,7 @@ import torch
 from python_backends.common.errors import InvalidInput
 from python_backends.llm.config import EngineConfig
 from python_backends.llm.kv_blocks import KVCacheSpec
-from python_backends.llm.model import LlamaDims, PagedLlama, StepSequence
+from python_backends.llm.model import DTYPES, ModelShape, PagedCausalLM, StepSequence, default_device, default_dtype
 from python_backends.llm.scheduler import (
     FinishReason,
     SamplingParams,
@@ -159,8 +159,17 @@ def unsafe_suffix(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
+def _token_ids(value: object) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
 class ChatTokenizer:
-    """The model's tokenizer and chat template, and its end-of-turn tokens.
+    """The model's tokenizer and chat template, and its end-of-sequence tokens (the
+    tokenizer's, and every `eos_token_id` of the model's config and generation config).
 
     Encoding (on Triton's execute thread) and decoding (on the engine thread) use separate
     tokenizer objects: a fast tokenizer mutably borrows its Rust state to set truncation
@@ -173,13 +182,10 @@ class ChatTokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(model_dir))
         self._decoder = AutoTokenizer.from_pretrained(str(model_dir))
         ends = {self._tok.eos_token_id}
-        for token in ("<|im_end|>", "<|endoftext|>"):
-            token_id = self._tok.convert_tokens_to_ids(token)
-            if token_id is not None and token_id != self._tok.unk_token_id:
-                ends.add(token_id)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        if isinstance(config.get("eos_token_id"), int):
-            ends.add(config["eos_token_id"])
+        for name in ("config.json", "generation_config.json"):  # an int or a list in either
+            path = Path(model_dir) / name
+            if path.is_file():
+                ends.update(_token_ids(json.loads(path.read_text()).get("eos_token_id")))
         self.stop_token_ids = tuple(sorted(t for t in ends if t is not None))
 
     def encode(self, inputs: GenerationInputs) -> list[int]:
@@ -234,9 +240,9 @@ class _Request:
 
 
 class LLMEngine:
-    """Continuous batching over a `PagedLlama`; single-threaded, driven by `step()`."""
+    """Continuous batching over a `PagedCausalLM`; single-threaded, driven by `step()`."""
 
-    def __init__(self, model: PagedLlama, tokenizer: ChatTokenizer, scheduler: Scheduler,
+    def __init__(self, model: PagedCausalLM, tokenizer: ChatTokenizer, scheduler: Scheduler,
                  default_max_tokens: int = 128, clock: Callable[[], float] = time.monotonic):
         self.model = model
         self.tokenizer = tokenizer
@@ -252,14 +258,17 @@ class LLMEngine:
         # measured 30% fewer tokens/s on 2 cores than a thread per core.
         torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         tokenizer = ChatTokenizer(model_dir)
-        dims = LlamaDims.from_dir(model_dir)
-        kv = KVCacheSpec(num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
-                         dtype_bytes=4, block_size=config.block_size)
+        shape = ModelShape.from_dir(model_dir)
+        device = default_device() if config.device == "auto" else config.device
+        dtype = default_dtype(device) if config.dtype == "auto" else DTYPES[config.dtype]
+        kv = KVCacheSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         dtype_bytes=dtype.itemsize, block_size=config.block_size)
         sched_config = config.scheduler_config(kv)
-        if sched_config.max_model_len > dims.max_position_embeddings:
+        if sched_config.max_model_len > shape.max_position_embeddings:
             raise ValueError(f"max_model_len {sched_config.max_model_len} exceeds the model's "
-                             f"{dims.max_position_embeddings} positions")
-        model = PagedLlama.from_dir(model_dir, num_blocks=sched_config.num_blocks, block_size=config.block_size)
+                             f"{shape.max_position_embeddings} positions")
+        model = PagedCausalLM.from_dir(model_dir, num_blocks=sched_config.num_blocks, block_size=config.block_size,
+                                       dtype=dtype, device=device)
         return cls(model, tokenizer, Scheduler(sched_config), default_max_tokens=config.default_max_tokens)
 
     def sampling_params(self, inputs: GenerationInputs) -> SamplingParams:

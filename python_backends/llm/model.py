@@ -1,67 +1,70 @@
-"""A Llama forward pass over a paged KV cache, for the continuous-batching engine.
+"""Any `transformers` decoder over a paged KV cache, for the continuous-batching engine.
+
+The model computation is `transformers`' own: its model definitions (Llama 3.x with rope
+scaling, Qwen 2/3, Mistral, Gemma 2/3, and whatever else `AutoModelForCausalLM` loads) run
+with an attention function the kit registers (`paged_attention`). It is the only part of the
+forward pass the kit provides: each attention layer hands it the step's queries, keys and
+values (after the model's own projections, norms and rotary embedding); it writes the keys
+and values into the layer's fixed-size cache blocks and attends each sequence's queries to its
+cached context through the sequence's block table, honouring the layer's scaling, sliding
+window and logit soft-capping as the model passes them.
 
 One call computes one engine step: the prefill chunks and decode tokens of every scheduled
 sequence, flattened into a single token axis for the dense layers (no padding compute where
-one sequence prefills 100 tokens and the others decode one). Attention reads each
-sequence's cached keys and values from fixed-size blocks through its block table: the
-decoding sequences in a few padded calls of similar context lengths, each prefill chunk in
-its own. Logits are computed only for the tokens that sample. The weight matrices are
-packed once for oneDNN's GEMM where this torch build has it (`DenseWeight`).
-
-The arithmetic follows `transformers`' Llama (RMSNorm in float32, rotate-half RoPE, grouped-
-query attention, SwiGLU), so greedy output matches its `generate` for the same weights.
+one sequence prefills 100 tokens and the others decode one), with each token's own position
+id. Attention runs the decoding sequences in a few padded calls of similar context lengths,
+each prefill chunk in its own. Logits are computed only for the tokens that sample. On CPU in
+float32 the linear layers are packed once for oneDNN's GEMM where this torch build has it
+(`PackedLinear`), and the projections that read the same input (query/key/value, gate/up)
+run as one GEMM (`fuse_projections`).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+ATTENTION = "kit_paged"  # the name the kit's attention function is registered under in transformers
+STEP_KWARG = "kit_paged_step"  # the forward keyword that carries a step's plan down to each attention call
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
-class LlamaDims:
-    """Shape of a Llama model, read from its `config.json`."""
+class ModelShape:
+    """What the engine needs to know of a decoder before it loads: its KV cache and context."""
 
     num_layers: int  # transformer blocks
-    hidden_size: int  # model width
-    num_heads: int  # query heads
-    num_kv_heads: int  # key/value heads (grouped-query attention when fewer than num_heads)
+    num_kv_heads: int  # key/value heads (grouped-query attention when fewer than the query heads)
     head_dim: int  # width of one head
     vocab_size: int  # output logits
-    rope_theta: float  # RoPE base
-    rms_norm_eps: float  # RMSNorm epsilon
     max_position_embeddings: int  # longest context the model was trained for
-    tie_word_embeddings: bool  # lm_head shares the input embedding
+    model_type: str  # transformers' name of the architecture
 
     @classmethod
-    def from_config(cls, config: Mapping) -> LlamaDims:
-        if config.get("model_type") != "llama":
-            raise ValueError(f"expected a llama model config, got model_type={config.get('model_type')!r}")
-        if config.get("rope_scaling"):
-            raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not supported")
-        num_heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a `transformers` config (the text part of a multimodal one)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = int(text.num_attention_heads)
         return cls(
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads", num_heads)),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
-            vocab_size=int(config["vocab_size"]),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_layers=int(text.num_hidden_layers),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // num_heads),
+            vocab_size=int(text.vocab_size),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 2048),
+            model_type=str(text.model_type),
         )
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> LlamaDims:
-        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    def from_dir(cls, model_dir: Path) -> ModelShape:
+        from transformers import AutoConfig
+
+        return cls.from_config(AutoConfig.from_pretrained(str(model_dir)))
 
 
 @dataclass(frozen=True)
@@ -74,26 +77,104 @@ class StepSequence:
     samples: bool  # whether the step returns logits for its last token
 
 
-@dataclass(frozen=True)
+@dataclass
 class _AttentionGroup:
     """Sequences whose attention runs in one call."""
 
     rows: torch.Tensor  # their query rows in the step's flat token axis
     slots: torch.Tensor  # [sequences, keys]: cache slots of each sequence's context (padded)
-    mask: torch.Tensor  # [sequences, 1, queries, keys]: True where a query may attend
+    query_positions: torch.Tensor  # [sequences, queries]: the position of each query
     num_queries: int  # queries per sequence: 1 for decodes, the chunk length for a prefill
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[sequences, 1, queries, keys]: True where a query may attend. Keys are in position
+        order, so key j is at position j: causal (and past padding) is j <= the query's
+        position; a sliding window of W also needs j > position - W, as in transformers."""
+        if sliding_window not in self.masks:
+            keys = torch.arange(self.slots.shape[1], device=self.slots.device)[None, None, :]
+            positions = self.query_positions[:, :, None]
+            allowed = keys <= positions
+            if sliding_window is not None:
+                allowed &= keys > positions - sliding_window
+            self.masks[sliding_window] = allowed[:, None]
+        return self.masks[sliding_window]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+@dataclass
+class _StepPlan:
+    """What every layer's attention call shares in one step."""
+
+    slot_index: torch.Tensor  # [tokens]: the cache slot each computed token's key and value go to
+    groups: list[_AttentionGroup]
+    cache: PagedCache
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class PagedCache:
+    """Keys and values of every layer in fixed-size blocks: [layer, slot, kv_head, head_dim],
+    slot = block * block_size + offset in the block."""
+
+    def __init__(self, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        size = (shape.num_layers, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+
+
+def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over the paged cache.
+
+    query [1, heads, tokens, head_dim]; key, value [1, kv_heads, tokens, head_dim] for the
+    step's flat token axis; returns [1, tokens, heads, head_dim] (and no weights). The mask
+    transformers would build is not used (it is None for a registered function): each group's
+    mask comes from its sequences' positions.
+    """
+    plan: _StepPlan | None = kwargs.get(STEP_KWARG)
+    if plan is None:
+        raise RuntimeError(f"{ATTENTION} attention runs only inside PagedCausalLM.step()")
+    layer = module.layer_idx
+    k_cache, v_cache = plan.cache.k[layer], plan.cache.v[layer]
+    k_cache[plan.slot_index] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[plan.slot_index] = value[0].transpose(0, 1).to(v_cache.dtype)
+    q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    window = sliding_window if sliding_window else None
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        # One index_select over the flat slot list per tensor: cheaper than advanced
+        # indexing with the 2-D slot index, and the same rows.
+        context = (*group.slots.shape, num_kv_heads, head_dim)
+        flat = group.slots.view(-1)
+        keys = k_cache.index_select(0, flat).view(context).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
+        values = v_cache.index_select(0, flat).view(context).transpose(1, 2)
+        # [seqs, heads, queries, head_dim]: decodes are one query per sequence; a prefill chunk is one sequence
+        queries = q[group.rows].view(-1, group.num_queries, num_heads, head_dim).transpose(1, 2)
+        mask = group.mask(window)
+        if softcap is None:
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
+                                                      enable_gqa=num_kv_heads != num_heads)
+        else:  # soft-capped logits (Gemma 2): the arithmetic of transformers' eager attention
+            repeat = num_heads // num_kv_heads
+            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+            scores = torch.tanh(torch.matmul(queries, keys.transpose(2, 3)) * scale / softcap) * softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            attended = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype), values)
+        out[group.rows] = attended.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    return out[None], None
+
+
+def register_attention() -> None:
+    """Register `paged_attention` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention)
 
 
 # The batch oneDNN lays a packed weight out for; any batch runs on it. Laid out for 64, it
@@ -105,24 +186,104 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class DenseWeight:
-    """One weight matrix of a linear layer (no bias): `y = x @ weight.T`.
+class PackedLinear(nn.Module):
+    """A float32 linear layer whose weight is packed for oneDNN's GEMM.
 
-    Packed for oneDNN's float32 GEMM when `pack` is set: on 2 AMD EPYC vCPUs it ran 2-4x
-    faster than `F.linear` (MKL) for every batch from 1 to 300 rows, and the output layer
-    (49,152 x 576) 4x at 24 rows. Unpacked, it is `F.linear`.
+    On 2 AMD EPYC vCPUs it ran 2-4x faster than `F.linear` (MKL) for every batch from 1 to 300
+    rows, and the output layer (49,152 x 576) 4x at 24 rows. The packed copy is the only one kept.
     """
 
-    __slots__ = ("packed", "weight")
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), PACK_BATCH_HINT)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def __init__(self, weight: torch.Tensor, pack: bool):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) if pack else None
-        self.weight = None if pack else weight
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+
+class FusedProjections(nn.Module):
+    """Several linear layers that read the same input, as one GEMM.
+
+    The model calls each projection in turn on the same tensor: the first call computes all of
+    them and keeps the others' slices for their calls (matched by the input's identity), so a
+    model definition runs unchanged with fewer, larger GEMMs per layer (on 2 cores the
+    query/key/value and gate/up pairs as one call each measured a few percent per step).
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear], pack: bool):
+        super().__init__()
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        biases = [linear.bias for linear in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else torch.zeros(linear.out_features, dtype=weight.dtype)
+                              for b, linear in zip(biases, linears, strict=True)])
+        self.linear: nn.Module = PackedLinear(weight, bias) if pack else _linear_from(weight, bias)
+        self.widths = [linear.out_features for linear in linears]
+        self._input: torch.Tensor | None = None
+        self._outputs: list[torch.Tensor] = []
+
+    def part(self, index: int) -> _FusedPart:
+        return _FusedPart(self, index)
+
+    def compute(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == 0 or self._input is not x:
+            self._outputs = list(self.linear(x).split(self.widths, dim=-1))
+            self._input = x
+        out = self._outputs[index]
+        self._outputs[index] = None  # type: ignore[call-overload]  # each slice is handed out once
+        if all(o is None for o in self._outputs):
+            self._input, self._outputs = None, []
+        return out
+
+
+class _FusedPart(nn.Module):
+    def __init__(self, fused: FusedProjections, index: int):
+        super().__init__()
+        self.index = index
+        object.__setattr__(self, "fused", fused)  # not a child: the fused layer is registered once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.compute(self.index, x)
+
+
+def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
+                       device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformers' names
+
+
+def fuse_projections(model: nn.Module, pack: bool) -> int:
+    """Fuse every group of FUSED_GROUPS found in one module (and pack it when asked); then pack
+    the remaining float32 linear layers when asked. Returns the number of fused groups."""
+    fused = 0
+    for module in list(model.modules()):
+        for names in FUSED_GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if not all(type(linear) is nn.Linear for linear in linears):
+                continue
+            group = FusedProjections(linears, pack)
+            module.add_module("_kit_fused_" + names[0], group)
+            for index, name in enumerate(names):
+                setattr(module, name, group.part(index))
+            fused += 1
+    if pack:
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                    setattr(module, name, PackedLinear(child.weight, child.bias))
+    return fused
 
 
 # A decode group costs a few more tensor ops in every layer; a padded key slot costs its
@@ -154,60 +315,67 @@ def group_by_length(lengths: Sequence[int], split_slots: int = GROUP_SPLIT_SLOTS
     return groups
 
 
-class PagedLlama:
-    """Llama weights plus a block-paged KV cache; `step()` runs one batched forward."""
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def __init__(self, dims: LlamaDims, weights: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, packed: bool | None = None):
-        self.dims = dims
+
+def default_dtype(device: str) -> torch.dtype:
+    """float32 on CPU (oneDNN's packed GEMM), bfloat16 on a GPU."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def load_causal_lm(model_dir: Path, dtype: torch.dtype, device: str, gguf_file: str | None = None) -> nn.Module:
+    """`AutoModelForCausalLM` from a local directory (or a GGUF file in it), never the hub."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True,
+                                                 attn_implementation=ATTENTION, **extra)
+    return model.to(device).eval()
+
+
+class PagedCausalLM:
+    """A `transformers` causal LM plus a block-paged KV cache; `step()` runs one batched forward."""
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, packed: bool | None = None):
+        register_attention()
+        self.model = model
+        self.shape = ModelShape.from_config(model.config)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._set_attention(model.config)
+        on_cpu = self.device.type == "cpu"
         # None: pack the float32 weights for oneDNN where this torch has it
-        self.packed = (dtype == torch.float32 and onednn_available()) if packed is None else packed
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.dtype = dtype
+        self.packed = (on_cpu and self.dtype == torch.float32 and onednn_available()) if packed is None else packed
+        if on_cpu:
+            fuse_projections(model, self.packed)
+        self.cache = PagedCache(self.shape, num_blocks, block_size, self.dtype, self.device)
         self.group_split_slots = GROUP_SPLIT_SLOTS  # decode attention groups (group_by_length)
 
-        def weight(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"the model weights have no tensor {name!r}")
-            return weights[name].to(dtype).contiguous()
-
-        def dense(*names: str) -> DenseWeight:
-            # Several matrices on one input are stacked into one: fewer, larger GEMMs per step.
-            return DenseWeight(torch.cat([weight(name) for name in names]), self.packed)
-
-        self.embed = weight("model.embed_tokens.weight")
-        self.lm_head = dense("model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight")
-        self.final_norm = weight("model.norm.weight")
-        self.layers = []
-        for i in range(dims.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append((
-                weight(p + "input_layernorm.weight"),
-                dense(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
-                dense(p + "self_attn.o_proj.weight"),
-                weight(p + "post_attention_layernorm.weight"),
-                dense(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                dense(p + "mlp.down_proj.weight"),
-            ))
-        self.inv_freq = 1.0 / (dims.rope_theta ** (
-            torch.arange(0, dims.head_dim, 2, dtype=torch.int64).float() / dims.head_dim))
-        # [layer, slot, kv_head, head_dim]; slot = block * block_size + offset in the block
-        shape = (dims.num_layers, num_blocks * block_size, dims.num_kv_heads, dims.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+    @staticmethod
+    def _set_attention(config: Any) -> None:
+        for part in {id(c): c for c in (config, config.get_text_config())}.values():
+            part._attn_implementation = ATTENTION
 
     @classmethod
-    def from_dir(cls, model_dir: Path, num_blocks: int, block_size: int) -> PagedLlama:
-        from safetensors.torch import load_file
+    def from_dir(cls, model_dir: Path, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                 device: str | None = None) -> PagedCausalLM:
+        device = device or default_device()
+        return cls(load_causal_lm(model_dir, dtype or default_dtype(device), device), num_blocks, block_size)
 
-        dims = LlamaDims.from_dir(model_dir)
-        return cls(dims, load_file(str(Path(model_dir) / "model.safetensors")), num_blocks, block_size)
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
 
     @property
     def kv_bytes_per_token(self) -> int:
-        d = self.dims
-        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * self.k_cache.element_size()
+        s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.cache.k.element_size()
 
     def _slots(self, block_table: Sequence[int], positions: range) -> list[int]:
         bs = self.block_size
@@ -222,6 +390,7 @@ class PagedLlama:
         padded calls of similar context lengths (`group_by_length`), each prefill chunk in a
         call of its own, so no sequence pays for another's query length, and a short chat
         little for a long essay's context."""
+        device = self.device
         groups: list[_AttentionGroup] = []
         decode_rows, decode_slots, decode_lens = [], [], []
         row = 0
@@ -233,25 +402,26 @@ class PagedLlama:
                 decode_slots.append(slots)
                 decode_lens.append(end)
             else:
-                # Query j (at position start + j) sees the keys at positions <= start + j.
-                causal = torch.arange(end)[None, :] <= (seq.start + torch.arange(n))[:, None]
-                groups.append(_AttentionGroup(rows=torch.arange(row, row + n), slots=torch.tensor([slots]),
-                                              mask=causal[None, None], num_queries=n))
+                groups.append(_AttentionGroup(rows=torch.arange(row, row + n, device=device),
+                                              slots=torch.tensor([slots], device=device),
+                                              query_positions=torch.arange(seq.start, end, device=device)[None],
+                                              num_queries=n))
             row += n
         for members in group_by_length(decode_lens, self.group_split_slots):
             width = max(decode_lens[i] for i in members)
             padded = [decode_slots[i] + [0] * (width - decode_lens[i]) for i in members]  # padding keys are masked
-            mask = torch.arange(width)[None, :] < torch.tensor([decode_lens[i] for i in members])[:, None]
-            groups.append(_AttentionGroup(rows=torch.tensor([decode_rows[i] for i in members]),
-                                          slots=torch.tensor(padded), mask=mask[:, None, None, :], num_queries=1))
+            groups.append(_AttentionGroup(
+                rows=torch.tensor([decode_rows[i] for i in members], device=device),
+                slots=torch.tensor(padded, device=device),
+                query_positions=torch.tensor([[decode_lens[i] - 1] for i in members], device=device),
+                num_queries=1))
         return groups
 
     @torch.inference_mode()
     def step(self, batch: Sequence[StepSequence]) -> torch.Tensor:
         """Compute one step; returns float32 logits [number of sampling sequences, vocab], in batch order."""
-        d = self.dims
         if not batch:
-            return torch.empty((0, d.vocab_size))
+            return torch.empty((0, self.shape.vocab_size))
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -267,46 +437,11 @@ class PagedLlama:
             slots.extend(contexts[-1][seq.start:])
             if seq.samples:
                 sample_rows.append(len(token_ids) - 1)
-        groups = self._plan_attention(batch, contexts)
-
-        pos = torch.tensor(positions, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(self.dtype)[:, None, :]
-        sin = emb.sin().to(self.dtype)[:, None, :]
-        slot_index = torch.tensor(slots, dtype=torch.long)
-        gqa = d.num_kv_heads != d.num_heads
-
-        q_width = d.num_heads * d.head_dim
-        kv_width = d.num_kv_heads * d.head_dim
-        hidden = self.embed[torch.tensor(token_ids, dtype=torch.long)]
-        for layer, (norm1, qkv_w, o_w, norm2, gate_up_w, down_w) in enumerate(self.layers):
-            h = _rms_norm(hidden, norm1, d.rms_norm_eps)
-            q, k, v = qkv_w(h).split((q_width, kv_width, kv_width), dim=-1)
-            q = q.view(-1, d.num_heads, d.head_dim)
-            k = k.view(-1, d.num_kv_heads, d.head_dim)
-            v = v.view(-1, d.num_kv_heads, d.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-            k_cache[slot_index] = k
-            v_cache[slot_index] = v
-            attn = torch.empty_like(q)
-            for group in groups:
-                # One index_select over the flat slot list per tensor: cheaper than advanced
-                # indexing with the 2-D slot index, and the same rows.
-                context = (*group.slots.shape, d.num_kv_heads, d.head_dim)
-                flat = group.slots.view(-1)
-                keys = k_cache.index_select(0, flat).view(context).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
-                values = v_cache.index_select(0, flat).view(context).transpose(1, 2)
-                # [seqs, heads, queries, head_dim]: decodes are one query per sequence; a prefill chunk is one sequence
-                queries = q[group.rows].view(-1, group.num_queries, d.num_heads, d.head_dim).transpose(1, 2)
-                out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=gqa)
-                attn[group.rows] = out.transpose(1, 2).reshape(-1, d.num_heads, d.head_dim)
-            hidden = hidden + o_w(attn.view(-1, q_width))
-            h = _rms_norm(hidden, norm2, d.rms_norm_eps)
-            gate, up = gate_up_w(h).chunk(2, dim=-1)
-            hidden = hidden + down_w(F.silu(gate) * up)
-
-        last = _rms_norm(hidden[torch.tensor(sample_rows, dtype=torch.long)], self.final_norm, d.rms_norm_eps)
-        return self.lm_head(last).float()
+        device = self.device
+        plan = _StepPlan(slot_index=torch.tensor(slots, dtype=torch.long, device=device),
+                         groups=self._plan_attention(batch, contexts), cache=self.cache)
+        out = self.model(input_ids=torch.tensor([token_ids], device=device),
+                         position_ids=torch.tensor([positions], device=device), use_cache=False,
+                         logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
+                         **{STEP_KWARG: plan})
+        return out.logits[0].float().cpu()

@@ -253,7 +253,7 @@ def convert_llm(gguf: Path, out_dir: Path) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from python_backends.llm.model import PagedLlama, StepSequence
+    from python_backends.llm.model import PagedCausalLM, StepSequence
 
     hf_logging.set_verbosity_error()  # the GGUF tokenizer's "legacy behaviour" notice is expected
     with warnings.catch_warnings():
@@ -267,7 +267,7 @@ def convert_llm(gguf: Path, out_dir: Path) -> float:
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
     with torch.inference_mode():
         reference = model(torch.tensor([ids])).logits[0, -1]
-    engine = PagedLlama.from_dir(out_dir, num_blocks=(len(ids) + 15) // 16, block_size=16)
+    engine = PagedCausalLM.from_dir(out_dir, num_blocks=(len(ids) + 15) // 16, block_size=16, device="cpu")
     ours = engine.step([StepSequence(ids, 0, list(range(engine.num_blocks)), True)])[0]
     return float((ours - reference).abs().max())
 
