@@ -463,7 +463,7 @@ def test_profile_round_trip_keeps_the_router_cpu():
 # --- the LLM ------------------------------------------------------------------------------
 
 LLM = {"kv_cache_mb": 64, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1024,
-       "default_max_tokens": 64, "ttft_p95_ms": 1000, "threads": 0}
+       "default_max_tokens": 64, "ttft_p95_ms": 1000, "tpot_p95_ms": 400, "threads": 0}
 
 
 def test_llm_config_is_decoupled_with_optional_inputs_and_engine_parameters(plan):

@@ -336,7 +336,7 @@ def llm_config(model: LLMModelSpec, tenants: TenantPolicy, auth: AuthConfig) -> 
         batching=model.batching, kv_cache_mb=model.kv_cache_mb, block_size=model.block_size,
         max_num_seqs=model.max_num_seqs, max_num_batched_tokens=model.max_num_batched_tokens,
         max_model_len=model.max_model_len, default_max_tokens=model.default_max_tokens, num_threads=model.threads,
-        tenants=tenants, tenant_auth=auth)
+        device=model.device, dtype=model.dtype, tenants=tenants, tenant_auth=auth)
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config

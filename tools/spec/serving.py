@@ -212,7 +212,11 @@ class LLMModelSpec:
     max_model_len: int  # context: prompt plus output tokens
     default_max_tokens: int  # output tokens when a request does not say
     ttft_p95_ms: float  # time-to-first-token target (p95)
+    tpot_p95_ms: float  # time-per-output-token target (p95 over requests of their mean after the first)
     threads: int  # torch intra-op threads; 0: every core
+    source: Path | None = None  # a Hugging Face folder or a .gguf file; None: the packaged SmolLM2 GGUF
+    device: str = "auto"  # cpu, cuda, or auto (cuda where torch sees a GPU)
+    dtype: str = "auto"  # float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on a GPU)
 
 
 @dataclass(frozen=True)
@@ -826,8 +830,17 @@ class LLMModelTable(Table):
     """Output tokens when a request does not say; < max_model_len."""
     ttft_p95_ms: float = Field(gt=0)
     """Time-to-first-token target (p95)."""
+    tpot_p95_ms: float = Field(gt=0)
+    """Time-per-output-token target (p95 over requests of each one's mean after its first token)."""
     threads: int = Field(ge=0)
     """Torch intra-op threads; 0: every core."""
+    source: str | None = None
+    """The model: a Hugging Face folder or a .gguf file, relative to this file; none: the packaged
+    SmolLM2-135M-Instruct GGUF (`add-model NAME --llm PATH` writes it)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs: auto is cuda where torch sees a GPU, else cpu."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights, activations and KV cache: auto is float32 on CPU, bfloat16 on a GPU."""
 
     @field_validator("batching", mode="before")
     @classmethod
@@ -846,8 +859,10 @@ class LLMModelTable(Table):
                               f"({self.max_model_len})")
         return self
 
-    def model(self, name: str) -> LLMModelSpec:
-        return LLMModelSpec(name=name, **self.model_dump())
+    def model(self, name: str, root: Path) -> LLMModelSpec:
+        fields = self.model_dump()
+        source = fields.pop("source")
+        return LLMModelSpec(name=name, source=(root / source) if source else None, **fields)
 
 
 class ServingFile(Table):
@@ -923,7 +938,7 @@ class ServingFile(Table):
             tiers=tuple(sorted((t.policy(name) for name, t in tenants.tiers.items()), key=lambda t: t.priority)),
             default_tier=tenants.default_tier or tenants.lowest_tier(),
             hardware={kind: table.limits(kind) for kind, table in self.hardware.items()},
-            llm_models=tuple(table.model(name) for name, table in self.llm_models.items()),
+            llm_models=tuple(table.model(name, root) for name, table in self.llm_models.items()),
             tenant_members=dict(tenants.members),
             tenant_auth=None if auth.mode is AuthMode.OFF else TenantAuthSpec(
                 mode=auth.mode, keys_file=(root / auth.keys_file).resolve(),
