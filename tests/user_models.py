@@ -14,6 +14,8 @@ cores, so that latency curves are those of real graphs while nothing is download
    frame mask makes padded frames count for nothing.
 5. `external_repository`: a Triton model repository of the user's own, one Python-backend
    model with a hand-written config.pbtxt.
+6. `chat_llm_dir`: a Hugging Face folder of a small Qwen2 decoder (biases in its attention)
+   with a word-level tokenizer of its vocabulary and a chat template.
 
 Every builder takes the folder to write into and returns the path of what it made (a file or
 folder inside it); building twice gives the same bytes. The weights are drawn under
@@ -96,6 +98,43 @@ def _bert_dir(folder: Path, name: str, seed: int, shape: dict | None = None, **c
         model = model_class(config).eval()
     model.save_pretrained(str(destination), safe_serialization=True)
     _copy_tokenizer(destination)
+    return destination
+
+
+LLM_VOCAB = 512  # "t0" ... "t511"; t0 pads, t1 ends a sequence, t2 begins one
+CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} t1 {% endfor %}"
+                 "{% if add_generation_prompt %}t3 {% endif %}")
+
+
+def save_word_tokenizer(folder: Path, chat_template: str | None = None) -> None:
+    """A real word-level tokenizer over the test vocabulary, saved as a Hugging Face tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(LLM_VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", eos_token="t1",
+                                   bos_token="t2")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(folder))
+
+
+def chat_llm_dir(folder: Path) -> Path:
+    """A Hugging Face folder of a randomly initialised Qwen2 chat model (two layers)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    destination = Path(folder) / "chat-llm"
+    if destination.exists():
+        shutil.rmtree(destination)
+    destination.mkdir(parents=True)
+    config = Qwen2Config(vocab_size=LLM_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    with _seeded(0):
+        model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(str(destination), safe_serialization=True)
+    save_word_tokenizer(destination, CHAT_TEMPLATE)
     return destination
 
 

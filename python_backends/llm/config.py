@@ -27,6 +27,7 @@ from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
 from python_backends.llm.scheduler import BatchingPolicy, SchedulerConfig
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json")  # what build-models writes and the engine loads
 
 
 @dataclass(frozen=True)

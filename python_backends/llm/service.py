@@ -31,7 +31,7 @@ from python_backends.common.tenant_auth import (
     VerifiedTokens,
     resolve_tenant,
 )
-from python_backends.llm.config import LLMParameters
+from python_backends.llm.config import REQUIRED_FILES, LLMParameters
 from python_backends.llm.engine import EngineLoop, EngineStats, LLMEngine, StepOutput, inputs_from_arrays
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
@@ -172,7 +172,7 @@ class LLMService:
         except ValueError as err:
             raise pb.TritonModelException(str(err)) from None
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        verify_artifacts(version_dir, name, required=["model.safetensors", "config.json", "tokenizer.json"])
+        verify_artifacts(version_dir, name, required=REQUIRED_FILES)
         engine = LLMEngine.from_dir(version_dir, config)
         service = cls(pb, name, engine, parameters.tenants, parameters.tenant_auth)
         pb.Logger.log_info(

@@ -14,6 +14,7 @@ from python_backends.common.artifacts import MANIFEST, verify_artifacts
 from tests.unit.test_gen_config import REPO
 from tests.user_models import (
     audio_conv_onnx,
+    chat_llm_dir,
     cross_encoder_dir,
     image_classifier_onnx,
     minilm_tokenizer,
@@ -216,3 +217,57 @@ def test_a_model_that_cannot_be_served_leaves_everything_as_it_was(kit, made, ca
     assert error.startswith("error: ") and message in error and error.count("\n") == 1
     assert (kit / "serving.toml").read_text() == before
     assert list((kit / "repo").iterdir()) == []
+
+
+# --- generative models (--llm) ---------------------------------------------------------------
+
+
+def add_llm(kit: Path, *args: str) -> int:
+    return main(["add-model", *args, "--spec", str(kit / "serving.toml"), "--model-repository", str(kit / "repo")])
+
+
+def test_an_llm_folder_becomes_a_spec_table_and_a_built_engine_model(kit, tmp_path_factory, capsys):
+    from python_backends.llm.config import REQUIRED_FILES, EngineConfig
+    from python_backends.llm.engine import LLMEngine
+    from python_backends.llm.scheduler import SamplingParams
+
+    source = chat_llm_dir(tmp_path_factory.mktemp("llm"))
+    assert add_llm(kit, "chat", "--llm", str(source)) == 0
+    out = capsys.readouterr().out
+    assert "a qwen2 decoder: 2 layers, 2 KV heads of 16" in out and "chosen, check it:    kv_cache_mb" in out
+    table = tomllib.loads((kit / "serving.toml").read_text())["llm_models"]["chat"]
+    assert table["source"] == str(source) and table["max_model_len"] == 1024 and table["batching"] == "continuous"
+    version = kit / "repo" / "chat" / "1"
+    verify_artifacts(version, "chat", required=REQUIRED_FILES)  # every file the build wrote, checksummed
+    assert "llm_infer_model" in (kit / "repo" / "chat_infer" / "1" / "model.py").read_text()
+    llm = LLMEngine.from_dir(version, EngineConfig(kv_cache_bytes=1 << 20, max_model_len=1024, device="cpu"))
+    assert llm.tokenizer.stop_token_ids == (1,)
+    prompt, _ = llm.prepare(build_chat("t5 t6 t7"))
+    assert prompt == [3, 5, 6, 7, 1, 3]  # the model's own chat template
+    llm.add("r", prompt, SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=()))
+    seq = llm.scheduler.sequence("r")
+    while llm.has_work:
+        llm.step()
+    assert len(seq.output_token_ids) == 4
+    # Built once: a build of the spec finds it up to date.
+    assert main(["build-models", "--spec", str(kit / "serving.toml"), "--model-repository", str(kit / "repo")]) == 0
+    assert "LLM chat: 1 version folder(s) up to date" in capsys.readouterr().out
+
+
+def build_chat(content: str):
+    from python_backends.llm.engine import build_inputs
+
+    return build_inputs(text_input=None, messages=json.dumps([{"role": "user", "content": content}]), max_tokens=4,
+                        temperature=None, top_p=None, seed=None, stop=(), stream=True)
+
+
+@pytest.mark.parametrize(("which", "options", "message"), [
+    ("encoder_dir", [], "BertModel is not a decoder-only causal language model"),
+    ("raw", [], "--llm takes a Hugging Face folder or a .gguf file"),
+    ("encoder_dir", ["--slo-ms", "100"], "--slo-ms do(es) not apply to a generative model"),
+])
+def test_an_llm_add_model_cannot_serve_is_named_and_nothing_changes(kit, made, which, options, message, capsys):
+    before = (kit / "serving.toml").read_text()
+    assert add_llm(kit, "chat", "--llm", str(made[which]), *options) == 2
+    assert message in capsys.readouterr().err
+    assert (kit / "serving.toml").read_text() == before and not any((kit / "repo").iterdir())

