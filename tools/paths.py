@@ -17,3 +17,4 @@ PROFILE_DIR = SERVING_HOME / "profiles"
 ROLLOUT_RECORDS = SERVING_HOME / "rollouts"
 RESULTS_DIR = REPO_ROOT / "results"
 BUILD_DIR = REPO_ROOT / "build"
+CHAT_WORKLOAD = REPO_ROOT / "loadtest" / "workloads" / "llm_chat.toml"  # the LLM workload the tools plan and bench with

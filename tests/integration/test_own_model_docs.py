@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 from tests.doc_examples import REPO, run_shown, setup_problem, shell, shown
 from tests.user_models import (
     audio_conv_onnx,
+    chat_llm_dir,
     cross_encoder_dir,
     external_repository,
     image_classifier_onnx,
@@ -148,6 +149,8 @@ def test_the_other_kinds_are_added_as_shown(tmp_path):
               "--workload my-models/frames.toml --pad features=0 --pad frame_mask=0 --tolerance 0.001"), folder)
     run(shown("docs/own-models.md", "python -m tools add-model image --onnx my-models/image.onnx --tolerance 0.001"),
         folder)
+    chat_llm_dir(models)
+    run(shown("docs/own-models.md", "python -m tools add-model chat --llm my-models/chat-llm"), folder)
     external_repository(folder).rename(folder / "my-triton-repo")
     before = {path: path.read_bytes() for path in (folder / "my-triton-repo").rglob("*") if path.is_file()}
     run(shown("docs/own-models.md", "python -m tools add-model scorer --external my-triton-repo/user_scorer "
@@ -159,9 +162,11 @@ def test_the_other_kinds_are_added_as_shown(tmp_path):
     assert tables["audio"]["pad"] == {"features": 0.0, "frame_mask": 0.0}
     assert tables["image"]["kind"] == "tensor" and "buckets" not in tables["image"]
     assert tables["scorer"] == {**tables["scorer"], "kind": "external", "model": "user_scorer"}
+    assert tomllib.loads((folder / "serving.toml").read_text())["llm_models"]["chat"]["source"] == "my-models/chat-llm"
+    assert (folder / "model_repository" / "chat" / "1" / "model.safetensors").is_file()
     assert sorted(p.name for p in (folder / "model_repository").iterdir()) == [
-        "audio", "audio_16", "audio_64", "image", "image_fixed", "rerank", "rerank_128", "rerank_32", "rerank_64",
-        "scorer"]
+        "audio", "audio_16", "audio_64", "chat", "chat_infer", "image", "image_fixed", "rerank", "rerank_128",
+        "rerank_32", "rerank_64", "scorer"]
 
 
 def shown_table() -> dict:

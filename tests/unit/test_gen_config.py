@@ -424,8 +424,10 @@ def test_a_gpu_profile_puts_the_buckets_on_the_gpu_and_keeps_the_router_on_the_c
     gpu_threads = spec.hardware["gpu"].intra_op_threads
     hardware = dataclasses.replace(cpu.hardware, name="h100", kind="gpu", gpu="NVIDIA H100 80GB HBM3",
                                    description="NVIDIA H100 80GB HBM3 + 16 x Intel Xeon", cpu_count=16,
-                                   details={**cpu.hardware.details, "intra_op_threads": gpu_threads})
-    plan = plan_all(spec, dataclasses.replace(cpu, path=REPO / "profiles" / "h100.json", hardware=hardware))
+                                   details={**cpu.hardware.details, "intra_op_threads": gpu_threads,
+                                            "gpu_memory_gb": 79.6})
+    plan = plan_all(spec, dataclasses.replace(cpu, path=REPO / "profiles" / "h100.json", hardware=hardware),
+                    REPO / "model_repository")
     by_name = {m.name: m for m in plan}
     for length in spec.models[0].bucket_lens:
         config = by_name[f"encoder_{length}"].config

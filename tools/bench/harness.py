@@ -13,6 +13,7 @@ previous run measured (`measured_goodput`: reads results/goodput.json).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -60,11 +61,15 @@ def detect_hardware(name: str | None) -> Hardware:
                 break
     except OSError:
         pass
-    gpu = None
+    gpu, gpu_details = None, {}
     if shutil.which("nvidia-smi"):
-        result = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                text=True, timeout=30)
-        gpu = result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
+        result = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=30)
+        if result.returncode == 0 and result.stdout.strip():
+            name, _, mib = result.stdout.strip().splitlines()[0].rpartition(",")
+            gpu = name.strip() or mib.strip()
+            with contextlib.suppress(ValueError):  # gpu_memory_gb sizes the LLM's KV cache (gen-config)
+                gpu_details["gpu_memory_gb"] = round(float(mib) / 1024, 1)
     import onnxruntime
 
     kind = "gpu" if gpu else "cpu"
@@ -78,7 +83,8 @@ def detect_hardware(name: str | None) -> Hardware:
         cpu_count=os.cpu_count() or 0,
         gpu=gpu,
         details={"memory_gb": memory_gb, "platform": platform.platform(), "python": platform.python_version(),
-                 "onnxruntime": onnxruntime.__version__, "providers": onnxruntime.get_available_providers()},
+                 "onnxruntime": onnxruntime.__version__, "providers": onnxruntime.get_available_providers(),
+                 **gpu_details},
     )
 
 

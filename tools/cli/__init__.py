@@ -31,6 +31,7 @@ from tools.cli import (
     tenant_token,
     top,
     tune,
+    vllm_config,
 )
 
 # verb -> its module in tools/cli/, named as the verb
@@ -52,6 +53,7 @@ COMMANDS = {
     "capacity": capacity,
     "batch": batch,
     "llm-api": llm_api,
+    "vllm-config": vllm_config,
     "admin-key": admin_key,
     "tenant-token": tenant_token,
 }

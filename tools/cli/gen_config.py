@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
         profile = load_profile(args.profile or spec.profile)
-        plan = plan_all(spec, profile)
+        plan = plan_all(spec, profile, args.model_repository.resolve())
         edges = [explain_line(compare_edges(m, load_workload(m.workload)))
                  for m in spec.models if m.workload and args.explain]
     except (SpecError, ProfileError, InfeasibleSLO, WorkloadError) as err:

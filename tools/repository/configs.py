@@ -13,6 +13,8 @@ user's repository: its plan holds the user's text and the derived managed fields
 from __future__ import annotations
 
 import difflib
+import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from python_backends.embed.router import RouterParameters
 from python_backends.llm.config import LLMInferParameters, LLMParameters
 from python_backends.tensor.bucket import TensorBucketParameters
 from python_backends.tensor.router import FIXED_BUCKET, TensorRouterConfig, TensorRouterParameters
-from tools.paths import REPO_ROOT
+from tools.paths import CHAT_WORKLOAD, DEFAULT_MODEL_REPOSITORY, REPO_ROOT
 from tools.planning.derivation import (
     Admission,
     BatchingKnobs,
@@ -47,6 +49,13 @@ from tools.planning.derivation import (
     plan_slo_fit,
     preferred_batch,
 )
+from tools.planning.llm_limits import (
+    ChatShape,
+    LLMCost,
+    LLMLimitsError,
+    gpu_limits,
+    mean_context_tokens,
+)
 from tools.planning.regimes import derive_express, derive_regimes, unbatched_capacity_rps
 from tools.planning.search import apply_tuned
 from tools.repository.external import MANAGED_FIELDS, loaded_versions, managed_drift, merge_managed
@@ -61,7 +70,7 @@ from tools.repository.sources import (
 )
 from tools.spec.profile import LatencyCurve, LatencyProfile, curve_at_length
 from tools.spec.serving import BucketedModelSpec, HardwareLimits, LLMModelSpec, ServingSpec, SpecError
-from tools.spec.workload import load_workload
+from tools.spec.workload import load_chat_workload, load_workload
 
 ROUTING_FILE = "routing.json"  # the live version split, in the router's model folder (rollout writes it)
 
@@ -372,7 +381,64 @@ def auth_header(spec: ServingSpec) -> str:
             f"re-read within 1 s of a change) names the tenant; {who}")
 
 
-def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
+def llm_cost(model: LLMModelSpec, repository: Path) -> LLMCost:
+    """The model's size and KV shape, from its newest built version folder."""
+    from safetensors import safe_open
+
+    from python_backends.llm.config import REQUIRED_FILES
+
+    folder = repository / model.name / str(max(model.versions))
+    if not all((folder / name).is_file() for name in REQUIRED_FILES):
+        raise SpecError(f"[llm_models.{model.name}]: {folder} is not built; a GPU profile sizes the engine from the "
+                        "model's files: run `python -m tools build-models` first")
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads = int(text["num_attention_heads"])
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as weights:
+        count = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118
+    return LLMCost(num_parameters=count, num_layers=int(text["num_hidden_layers"]),
+                   num_kv_heads=int(text.get("num_key_value_heads") or heads),
+                   head_dim=int(text.get("head_dim") or text["hidden_size"] // heads))
+
+
+def chat_shapes(path: Path = CHAT_WORKLOAD) -> list[ChatShape]:
+    """The chat workload's kinds, as far as their context lengths go."""
+    workload = load_chat_workload(path)
+    shapes = []
+    for kind in workload.kinds:
+        words = sum(len(prompt.split()) for prompt in kind.prompts) / len(kind.prompts)
+        if kind.context_words:
+            words += sum(kind.context_words) / 2
+        shapes.append(ChatShape(share=kind.share, prompt_words=words, max_tokens=tuple(kind.max_tokens)))
+    return shapes
+
+
+def hardware_llm_model(model: LLMModelSpec, profile: LatencyProfile,
+                       repository: Path | None) -> tuple[LLMModelSpec, tuple[str, ...]]:
+    """The model as the profile's hardware runs it, and why: the spec's limits on a CPU; on a
+    GPU, CUDA with the limits `gpu_limits` derives from the GPU's memory (`llm_limits`)."""
+    hardware = profile.hardware
+    if hardware.kind != "gpu" or model.device == "cpu":
+        return model, ()
+    memory_gb = hardware.details.get("gpu_memory_gb")
+    if not memory_gb:
+        raise SpecError(f"profile {profile.path}: a GPU profile must record gpu_memory_gb (re-run "
+                        "`python -m tools profile` on the GPU node)")
+    cost = llm_cost(model, repository or DEFAULT_MODEL_REPOSITORY)
+    try:
+        limits = gpu_limits(cost, int(float(memory_gb) * (1 << 30)), mean_context_tokens(chat_shapes()),
+                            model.max_model_len, model.dtype)
+    except LLMLimitsError as err:
+        raise SpecError(f"[llm_models.{model.name}] on {hardware.description}: {err}") from None
+    derived = replace(model, device=limits.device, dtype=limits.dtype, kv_cache_mb=limits.kv_cache_mb,
+                      max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens)
+    return derived, (f"On {hardware.description} (derived from its memory, not the spec's CPU values):",
+                     *limits.reasons)
+
+
+def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfile,
+                   repository: Path | None = None) -> list[GeneratedModel]:
+    model, hardware_lines = hardware_llm_model(model, profile, repository)
     if model.batching == "continuous":
         policy = (f"Continuous batching: up to {model.max_num_seqs} sequences and {model.max_num_batched_tokens} "
                   "tokens per step (prefill chunks + decodes),",
@@ -385,7 +451,7 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
     header = (*provenance(spec, profile), "", *policy,
               f"tenants: generated-token quota of each tenant by tier ({tiers}); a request reserves its max_tokens",
               "(at most the burst) and gets back what it did not generate when it finishes.",
-              auth_header(spec))
+              auth_header(spec), *hardware_lines)
     infer_header = (*provenance(spec, profile), "",
                     f"Plain (unary) infer for {model.name!r}: forwards each request to its engine and answers once")
     config = llm_config(model, spec.tenant_policy(), spec.auth_config())
@@ -718,9 +784,10 @@ def plan_express(model: BucketedModelSpec, spec: ServingSpec, profile: LatencyPr
                           versions=model.versions, knobs=knobs, files_of=model.encoder_name(shortest))
 
 
-def plan_all(spec: ServingSpec, profile: LatencyProfile) -> list[GeneratedModel]:
+def plan_all(spec: ServingSpec, profile: LatencyProfile, repository: Path | None = None) -> list[GeneratedModel]:
     plan = [generated for model in spec.models for generated in plan_embed_model(model, spec, profile)]
-    return plan + [generated for model in spec.llm_models for generated in plan_llm_model(model, spec, profile)]
+    return plan + [generated for model in spec.llm_models
+                   for generated in plan_llm_model(model, spec, profile, repository)]
 
 
 def expected_files(plan: list[GeneratedModel], repository: Path) -> dict[Path, str]:
