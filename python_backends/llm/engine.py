@@ -321,7 +321,11 @@ class LLMEngine:
                                       chunk.samples))
         logits = self.model.step(batch)
         sampling = [chunk.seq_id for chunk in output.chunks if chunk.samples]
-        sampled = {seq_id: sample(logits[row], self.requests[seq_id].seq.params, self.requests[seq_id].generator)
+        # Greedy rows in one argmax over the batch (one call per row cost 0.1 ms each, 5 ms a
+        # step at 48 sequences on 2 cores); sampled rows one by one with their own generators.
+        greedy = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+        sampled = {seq_id: greedy[row] if self.requests[seq_id].seq.params.temperature == 0.0 else
+                   sample(logits[row], self.requests[seq_id].seq.params, self.requests[seq_id].generator)
                    for row, seq_id in enumerate(sampling)}
         now = self.clock()
         events = self.scheduler.update_from_output(output, sampled, now)
