@@ -340,6 +340,19 @@ def test_search_stops_at_max_rps_and_when_results_disagree():
     assert noisy.next_rate() is None and noisy.best_rate == 20
 
 
+def test_search_takes_verdicts_of_the_callers_own_criteria():
+    # The LLM benchmark judges a rate by finished share, failures, TTFT and TPOT p95, not by a
+    # StepResult: the same doubling and bisection run on its verdicts.
+    by_verdict, by_result = RateSearch(1, max_steps=20), RateSearch(1, max_steps=20)
+    while (rate := by_verdict.next_rate()) is not None:
+        assert rate == by_result.next_rate()
+        by_verdict.record_verdict(rate, rate <= 3)
+        by_result.record(rate, step(goodput=1.0 if rate <= 3 else 0.5))
+    assert by_verdict.history == by_result.history
+    assert by_verdict.best_rate == by_result.best_rate == 3
+    assert by_result.done
+
+
 @pytest.mark.parametrize("kwargs", [{"start_rps": 0}, {"start_rps": 1, "min_goodput": 1.5},
                                     {"start_rps": 1, "rel_tolerance": 0}, {"start_rps": 1, "max_steps": 0},
                                     {"start_rps": 1, "max_errors": -1}, {"start_rps": 1, "min_rps": 2}])

@@ -266,3 +266,60 @@ def test_the_cost_of_a_refusal_is_rendered_when_the_run_measured_it():
             "9,558 refused (503) before any work on them, at 0.89 ms of server CPU each") in section
     del overload["refusals"]
     assert "**Refusals**" not in render_sections({**results, "overload": overload}, "../results/")["overload"]
+
+
+def llm_capacity(result: dict, *, peer: bool) -> dict:
+    """The LLM result with the capacity figures `bench llm` adds (hand-picked numbers)."""
+    steps = {"static": [(1.0, False), (0.5, False), (0.25, False)], "static_retiring": [(1.0, False), (0.5, True)],
+             "continuous": [(1.0, True), (2.0, True), (4.0, False), (3.0, True)]}
+    goodput = {"static": 0.0, "static_retiring": 0.5, "continuous": 3.0}
+    saturated = {"static": 61.0, "static_retiring": 150.0, "continuous": 252.0}
+    for name in steps:
+        result[name] = {**result[name], "llm_goodput_rps": goodput[name], "saturated_tokens_per_s": saturated[name],
+                        "goodput_steps": [{"rate_rps": rate, "passed": passed} for rate, passed in steps[name]]}
+    result.update(
+        ttft_p95_ms=1000.0, tpot_p95_ms=400.0, decode_limit_tokens_per_s=400.0,
+        decode_limit={"num_seqs": 96, "context_tokens": 131, "step_ms_median": 240.0, "kv_budget_num_seqs": 66},
+        capacity={"search_start_rps": 1.0, "search_min_rps": 0.25, "step_s": 80.0, "step_warmup_s": 20.0,
+                  "min_finished_share": 0.95, "concurrency": 96, "saturated_list": 1000, "saturate_s": 150.0,
+                  "saturate_warmup_s": 30.0},
+        targets={"goodput_above_every_baseline": True, "saturated_at_least_70pct_of_decode_limit": False,
+                 "saturated_at_least_3x_transformers_cb": True if peer else None})
+    result["ratios"] = {**result["ratios"], "llm_goodput_continuous_vs_static": None,
+                        "llm_goodput_continuous_vs_static_retiring": 6.0, "saturated_continuous_vs_decode_limit": 0.63}
+    if peer:
+        result["transformers_cb"] = {"saturated_tokens_per_s": 80.0, "transformers": "5.23.0",
+                                     "attn_implementation": "sdpa",
+                                     "same_answers_as_continuous": {"compared": 200, "same_length_share": 0.97}}
+        result["ratios"]["saturated_continuous_vs_transformers_cb"] = 3.15
+    return result
+
+
+def test_the_llm_capacity_figures_are_a_table_of_their_own(kit):
+    path = kit["results"] / "llm.json"
+    result = json.loads(path.read_text())
+    sections = render_sections(load_results(kit["results"]), "../results/")
+    if "decode_limit_tokens_per_s" not in result:  # a result file from before these figures says it has none
+        assert "Capacity (goodput under the TTFT and TPOT targets" in sections["llm"]
+        assert "LLM capacity" not in sections["headline"]
+    path.write_text(json.dumps(llm_capacity(json.loads(json.dumps(result)), peer=True)))
+    sections = render_sections(load_results(kit["results"]), "../results/")
+    section = sections["llm"]
+    assert "TTFT p95 ≤ 1,000 ms and TPOT p95 ≤ 400 ms" in section
+    assert "| `static` | none at ≥ 0.25 | 1.00 fail, 0.50 fail, 0.25 fail | 61.0 | 15% |" in section
+    assert "| `continuous` | **3.00** | 1.00 pass, 2.00 pass, 4.00 fail, 3.00 pass | 252.0 | 63% |" in section
+    assert "| `transformers_cb`: transformers 5.23.0's own continuous batching" in section
+    assert "answers as long as continuous's for 97% of the 200 requests both finished | - | - | 80.0 | 20% |" in section
+    assert ("| decode limit: the engine's forward alone, 96 sequences at 131 tokens of context (240 ms a step; "
+            "the KV budget holds 66 such sequences) | - | - | 400.0 | 100% |") in section
+    times = "\N{MULTIPLICATION SIGN}"
+    assert (f"goodput `static` has none at ≥ 0.25 req/s; 6.00{times} `static_retiring`'s; saturated tokens/s 63% "
+            f"of the decode limit and 3.15{times} `transformers_cb`'s") in section
+    assert ("Targets: continuous's goodput above every baseline's: met; saturated tokens/s ≥ 70% of the decode "
+            f"limit: missed; saturated tokens/s ≥ 3{times} `transformers_cb`'s: met.") in section
+    assert ("| LLM capacity (p95 TTFT, TPOT within target) | goodput 3.00 req/s; 252.0 tokens/s saturated | 63% of "
+            f"the decode limit, 3.15{times} transformers' continuous batching |") in sections["headline"]
+    # Without the peer: no row, no ratio, no verdict for it.
+    path.write_text(json.dumps(llm_capacity(result, peer=False)))
+    section = render_sections(load_results(kit["results"]), "../results/")["llm"]
+    assert "`transformers_cb`:" not in section and "`transformers_cb`'s: " not in section

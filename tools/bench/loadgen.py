@@ -335,7 +335,9 @@ class RateSearch:
 
     A generator with feedback: `next_rate()` proposes a rate (None when done), the caller
     measures it and hands the result to `record()`. A rate passes when its goodput fraction
-    is at least `min_goodput` and it had at most `max_errors` errors. Doubling from
+    is at least `min_goodput` and it had at most `max_errors` errors; a caller that judges
+    its steps by other criteria (the LLM benchmark: finished share, failures, TTFT and TPOT
+    p95) hands its verdict to `record_verdict()` instead. Doubling from
     `start_rps` runs until the first failure; then the bracket between the highest pass and
     the lowest failure is bisected until it is within `rel_tolerance` of the failing rate.
     If the start rate already fails, the search halves downwards (not below `min_rps`).
@@ -371,7 +373,10 @@ class RateSearch:
         return result.goodput_fraction >= self.min_goodput and result.num_errors <= self.max_errors
 
     def record(self, rate: float, result: StepResult) -> None:
-        passed = self.passes(result)
+        self.record_verdict(rate, self.passes(result))
+
+    def record_verdict(self, rate: float, passed: bool) -> None:
+        """Take back a measured rate judged by the caller: whether it met the SLO."""
         self.history.append((rate, passed))
         if passed:
             self._highest_pass = rate if self._highest_pass is None else max(self._highest_pass, rate)

@@ -46,6 +46,12 @@ LLM_SETUPS = {
     "static_retiring": "the same, but a finished member leaves the batch's compute at once",
     "continuous": "the engine as `serve` runs it: requests join and leave at every step",
 }
+LLM_PEER = "transformers_cb"  # transformers' own continuous batching, in-process
+LLM_TARGETS = {  # bench llm's capacity targets, as the table names them
+    "goodput_above_every_baseline": "continuous's goodput above every baseline's",
+    "saturated_at_least_70pct_of_decode_limit": "saturated tokens/s ≥ 70% of the decode limit",
+    "saturated_at_least_3x_transformers_cb": f"saturated tokens/s ≥ 3{TIMES} `{LLM_PEER}`'s",
+}
 
 
 class ReportError(ValueError):
@@ -222,7 +228,70 @@ def render_llm(result: Mapping[str, Any], results_link: str) -> str:
         f"{_ratio(ratios['tokens_per_s_continuous_vs_static_retiring'])} the tokens/s of `static_retiring` at "
         f"{_ratio(ratios['ttft_p95_continuous_vs_static_retiring'], 3)} its TTFT p95.",
         "",
+        render_llm_capacity(result),
+        "",
         f"![llm]({results_link}llm.png)",
+    ])
+
+
+def _rate(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def render_llm_capacity(result: Mapping[str, Any]) -> str:
+    """The capacity table of `bench llm`: each setup's goodput and saturated tokens/s, the
+    transformers_cb peer's, the decode limit, the ratios and the targets."""
+    if "decode_limit_tokens_per_s" not in result:
+        return ("Capacity (goodput under the TTFT and TPOT targets, saturated tokens/s, the decode limit, "
+                f"`{LLM_PEER}`): not in this result file; `python -m tools bench llm` measures it.")
+    capacity, limit = result["capacity"], result["decode_limit_tokens_per_s"]
+    lowest = capacity["search_min_rps"]
+    rows = []
+    for name in (n for n in LLM_SETUPS if n in result):
+        setup = result[name]
+        goodput = setup["llm_goodput_rps"]
+        steps = ", ".join(f"{_rate(step['rate_rps'])} {'pass' if step['passed'] else 'fail'}"
+                          for step in setup["goodput_steps"])
+        shown = _rate(goodput) if goodput else f"none at ≥ {_rate(lowest)}"
+        rows.append([f"`{name}`", f"**{shown}**" if name == "continuous" else shown, steps,
+                     _num(setup["saturated_tokens_per_s"]), _pct(setup["saturated_tokens_per_s"] / limit, 0)])
+    if LLM_PEER in result:
+        peer = result[LLM_PEER]
+        same = peer.get("same_answers_as_continuous") or {}
+        alike = (f"; answers as long as continuous's for {_pct(same['same_length_share'], 0)} of the "
+                 f"{same['compared']} requests both finished" if same.get("compared") else "")
+        rows.append([f"`{LLM_PEER}`: transformers {peer['transformers']}'s own continuous batching "
+                     f"(`{peer['attn_implementation']}` over its paged cache), in-process; the engine's KV memory, "
+                     f"block size and sequences{alike}", "-", "-", _num(peer["saturated_tokens_per_s"]),
+                     _pct(peer["saturated_tokens_per_s"] / limit, 0)])
+    decode = result["decode_limit"]
+    rows.append([f"decode limit: the engine's forward alone, {decode['num_seqs']} sequences at "
+                 f"{decode['context_tokens']} tokens of context ({decode['step_ms_median']:.0f} ms a step; the KV "
+                 f"budget holds {decode['kv_budget_num_seqs']} such sequences)", "-", "-", _num(limit), "100%"])
+    ratios, targets = result["ratios"], result["targets"]
+    goodput_ratios = [f"{_ratio(ratios[f'llm_goodput_continuous_vs_{name}'])} `{name}`'s"
+                      if ratios.get(f"llm_goodput_continuous_vs_{name}") is not None
+                      else f"`{name}` has none at ≥ {_rate(lowest)} req/s"
+                      for name in LLM_SETUPS if name != "continuous" and name in result]
+    saturated = [f"{_pct(ratios['saturated_continuous_vs_decode_limit'], 0)} of the decode limit"]
+    if ratios.get(f"saturated_continuous_vs_{LLM_PEER}") is not None:
+        saturated.append(f"{_ratio(ratios[f'saturated_continuous_vs_{LLM_PEER}'])} `{LLM_PEER}`'s")
+    verdicts = [f"{what}: {_target(met)}" for name, what in LLM_TARGETS.items()
+                if (met := targets.get(name)) is not None]
+    return "\n".join([
+        f"At capacity: goodput is the highest Poisson arrival rate with ≥ "
+        f"{_pct(capacity['min_finished_share'], 0)} of the requests finished, none failed, TTFT p95 ≤ "
+        f"{_int(result['ttft_p95_ms'])} ms and TPOT p95 ≤ {_int(result['tpot_p95_ms'])} ms (a search from "
+        f"{_rate(capacity['search_start_rps'])} req/s, doubling then bisecting; steps of "
+        f"{_int(capacity['step_s'])} s judged after {_int(capacity['step_warmup_s'])} s); saturated tokens/s is a "
+        f"closed loop of {capacity['concurrency']} streams over the same {capacity['saturated_list']} chats, "
+        f"tokens counted for {_int(capacity['saturate_s'])} s after {_int(capacity['saturate_warmup_s'])} s.",
+        "",
+        _table(["setup", "goodput (req/s)", "rates measured", "saturated output tokens/s", "of the decode limit"],
+               ["---", "---:", "---", "---:", "---:"], rows),
+        "",
+        f"Continuous batching at capacity: goodput {'; '.join(goodput_ratios)}; saturated tokens/s "
+        f"{' and '.join(saturated)}. Targets: {'; '.join(verdicts)}.",
     ])
 
 
@@ -380,6 +449,17 @@ def render_loadtest_step(result: Mapping[str, Any], results_link: str) -> str:
     ])
 
 
+def _llm_capacity_headline(llm: Mapping[str, Any], results_link: str) -> list[str]:
+    continuous, ratios = llm["continuous"], llm["ratios"]
+    return ["LLM capacity (p95 TTFT, TPOT within target)",
+            f"goodput {_rate(continuous['llm_goodput_rps'])} req/s; {_num(continuous['saturated_tokens_per_s'])} "
+            "tokens/s saturated",
+            f"{_pct(ratios['saturated_continuous_vs_decode_limit'], 0)} of the decode limit"
+            + (f", {_ratio(ratios[f'saturated_continuous_vs_{LLM_PEER}'])} transformers' continuous batching"
+               if ratios.get(f"saturated_continuous_vs_{LLM_PEER}") is not None else ""),
+            f"[llm.json]({results_link}llm.json)"]
+
+
 def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str) -> str:
     goodput, llm, overload, batch, step = (results[name] for name in RESULT_FILES)
     slo_bucketed = goodput["setups"]["slo_bucketed"]["goodput_rps"]
@@ -396,6 +476,7 @@ def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str)
          f"{_num(llm['continuous']['tokens_per_s'])} tokens/s, TTFT p95 {llm['continuous']['ttft_p95_s']:.2f} s",
          f"{_ratio(llm['ratios']['tokens_per_s_continuous_vs_static'])} the tokens/s of static batching",
          f"[llm.json]({results_link}llm.json)"],
+        *([_llm_capacity_headline(llm, results_link)] if "decode_limit_tokens_per_s" in llm else []),
         [f"overload at {_num(flood['offered_rps'] / flood['goodput_rps'], 0)}{TIMES} goodput",
          f"{_int(flood['ok'] / flood['duration_s'])} req/s served, {_int(flood['lost'])} lost, "
          f"{_int(flood['failed_other'])} failed", f"admitted p95 {_int(flood['admitted_p95_ms'])} ms",

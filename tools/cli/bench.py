@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -80,6 +81,7 @@ from tools.bench import overload as bench_overload
 from tools.bench import signals as bench_signals
 from tools.bench.harness import measured_goodput, write_json, write_report
 from tools.bench.payloads import find_model
+from tools.bench.transformers_cb import PeerError
 from tools.cli._options import command_line
 from tools.clients.tenant_token import KeysError, tenant_parameters
 from tools.paths import DEFAULT_SPEC, REPO_ROOT
@@ -211,44 +213,119 @@ def goodput_results(model: str) -> Path:
 # ------------------------------------------------------------------ llm
 
 
+# The fixed-rate options' defaults, full and --quick (options given explicitly win).
+LLM_FIXED_DEFAULTS = {"rate": (2.0, 1.0), "duration": (180.0, 6.0), "warmup": (60.0, 1.0),
+                      "drain_timeout": (900.0, 240.0)}
+
+
 def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
-    setups = bench_llm.SETUPS
+    setups = bench_llm.ALL_SETUPS
+    full, quick = bench_llm.FULL, bench_llm.QUICK
+    fixed_full = {name: values[0] for name, values in LLM_FIXED_DEFAULTS.items()}
+    fixed_quick = {name: values[1] for name, values in LLM_FIXED_DEFAULTS.items()}
     parser.add_argument("--out", type=Path, default=Path("results/llm.json"),
                         help="result JSON; a PNG plot is written beside it (default: %(default)s)")
-    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="serving spec (default: %(default)s)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC,
+                        help="serving spec: the engine, and the ttft_p95_ms and tpot_p95_ms the goodput search "
+                             "judges by (default: %(default)s)")
     parser.add_argument("--model", default="llm", help="the spec's [llm_models.<name>] to run (default: %(default)s)")
     parser.add_argument("--workload", type=Path, default=bench_llm.DEFAULT_CHAT_WORKLOAD,
                         help="chat workload (default: %(default)s)")
-    parser.add_argument("--rate", type=float, default=2.0,
-                        help="arrivals per second (default: %(default)s: clients ask for about 110 tokens/s, "
-                             "which the continuous engine carries on 2 vCPU with p95 time to first token under "
-                             "1 s also when the machine runs slow; its capacity there was 165 to 290 tokens/s "
-                             "from one day to the next)")
-    parser.add_argument("--duration", type=float, default=180.0,
-                        help="seconds of arrivals per setup (default: %(default)s)")
-    parser.add_argument("--warmup", type=float, default=60.0,
-                        help="seconds at the start left out of the steady-state figures: about the longest "
-                             "answer's time, for the in-flight work to stop growing (default: %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=900.0,
-                        help="seconds to wait for the last requests after arrivals stop; requests still running "
-                             "then are cancelled and counted unfinished (default: %(default)s; static batching "
-                             "took 310 s at 2.0 req/s and over 600 s at 3.75)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and request mix (default: %(default)s)")
     parser.add_argument("--setups", default=",".join(setups),
-                        help=f"comma-separated subset of {','.join(setups)} (default: all)")
+                        help=f"comma-separated subset of {','.join(setups)}; {bench_llm.PEER} is transformers' own "
+                             "continuous batching in-process, measured saturated only (its virtualenv is made under "
+                             "build/ with pip the first time) (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"short form for the test suite: {fixed_quick['duration']:g} s at "
+                             f"{fixed_quick['rate']:g} req/s at the fixed rate (the first {fixed_quick['warmup']:g} s "
+                             f"warm-up), one {quick.step_s:g} s goodput step at {quick.start_rps:g} req/s, "
+                             f"{quick.saturate_warmup_s + quick.saturate_s:g} s of closed loop at "
+                             f"{quick.concurrency} streams, {quick.limit_steps} decode-limit steps; options given "
+                             "explicitly still apply")
+    fixed = parser.add_argument_group("the fixed-rate comparison (open loop, the same arrivals for every setup)")
+    fixed.add_argument("--rate", type=float, default=None,
+                       help=f"arrivals per second (default: {fixed_full['rate']:g}: clients ask for about 110 "
+                            "tokens/s, which the "
+                            "continuous engine carries on 2 vCPU with p95 time to first token under 1 s also when "
+                            "the machine runs slow; its capacity there was 165 to 290 tokens/s from one day to the "
+                            "next)")
+    fixed.add_argument("--duration", type=float, default=None,
+                       help=f"seconds of arrivals per setup (default: {fixed_full['duration']:g})")
+    fixed.add_argument("--warmup", type=float, default=None,
+                       help="seconds at the start left out of the steady-state figures: about the longest answer's "
+                            f"time, for the in-flight work to stop growing (default: {fixed_full['warmup']:g})")
+    fixed.add_argument("--drain-timeout", type=float, default=None,
+                       help="seconds to wait for the last requests after arrivals stop; requests still running then "
+                            f"are cancelled and counted unfinished (default: {fixed_full['drain_timeout']:g}; static "
+                            "batching took 310 s at 2.0 req/s and over 600 s at 3.75)")
+    fixed.add_argument("--seed", type=int, default=0,
+                       help="seed of the arrivals and request mix, at the fixed rate and in each goodput step "
+                            "(default: %(default)s)")
+    capacity = parser.add_argument_group("capacity (each engine setup on the same server after the fixed rate)")
+    capacity.add_argument("--search-start-rps", type=float, default=None,
+                          help="the goodput search's first rate; it doubles while a rate passes, then bisects to "
+                               f"{full.rel_tolerance * 100:.0f}%% (default: {full.start_rps:g})")
+    capacity.add_argument("--search-min-rps", type=float, default=None,
+                          help="the search's lowest rate: a setup that fails there has goodput 0 "
+                               f"(default: {full.min_rps:g})")
+    capacity.add_argument("--search-max-steps", type=int, default=None,
+                          help=f"rates measured per setup at most (default: {full.max_steps})")
+    capacity.add_argument("--step-seconds", type=float, default=None,
+                          help="arrivals per goodput step; a low rate's step lasts long enough for about "
+                               f"{full.min_step_requests} requests (default: {full.step_s:g})")
+    capacity.add_argument("--step-warmup", type=float, default=None,
+                          help="seconds at the start of a goodput step whose requests are not judged "
+                               f"(default: {full.step_warmup_s:g})")
+    capacity.add_argument("--concurrency", type=int, default=None,
+                          help="closed-loop streams for the saturated tokens/s, each sending its next request when "
+                               "its last finished (default: the engine's max_num_seqs)")
+    capacity.add_argument("--saturate-seconds", type=float, default=None,
+                          help=f"closed-loop seconds whose tokens count (default: {full.saturate_s:g})")
+    capacity.add_argument("--saturate-warmup", type=float, default=None,
+                          help="closed-loop seconds before tokens count: the first prefills "
+                               f"(default: {full.saturate_warmup_s:g})")
+    capacity.add_argument("--limit-steps", type=int, default=None,
+                          help=f"timed steps of the decode limit (default: {full.limit_steps})")
+
+
+# --option -> CapacityOptions field
+LLM_CAPACITY_OPTIONS = {"search_start_rps": "start_rps", "search_min_rps": "min_rps", "search_max_steps": "max_steps",
+                        "step_seconds": "step_s", "step_warmup": "step_warmup_s", "concurrency": "concurrency",
+                        "saturate_seconds": "saturate_s", "saturate_warmup": "saturate_warmup_s",
+                        "limit_steps": "limit_steps"}
+
+
+def llm_options(args: argparse.Namespace) -> bench_llm.CapacityOptions:
+    """The capacity options: --quick's or the full run's, with those given explicitly on top.
+    ValueError names what is out of bounds."""
+    given = {field: getattr(args, option) for option, field in LLM_CAPACITY_OPTIONS.items()
+             if getattr(args, option) is not None}
+    return dataclasses.replace(bench_llm.QUICK if args.quick else bench_llm.FULL, **given)
 
 
 def run_llm(args: argparse.Namespace) -> int:
     setups = comma_list(args.setups)
-    if not setups or set(setups) - set(bench_llm.SETUPS):
-        print(f"error: --setups takes a subset of {', '.join(bench_llm.SETUPS)}, got {args.setups!r}",
+    if not setups or set(setups) - set(bench_llm.ALL_SETUPS):
+        print(f"error: --setups takes a subset of {', '.join(bench_llm.ALL_SETUPS)}, got {args.setups!r}",
               file=sys.stderr)
         return 2
+    if "continuous" not in setups and bench_llm.PEER in setups:
+        print(f"error: {bench_llm.PEER} is measured against continuous: --setups needs continuous too",
+              file=sys.stderr)
+        return 2
+    for name, (full, quick) in LLM_FIXED_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     if not (args.rate > 0 and args.duration > 0):
         print("error: --rate and --duration must be > 0", file=sys.stderr)
         return 2
     if not 0 <= args.warmup < args.duration:
         print(f"error: --warmup must be >= 0 and shorter than --duration ({args.duration:g} s)", file=sys.stderr)
+        return 2
+    try:
+        options = llm_options(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         spec = load_spec(args.spec)
@@ -262,8 +339,8 @@ def run_llm(args: argparse.Namespace) -> int:
         return 2
     try:
         report = bench_llm.run_benchmark(spec, profile, llm, workload, setups, args.rate, args.duration, args.warmup,
-                                         args.drain_timeout, args.seed, command_line(), log)
-    except ServerError as err:
+                                         args.drain_timeout, args.seed, command_line(), log, options)
+    except (ServerError, PeerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     write_report(report, args.out, bench_llm.plot, log)
@@ -537,7 +614,8 @@ BENCHMARKS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser],
                             Callable[[argparse.Namespace], int]]] = {
     "goodput": ("goodput of no batching vs default batching vs SLO-bucketed", __doc__,
                 add_goodput_arguments, run_goodput),
-    "llm": ("LLM: continuous vs static batching, tokens/s and time to first token", bench_llm.__doc__,
+    "llm": ("LLM: continuous vs static batching: goodput, saturated tokens/s, decode limit, transformers' CB",
+            bench_llm.__doc__,
             add_llm_arguments, run_llm),
     "overload": ("3x goodput overload, tenant isolation and crash recovery", bench_overload.__doc__,
                  add_overload_arguments, run_overload),
