@@ -321,7 +321,7 @@ def convert_llm(source: Path, out_dir: Path) -> float:
         engine = PagedCausalLM.from_dir(out_dir, num_blocks=num_blocks, block_size=16, dtype=torch.float32,
                                         device="cpu")
         ours = engine.step([StepSequence(ids, 0, list(range(num_blocks)), True)])[0]
-    except (KeyError, RuntimeError, ValueError) as err:  # an attention outside transformers' interface
+    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError) as err:  # attention outside the interface
         raise BuildError(f"{source}: the engine cannot run this model's layers ({type(err).__name__}: {err}); "
                          "its attention must go through transformers' attention interface") from None
     return float((ours - reference).abs().max())
