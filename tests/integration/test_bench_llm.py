@@ -32,8 +32,10 @@ def short_answers_workload(folder: Path) -> Path:
 def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals(tmp_path):
     out = tmp_path / "llm.json"
     result = subprocess.run(
+        # static_retiring is the same code path as static here (only the engine's policy differs,
+        # tested in test_llm_engine): two servers instead of three keep the suite's time.
         [sys.executable, "-m", "tools", "bench", "llm", "--quick", "--seed", "1",
-         "--setups", "static,static_retiring,continuous", "--workload", str(short_answers_workload(tmp_path)),
+         "--setups", "static,continuous", "--workload", str(short_answers_workload(tmp_path)),
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
@@ -42,7 +44,8 @@ def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals
     assert report["rate_rps"] == 1 and report["duration_s"] == 6 and report["requests"] >= 3
     assert report["hardware"]["description"]
     assert (report["ttft_p95_ms"], report["tpot_p95_ms"]) == (1000, 400)  # the spec's targets
-    for setup in ("static", "static_retiring", "continuous"):
+    assert "static_retiring" not in report
+    for setup in ("static", "continuous"):
         figures = report[setup]
         assert figures["requests"] == report["requests"]
         assert figures["completed"] == report["requests"] and figures["failed"] == 0
@@ -66,8 +69,7 @@ def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals
     assert limit["num_seqs"] == report["engine"]["max_num_seqs"] and limit["context_tokens"] > 1
     assert "transformers_cb" not in report
     assert set(report["ratios"]) == {
-        *(f"{figure}_continuous_vs_{baseline}" for figure in ("tokens_per_s", "ttft_p95", "llm_goodput")
-          for baseline in ("static", "static_retiring")),
+        *(f"{figure}_continuous_vs_static" for figure in ("tokens_per_s", "ttft_p95", "llm_goodput")),
         "saturated_continuous_vs_decode_limit"}
     assert report["targets"]["saturated_at_least_3x_transformers_cb"] is None  # the peer did not run
     assert out.with_suffix(".png").stat().st_size > 1000
