@@ -250,6 +250,22 @@ NOT_LLM = {**NOT_EXTERNAL, "tolerance": "--tolerance", "slo_ms": "--slo-ms", "ex
            "peak_rps": "--peak-rps", "version": "--version"}
 
 
+def undo(err: Exception, spec_path: Path, original: str, made: list[Path]) -> int:
+    """Put the spec back and remove the folders made, after a build that failed."""
+    spec_path.write_text(original)
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"error: {err}; the spec and the repository are as they were", file=sys.stderr)
+    return 1
+
+
+def print_notes(inferred: list[str], guessed: list[str]) -> None:
+    for line in inferred:
+        print(f"  read from the model: {line}")
+    for line in guessed:
+        print(f"  chosen, check it:    {line}")
+
+
 def add_llm(args: argparse.Namespace, spec_path: Path, repository: Path) -> int:
     """Write the LLM's spec table, make its two folders and build its files, or nothing."""
     given = [option for key, option in NOT_LLM.items() if getattr(args, key) not in (None, False, [])]
@@ -285,17 +301,10 @@ def add_llm(args: argparse.Namespace, spec_path: Path, repository: Path) -> int:
         dirs = tuple(repository / model.name / str(v) for v in model.versions)
         build_llm(Targets((), (LLMTargets(model, dirs),)), False, repository, lambda m: print(m, flush=True))
     except (BuildError, SpecError) as err:
-        spec_path.write_text(original)
-        for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
-        print(f"error: {err}; the spec and the repository are as they were", file=sys.stderr)
-        return 1
+        return undo(err, spec_path, original, made)
     print(f"added {model.name} (llm) to {spec_path.name}: {model.name} streams on the continuous-batching engine, "
           f"{model.name}{LLM_INFER_SUFFIX} answers plain infer")
-    for line in described.inferred:
-        print(f"  read from the model: {line}")
-    for line in described.guessed:
-        print(f"  chosen, check it:    {line}")
+    print_notes(described.inferred, described.guessed)
     print("next: python -m tools gen-config   then   make serve")
     return 0
 
@@ -335,17 +344,10 @@ def run(args: argparse.Namespace) -> int:
         install_tokenizer(targets, False, log)
         build_bucketed(targets, False, repository, log)
     except (BuildError, SpecError) as err:
-        spec_path.write_text(original)
-        for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
-        print(f"error: {err}; the spec and the repository are as they were", file=sys.stderr)
-        return 1
+        return undo(err, spec_path, original, made)
     print(f"added {model.name} ({model.kind.value}) to {spec_path.name}, versions "
           f"{', '.join(map(str, versions))}; bucket models {', '.join(model.bucket_names)}")
-    for line in inferred:
-        print(f"  read from the model: {line}")
-    for line in guessed:
-        print(f"  chosen, check it:    {line}")
+    print_notes(inferred, guessed)
     print(f"next: python -m tools profile --model {model.name}   then   python -m tools gen-config")
     return 0
 
@@ -359,10 +361,7 @@ def add_external(spec_path: Path, repository: Path, model, text: str, inferred: 
     if version is None:
         print(f"added {model.name} (external) to {spec_path.name}: a router in {repository.name}/{model.name} "
               f"calling {model.external_model} of {model.repository} (its files are left as they are)")
-    for line in inferred:
-        print(f"  read from the model: {line}")
-    for line in guessed:
-        print(f"  chosen, check it:    {line}")
+    print_notes(inferred, guessed)
     if version is not None:
         print(f"next: python -m tools rollout {model.name} --to {version}  (a running server loads it; the model's "
               "own version_policy must load it at start too)")
