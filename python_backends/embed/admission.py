@@ -180,11 +180,15 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
     refused forever.
 
     While `probing` (no answer has been late since the server last drained), a server with no
-    more than its tier's share of the bound's floor (`min_work_ms`) ahead of a request admits it
-    whatever its own work, as an idle one does. At light load the bound has rarely been in use
-    and has barely moved from its starting guess, which is only a guess: without this, two long
-    rows that happened to overlap at 6 req/s were turned away (one request in 91 of a 15 s
-    Locust run, on a server whose answers all came back within half the target). Such an
+    more than its tier's share of one longest row per lane ahead of a request (the bound's
+    floor, `min_work_ms`, is one longest row spread over the lanes: `min_work_ms x lanes` per
+    lane) admits it whatever its own work, as an idle one does: the request then waits at most
+    one longest row, which W already sets aside. At light load the bound has rarely been in use
+    and has barely moved from its starting guess, or sits at its floor where earlier bursts left
+    it, which says nothing about the load now: without this, long rows that happened to overlap
+    at 6 req/s were turned away (one request in 91, and in 90, of 15 s Locust runs of three
+    users, on servers whose answers all came back within the target; with only the floor
+    itself exempt, a long row behind one long row and any other was refused). Such an
     admission fills the bound, so its answer moves the bound either way (`adjust_bound`):
     light load teaches it what the long rows cost. Under overload answers are late and the
     server never drains, so this never applies there.
@@ -203,7 +207,7 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
         return late
     if waited_ms is not None and policy.max_limit_ms > 0:
         limit_ms = min(limit_ms, policy.max_limit_ms - waited_ms)
-    idle_ms = policy.min_work_ms * share if probing else 0.0
+    idle_ms = policy.min_work_ms * policy.lanes * share if probing else 0.0
     admitted = work_ahead_ms <= idle_ms or work_ahead_ms + own_work_ms <= limit_ms
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms, waited_ms, bound_ms)
 

@@ -413,13 +413,14 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
     assert first.bound_ms(ADAPTIVE) == pytest.approx(slow * (1 / 0.95) ** (1 / 19) * 1.02)  # probing again
 
 
-def test_while_probing_a_request_with_no_more_than_the_floor_ahead_is_admitted_as_by_an_idle_server():
-    # Two long rows overlapping at light load: 20 ms ahead (the floor) + 50 ms over the 60 ms bound.
-    assert decide(ADAPTIVE, 20.0, 50.0, probing=True).admitted
-    assert not decide(ADAPTIVE, 20.0, 50.0).admitted  # once an answer was late: the bound decides
-    assert not decide(ADAPTIVE, 20.5, 50.0, probing=True).admitted  # more than the floor ahead
-    assert not decide(ADAPTIVE, 20.0, 50.0, share=0.5, probing=True).admitted  # a lower tier: half the floor
-    assert decide(ADAPTIVE, 10.0, 50.0, share=0.5, probing=True).admitted
+def test_while_probing_a_request_with_one_longest_row_per_lane_ahead_is_admitted_as_by_an_idle_server():
+    # Long rows overlapping at light load: one longest row per lane ahead (the 20 ms floor is one
+    # spread over the 2 lanes: 40 ms per lane) + 50 ms over the 60 ms bound.
+    assert decide(ADAPTIVE, 40.0, 50.0, probing=True).admitted
+    assert not decide(ADAPTIVE, 40.0, 50.0).admitted  # once an answer was late: the bound decides
+    assert not decide(ADAPTIVE, 40.5, 50.0, probing=True).admitted  # more than a longest row per lane ahead
+    assert not decide(ADAPTIVE, 20.5, 50.0, share=0.5, probing=True).admitted  # a lower tier: half of it
+    assert decide(ADAPTIVE, 20.0, 50.0, share=0.5, probing=True).admitted
     assert not decide(POLICY, 1.0, 60.0, probing=True).admitted  # a fixed bound has no floor: only idle admits all
     # Admitted over the bound, it filled it: its answer moves the bound, on time or late.
     admitted = decide(ADAPTIVE, 20.0, 50.0, probing=True)

@@ -643,8 +643,8 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"admitted together cut it once, and one past S - o by target / latency, to half "
                                 f"at most); between one row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and S - o = {max_limit_ms:.1f} ms; until an "
-                                f"answer is late after the server drained, a request with no more than that floor "
-                                f"ahead of it is admitted, as by an idle server"),
+                                f"answer is late after the server drained, a request with no more than one such row "
+                                f"per lane ahead of it is admitted, as by an idle server"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
