@@ -14,6 +14,10 @@ from tools.spec.serving import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "build" / "test-logs"
+# A test's server stops once the test has its answers, so nothing is in flight to wait for; the
+# default 30 s went by in full after a rollout had unloaded versions (34 s to stop the user
+# models' server). tests/integration/test_server_shutdown.py checks the stop itself.
+EXIT_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +30,7 @@ def triton() -> TritonServer:
     if auth is not None:
         ensure_key(auth.keys_file)
     config = ServerConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          host="127.0.0.1")
+                          host="127.0.0.1", exit_timeout_s=EXIT_TIMEOUT_S)
     server = TritonServer(config, log_path=LOG_DIR / "tritonserver.log")
     server.start()
     try:

@@ -29,7 +29,7 @@ from tools.server.triton_server import ModelControlMode, ServerConfig, TritonSer
 from tools.spec.profile import load_profile
 from tools.spec.serving import load_spec
 
-from .conftest import LOG_DIR, REPO
+from .conftest import EXIT_TIMEOUT_S, LOG_DIR, REPO
 
 SPEC = load_spec(REPO / "serving.toml")
 EMBED = SPEC.models[0]
@@ -67,7 +67,7 @@ def express_server(tmp_path_factory):
     repository, regimes, linger_us = express_repository(tmp_path_factory.mktemp("express") / "model_repository")
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
-                          load_models=SERVED)
+                          load_models=SERVED, exit_timeout_s=EXIT_TIMEOUT_S)
     with TritonServer(config, log_path=LOG_DIR / "tritonserver-express.log") as server:
         client = httpclient.InferenceServerClient(server.http_url, network_timeout=60)
         try:

@@ -17,6 +17,8 @@ from tools.server.triton_server import ServerConfig, TritonServer, free_port
 from tools.spec.profile import load_profile
 from tools.spec.serving import load_spec
 
+from .conftest import EXIT_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL_PROFILE = REPO / "tests" / "data" / "small_profile.json"
 
@@ -35,7 +37,8 @@ def test_served_configs_hold_the_derived_values(tmp_path):
             shutil.rmtree(folder)
 
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), host="127.0.0.1")
+                          metrics_port=free_port(), host="127.0.0.1",
+                          exit_timeout_s=EXIT_TIMEOUT_S)
     # The client is closed before the server stops (an open connection would hold the
     # stopping server for its whole exit timeout).
     with TritonServer(config, log_path=tmp_path / "server.log") as server, \

@@ -37,7 +37,7 @@ from tools.server.admin_key import ADMIN_KEY_ENV, admin_headers
 from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
 from tools.spec.serving import load_spec
 
-from .conftest import LOG_DIR, REPO
+from .conftest import EXIT_TIMEOUT_S, LOG_DIR, REPO
 
 SPEC = load_spec()
 EMBED = SPEC.models[0]
@@ -120,7 +120,8 @@ def canary_server(tmp_path_factory):
     repository = copy_repository(folder / "model_repository")
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
-                          load_models=("embed", *ENCODERS), admin_key=ADMIN_KEY)
+                          load_models=("embed", *ENCODERS), admin_key=ADMIN_KEY,
+                          exit_timeout_s=EXIT_TIMEOUT_S)
     server = TritonServer(config, log_path=LOG_DIR / "tritonserver-rollout.log")
     server.start()
     try:

@@ -51,7 +51,7 @@ from tools.clients.tenant_token import add_key, drop_key, issue
 from tools.server.triton_server import ServerConfig, TritonServer, free_port
 from tools.spec.serving import load_spec
 
-from .conftest import LOG_DIR, REPO
+from .conftest import EXIT_TIMEOUT_S, LOG_DIR, REPO
 
 REQUIRED, OPEN, IDP = "embed", "embed_open", "embed_idp"
 BURST = 3  # requests a tenant of the `batch` tier may send at once here
@@ -134,7 +134,8 @@ def dead_run_files() -> list[Path]:
 def server(tmp_path_factory, keys_file, provider, dead_run_files):
     repository = build_repository(tmp_path_factory.mktemp("auth-repo"), keys_file, provider["jwks_file"])
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), host="127.0.0.1")
+                          metrics_port=free_port(), host="127.0.0.1",
+                          exit_timeout_s=EXIT_TIMEOUT_S)
     with TritonServer(config, log_path=LOG_DIR / "tenant-auth.log") as triton:
         yield triton
 

@@ -42,7 +42,7 @@ from tests.user_models import (
 from tools.server.admin_key import ADMIN_KEY_ENV
 from tools.server.triton_server import ModelControlMode, ServerConfig, TritonServer, free_port
 
-from .conftest import LOG_DIR, REPO
+from .conftest import EXIT_TIMEOUT_S, LOG_DIR, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +123,8 @@ def kit(tmp_path_factory):
              "audio_64", "image", "image_fixed")
     config = ServerConfig(model_repository=folder / "model_repository", http_port=free_port(),
                           grpc_port=free_port(), metrics_port=free_port(), host="127.0.0.1",
-                          model_control_mode=ModelControlMode.EXPLICIT, load_models=names, admin_key=ADMIN_KEY)
+                          model_control_mode=ModelControlMode.EXPLICIT, load_models=names, admin_key=ADMIN_KEY,
+                          exit_timeout_s=EXIT_TIMEOUT_S)
     server = TritonServer(config, log_path=LOG_DIR / "tritonserver-user-models.log")
     server.start()
     try:

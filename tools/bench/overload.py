@@ -242,7 +242,7 @@ class Durations:
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
 METRICS_FLUSH_S = 1.0  # wait for the router's last metric flush (every 0.5 s) before reading /metrics
 BENCH_EXIT_TIMEOUT_S = 5  # seconds tritonserver waits on stop (see run_benchmark)
-QUICK = Durations(overload_s=15.0, isolation_s=6.0, crash_s=6.0, overload_10x_s=5.0, refusals_s=3.0)
+QUICK = Durations(overload_s=10.0, isolation_s=5.0, crash_s=5.0, overload_10x_s=5.0, refusals_s=3.0)
 OVERLOAD_PHASES = {"overload": 3.0, "overload_10x": 10.0}  # part -> offered rate as a multiple of goodput
 
 

@@ -365,9 +365,11 @@ def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tenant A's rate of 256-token texts (default: %(default)s)")
     parser.add_argument("--crash-rps", type=float, default=30.0, help="traffic during the kill (default: %(default)s)")
     parser.add_argument("--victim", default="encoder_16", help="model whose instance is killed (default: %(default)s)")
+    quick = bench_overload.QUICK
     parser.add_argument("--quick", action="store_true",
-                        help="short form for the test suite: 15 s of overload at 3x, 5 s at 10x, 3 s of "
-                             "refusals, 6 s isolation phases, 6 s crash phases")
+                        help=f"short form for the test suite: {quick.overload_s:g} s of overload at 3x, "
+                             f"{quick.overload_10x_s:g} s at 10x, {quick.refusals_s:g} s of refusals, "
+                             f"{quick.isolation_s:g} s isolation phases, {quick.crash_s:g} s crash phases")
 
 
 def run_overload(args: argparse.Namespace) -> int:
