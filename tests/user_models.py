@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.paths import REPO_ROOT
 from tools.repository.hf_export import export_hf
 
 OPSET = 17
@@ -443,3 +444,17 @@ def benchmark_home(home: Path, log=print) -> Path:
 
 if __name__ == "__main__":
     benchmark_home(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("build/proof-home"))
+
+
+def short_answers_workload(folder: Path) -> Path:
+    """The chat workload with output budgets cut to a few tokens (its essays ask for up to
+    384): the policies are compared on the same arrivals all the same, and the drain is short."""
+    workloads = REPO_ROOT / "loadtest" / "workloads"
+    text = (workloads / "llm_chat.toml").read_text()
+    for budget in ("[12, 48]", "[96, 384]", "[16, 64]"):
+        assert f"max_tokens = {budget}" in text, budget
+    for budget, short in (("[12, 48]", "[4, 8]"), ("[96, 384]", "[16, 32]"), ("[16, 64]", "[4, 8]")):
+        text = text.replace(f"max_tokens = {budget}", f"max_tokens = {short}")
+    (folder / "llm_chat_short.toml").write_text(text)
+    shutil.copy2(workloads / "corpus.txt", folder / "corpus.txt")
+    return folder / "llm_chat_short.toml"

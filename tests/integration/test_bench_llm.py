@@ -5,28 +5,15 @@ a virtualenv with pip the first time) the transformers_cb peer beside continuous
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.user_models import short_answers_workload
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def short_answers_workload(folder: Path) -> Path:
-    """The chat workload with output budgets cut to a few tokens (its essays ask for up to
-    384): the policies are compared on the same arrivals all the same, and the drain is short."""
-    workloads = REPO / "loadtest" / "workloads"
-    text = (workloads / "llm_chat.toml").read_text()
-    for budget in ("[12, 48]", "[96, 384]", "[16, 64]"):
-        assert f"max_tokens = {budget}" in text, budget
-    for budget, short in (("[12, 48]", "[4, 8]"), ("[96, 384]", "[16, 32]"), ("[16, 64]", "[4, 8]")):
-        text = text.replace(f"max_tokens = {budget}", f"max_tokens = {short}")
-    (folder / "llm_chat_short.toml").write_text(text)
-    shutil.copy2(workloads / "corpus.txt", folder / "corpus.txt")
-    return folder / "llm_chat_short.toml"
 
 
 def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals(tmp_path):

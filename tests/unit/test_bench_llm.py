@@ -20,9 +20,7 @@ from tools.bench.llm import (
     capacity_ratios,
     certain_miss,
     chat_list,
-    decode_block_tables,
     drain_budget_s,
-    mean_decode_context,
     p95_miss_count,
     plan_requests,
     ratios,
@@ -37,6 +35,7 @@ from tools.bench.llm import (
 )
 from tools.bench.loadgen import percentile
 from tools.clients.llm import STREAM_CLOSED, Generation
+from tools.planning.llm_limits import decode_block_tables, mean_decode_context
 from tools.repository.configs import plan_llm_model
 from tools.spec.profile import load_profile
 from tools.spec.serving import load_spec

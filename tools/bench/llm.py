@@ -79,6 +79,7 @@ from tools.bench.loadgen import RateSearch, percentile, poisson_arrival_times
 from tools.clients.llm import STREAM_CLOSED, Generation, LLMStream
 from tools.observe.metrics import fetch_text, parse_exposition
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
+from tools.planning.llm_limits import decode_block_tables, mean_decode_context
 from tools.repository.configs import GeneratedModel, plan_llm_model
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 from tools.spec.profile import LatencyProfile
@@ -357,28 +358,6 @@ def same_answers(engine: Sequence[int | None], peer: Sequence[int | None]) -> di
             "same_length_share": round(sum(a == b for a, b in both) / len(both), 3),
             "completion_tokens_mean_engine": round(statistics.fmean(a for a, _ in both), 1),
             "completion_tokens_mean_peer": round(statistics.fmean(b for _, b in both), 1)}
-
-
-def mean_decode_context(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
-    """The mean context of a decode step's token over the requests' outputs. A request's first
-    output token comes from its prefill; its k-th after that (k = 1 .. n - 1) decodes with
-    prompt + k tokens of context. Weighted by tokens: a long answer counts for every step it
-    decodes."""
-    if len(prompt_lens) != len(output_lens):
-        raise ValueError(f"{len(prompt_lens)} prompts but {len(output_lens)} output lengths")
-    steps = sum(max(0, n - 1) for n in output_lens)
-    if steps == 0:
-        raise ValueError("no decode steps: every output is at most one token")
-    total = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens, strict=True) if n > 1)
-    return total / steps
-
-
-def decode_block_tables(num_seqs: int, context: int, block_size: int) -> list[list[int]]:
-    """Disjoint block tables for `num_seqs` sequences of `context` tokens each."""
-    if num_seqs < 1 or context < 1 or block_size < 1:
-        raise ValueError(f"need >= 1 sequences, context and block size, got {num_seqs}, {context}, {block_size}")
-    per_seq = math.ceil(context / block_size)
-    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
 
 
 def _ratio(ours: float | None, theirs: float | None, digits: int = 2) -> float | None:

@@ -28,6 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tools.spec.workload import ChatWorkload
+
 GPU_MEMORY_UTILIZATION = 0.90  # of the GPU's memory, as vLLM's gpu_memory_utilization default
 ACTIVATION_RESERVE = 0.05  # of the GPU's memory: activations of a step, the CUDA context
 GPU_MAX_NUM_SEQS = 256
@@ -79,6 +81,17 @@ class ChatShape:
     max_tokens: tuple[int, int]  # output budget, drawn log-uniformly between the bounds
 
 
+def chat_shapes_of(workload: ChatWorkload) -> list[ChatShape]:
+    """A chat workload's kinds, as far as their context lengths go."""
+    shapes = []
+    for kind in workload.kinds:
+        words = sum(len(prompt.split()) for prompt in kind.prompts) / len(kind.prompts)
+        if kind.context_words:
+            words += sum(kind.context_words) / 2
+        shapes.append(ChatShape(share=kind.share, prompt_words=words, max_tokens=tuple(kind.max_tokens)))
+    return shapes
+
+
 def mean_log_uniform(low: float, high: float) -> float:
     """Mean of a log-uniform draw in [low, high]."""
     return low if high <= low else (high - low) / math.log(high / low)
@@ -127,3 +140,25 @@ def gpu_limits(cost: LLMCost, gpu_memory_bytes: int, mean_context: float, max_mo
     )
     return LLMLimits(device="cuda", dtype=dtype, kv_cache_mb=math.floor(budget / MIB), max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=step_tokens, reasons=reasons)
+
+
+def mean_decode_context(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
+    """The mean context of a decode step's token over the requests' outputs. A request's first
+    output token comes from its prefill; its k-th after that (k = 1 .. n - 1) decodes with
+    prompt + k tokens of context. Weighted by tokens: a long answer counts for every step it
+    decodes."""
+    if len(prompt_lens) != len(output_lens):
+        raise ValueError(f"{len(prompt_lens)} prompts but {len(output_lens)} output lengths")
+    steps = sum(max(0, n - 1) for n in output_lens)
+    if steps == 0:
+        raise ValueError("no decode steps: every output is at most one token")
+    total = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens, strict=True) if n > 1)
+    return total / steps
+
+
+def decode_block_tables(num_seqs: int, context: int, block_size: int) -> list[list[int]]:
+    """Disjoint block tables for `num_seqs` sequences of `context` tokens each."""
+    if num_seqs < 1 or context < 1 or block_size < 1:
+        raise ValueError(f"need >= 1 sequences, context and block size, got {num_seqs}, {context}, {block_size}")
+    per_seq = math.ceil(context / block_size)
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]

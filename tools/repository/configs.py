@@ -53,6 +53,7 @@ from tools.planning.llm_limits import (
     ChatShape,
     LLMCost,
     LLMLimitsError,
+    chat_shapes_of,
     gpu_limits,
     mean_context_tokens,
 )
@@ -403,14 +404,7 @@ def llm_cost(model: LLMModelSpec, repository: Path) -> LLMCost:
 
 def chat_shapes(path: Path = CHAT_WORKLOAD) -> list[ChatShape]:
     """The chat workload's kinds, as far as their context lengths go."""
-    workload = load_chat_workload(path)
-    shapes = []
-    for kind in workload.kinds:
-        words = sum(len(prompt.split()) for prompt in kind.prompts) / len(kind.prompts)
-        if kind.context_words:
-            words += sum(kind.context_words) / 2
-        shapes.append(ChatShape(share=kind.share, prompt_words=words, max_tokens=tuple(kind.max_tokens)))
-    return shapes
+    return chat_shapes_of(load_chat_workload(path))
 
 
 def hardware_llm_model(model: LLMModelSpec, profile: LatencyProfile,
