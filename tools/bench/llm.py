@@ -758,9 +758,9 @@ def plot(report: dict, path: Path) -> None:
 def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec, workload: ChatWorkload,
                   setups: Sequence[str], rate_rps: float, duration_s: float, warmup_s: float, drain_timeout_s: float,
                   seed: int, command: str, log, options: CapacityOptions = FULL) -> dict:
-    """The decode limit, transformers_cb when `setups` names it, then each engine setup on its
-    own tritonserver (the same planned arrivals at the fixed rate, then the goodput search and
-    the closed loop); the report. Raises `ServerError` when a server does not start or its
+    """Each engine setup on its own tritonserver (the same planned arrivals at the fixed rate,
+    then the goodput search and the closed loop), then the decode limit and transformers_cb
+    when `setups` names it; the report. Raises `ServerError` when a server does not start or its
     warm-up request fails, `transformers_cb.PeerError` when the peer cannot run."""
     planned = plan_requests(workload, rate_rps, duration_s, seed)
     hardware = detect_hardware(None)
@@ -797,14 +797,18 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
         "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    # The parts without a server first: what fails there (the peer's virtualenv, say) fails in
-    # minutes, not after the hour of server runs.
-    report.update(measure_decode_limit(llm, context_tokens, options.limit_steps, log))
-    if PEER in setups:
-        report[PEER] = run_peer(llm, prompts, stop_token_ids, capacity, log)
+    if PEER in setups:  # its virtualenv first: a failure there comes in minutes, not after the server runs
+        transformers_cb.ensure_venv(log)
     for setup in engine_setups:
         repository = build_repository(f"llm_{setup}", [setup_model(llm, setup, spec, profile)])
         report[setup] = run_setup(setup, repository, planned, duration_s, warmup_s, drain_timeout_s, log, capacity)
+    # The decode limit and the peer right after the last setup's closed loop (continuous runs
+    # last): the ratios compare figures minutes apart, not an hour. Measured first, the limit
+    # came 40 minutes before continuous's closed loop on a shared host whose speed moved by a
+    # quarter within the hour.
+    report.update(measure_decode_limit(llm, context_tokens, options.limit_steps, log))
+    if PEER in setups:
+        report[PEER] = run_peer(llm, prompts, stop_token_ids, capacity, log)
     if PEER in report and "continuous" in report:
         report[PEER]["same_answers_as_continuous"] = same_answers(
             report["continuous"]["saturated"]["completion_tokens"], report[PEER]["saturated"]["completion_tokens"])
