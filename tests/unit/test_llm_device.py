@@ -69,3 +69,12 @@ def test_a_cpu_run_without_the_spec_s_limits_and_a_gpu_run_without_a_gpu_are_ref
     if not torch.cuda.is_available():
         assert main(["--model-dir", str(folder), "--out", str(tmp_path / "b.json")]) == 2
         assert "no GPU here" in capsys.readouterr().err
+
+
+def test_the_decode_limit_makes_a_pool_that_holds_its_batch(tmp_path):
+    from tools.bench.llm_device import decode_limit, load_model
+
+    model = load_model(chat_llm_dir(tmp_path), "cpu", "float32", random_weights=True)  # a pool of one block
+    found = decode_limit(model, num_seqs=3, context_tokens=40, block_size=16, num_steps=1)
+    assert model.cache.num_blocks == 3 * 3 and found["decode_limit"]["num_seqs"] == 3
+    assert found["decode_limit_tokens_per_s"] > 0

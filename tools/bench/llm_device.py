@@ -255,13 +255,17 @@ def light_load(engine, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
 
 
 def decode_limit(model, num_seqs: int, context_tokens: int, block_size: int, num_steps: int) -> dict[str, Any]:
-    """The forward alone: `num_seqs` decode entries of `context_tokens` context (the cache must
-    hold them: the caller sizes it); median of `num_steps` steps after two untimed."""
-    from python_backends.llm.model import StepSequence
+    """The forward alone: `num_seqs` decode entries of `context_tokens` context; median of
+    `num_steps` steps after two untimed. A KV pool too small for them (a CPU's spec budget need
+    not hold max_num_seqs such sequences) is replaced by one that holds them, as `bench llm`
+    sizes its own: the limit is the batch's, whatever the budget admits."""
+    from python_backends.llm.model import PagedCache, StepSequence
 
     tables = decode_block_tables(num_seqs, context_tokens, block_size)
-    if len(tables) * len(tables[0]) > model.cache.num_blocks:
-        raise ValueError(f"{num_seqs} sequences of {context_tokens} tokens need more blocks than the cache holds")
+    needed = len(tables) * len(tables[0])
+    if needed > model.cache.num_blocks:
+        model.cache = None  # the old pool goes before the new one is made
+        model.cache = PagedCache(model.shape, needed, block_size, model.dtype, model.device)
     batch = [StepSequence(token_ids=[1], start=context_tokens - 1, block_table=t, samples=True) for t in tables]
     times = []
     for index in range(2 + num_steps):
