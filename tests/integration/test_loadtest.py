@@ -141,7 +141,8 @@ weight = 1
     assert report["passed"] is False
     overall = check(report, "embed", None)
     assert overall["target_ms"] == 1 and overall["requests"] > 0
-    assert any("p95 latency" in reason and "> 1 ms" in reason for reason in overall["reasons"])
+    # 8 s at 2 req/s: too few requests for a p95, so the line is judged on its median.
+    assert any(" latency " in reason and "> 1 ms" in reason for reason in overall["reasons"])
     assert "# Load run: FAIL" in (tmp_path / "out" / "summary.md").read_text()
 
 
