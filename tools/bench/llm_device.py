@@ -95,7 +95,9 @@ class LoopRecord:
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by nearest rank; None for no values."""
+    """The q-th percentile (0-100) by nearest rank; None for no values. Not
+    `tools.bench.loadgen.percentile`: loadgen imports the kit's HTTP and gRPC clients, which a
+    bare GPU node does not have, and this module must import without them."""
     if not values:
         return None
     ordered = sorted(values)
