@@ -148,7 +148,7 @@ def test_a_tensor_model_bucketed_by_frames_gets_the_same_setups_and_report(tmp_p
     audio = audio_conv_onnx(tmp_path / "my-models")
     in_home(home, "add-model", "audio", "--onnx", str(audio), "--buckets", "16,64", "--workload", "frames.toml",
             "--slo-ms", "300", "--expected-rps", "8", "--peak-rps", "20", "--tolerance", "0.001")
-    in_home(home, "profile", "--model", "audio", "--time-per-point", "0.2", "--overhead-requests", "10")
+    in_home(home, "profile", "--model", "audio", "--time-per-point", "0.2", "--overhead-requests", "20")
     out = tmp_path / "goodput_audio.json"
     # The short steps of a smoke run: what is checked is that every setup serves the frames.
     in_home(home, "bench", "goodput", "--model", "audio", "--step-seconds", "1", "--max-steps", "2", "--repeats", "1",
@@ -186,7 +186,7 @@ def test_an_external_model_is_benchmarked_on_copies_of_its_folder_and_has_no_cei
     user_repository = external_repository(home)
     in_home(home, "add-model", "scorer", "--external", f"user-repository/{EXTERNAL_MODEL}", "--slo-ms", "200",
             "--expected-rps", "20", "--peak-rps", "50")
-    in_home(home, "profile", "--model", "scorer", "--time-per-point", "0.2", "--overhead-requests", "10")
+    in_home(home, "profile", "--model", "scorer", "--time-per-point", "0.2", "--overhead-requests", "20")
     before = user_files(user_repository)
     out = tmp_path / "goodput_scorer.json"
     in_home(home, "bench", "goodput", "--model", "scorer", "--step-seconds", "1", "--max-steps", "2", "--repeats",

@@ -87,7 +87,7 @@ def kit(tmp_path_factory):
                   "--expected-rps", "20", "--peak-rps", "50", folder=folder)
     added_untouched = digests(user_repository) == before
     profiled = tools("profile", "--model", ROUTER, "--out", "cpu.json", "--time-per-point", "0.2",
-                     "--overhead-requests", "10", folder=folder)
+                     "--overhead-requests", "20", folder=folder)
     generated = tools("gen-config", folder=folder)
     checked = tools("gen-config", "--check", folder=folder)
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()

@@ -117,7 +117,7 @@ def kit(tmp_path_factory):
         tools("add-model", name, "--version", "2", "--onnx", str(models / f"v2-{graph}"), folder=folder)
     tools("profile", "--model", "search", "--model", "rerank", "--model", "audio", "--model", "image",
           "--out", "cpu.json", "--time-per-point", "0.1",
-          "--overhead-requests", "10", folder=folder)
+          "--overhead-requests", "20", folder=folder)
     tools("gen-config", folder=folder)
     names = ("search", "search_16", "search_32", "search_64", "rerank", "rerank_32", "rerank_64", "audio", "audio_16",
              "audio_64", "image", "image_fixed")
