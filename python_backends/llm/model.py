@@ -154,9 +154,18 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         flat = group.slots.view(-1)
         keys = k_cache.index_select(0, flat).view(context).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
         values = v_cache.index_select(0, flat).view(context).transpose(1, 2)
-        # [seqs, heads, queries, head_dim]: decodes are one query per sequence; a prefill chunk is one sequence
-        queries = q[group.rows].view(-1, group.num_queries, num_heads, head_dim).transpose(1, 2)
         mask = group.mask(window)
+        if group.num_queries == 1 and softcap is None:
+            # Decodes: the query heads that share a key/value head attend as that head's queries,
+            # [seqs, kv_heads, heads per kv head, head_dim], so no key or value is repeated per
+            # query head. Measured on 1 core, 96 sequences of 60-160 tokens, 9 heads over 3:
+            # 55 ms of attention a step (30 layers) against 135 ms with enable_gqa.
+            queries = q[group.rows].view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+            out[group.rows] = attended.reshape(-1, num_heads, head_dim)
+            continue
+        # [seqs, heads, queries, head_dim]: a prefill chunk is one sequence
+        queries = q[group.rows].view(-1, group.num_queries, num_heads, head_dim).transpose(1, 2)
         if softcap is None:
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
                                                       enable_gqa=num_kv_heads != num_heads)
