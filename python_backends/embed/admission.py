@@ -46,9 +46,6 @@ class AdmissionPolicy:
     max_work_ms: float  # starting bound on in-flight work (ms of device time per lane); 0: admit all
     target_ms: float = 0.0  # router-side latency an admitted request should stay within; 0: fixed bound
     min_work_ms: float = 0.0  # the adaptive bound never goes below this
-    # Work ahead (ms per lane) behind which a probing server still admits any request, as an
-    # idle one would: one longest row per lane. 0: min_work_ms x lanes (policies before it).
-    probe_ahead_ms: float = 0.0
     max_limit_ms: float = 0.0  # ... nor above this
     shared_lanes: bool = False  # buckets share the lanes at once: count work ahead as processor sharing
 
@@ -60,8 +57,6 @@ class AdmissionPolicy:
         if self.adaptive and not 0 < self.min_work_ms <= self.max_work_ms <= self.max_limit_ms:
             raise ValueError(f"need 0 < min_work_ms <= max_work_ms <= max_limit_ms, got {self.min_work_ms}, "
                              f"{self.max_work_ms}, {self.max_limit_ms}")
-        if not self.probe_ahead_ms >= 0:
-            raise ValueError(f"probe_ahead_ms must be >= 0, got {self.probe_ahead_ms}")
         for bucket, cost in self.row_cost_ms.items():
             if not cost >= 0:
                 raise ValueError(f"row_cost_ms of bucket {bucket} must be >= 0, got {cost}")
@@ -69,11 +64,6 @@ class AdmissionPolicy:
     @property
     def adaptive(self) -> bool:
         return self.max_work_ms > 0 and self.target_ms > 0
-
-    @property
-    def probe_allowance_ms(self) -> float:
-        """Work ahead (ms per lane) that a probing server admits a request behind, whatever its own."""
-        return self.probe_ahead_ms or self.min_work_ms * self.lanes
 
     @property
     def smallest_work_ms(self) -> float:
@@ -98,8 +88,7 @@ class AdmissionPolicy:
         return json.dumps({"row_cost_ms": {str(b): round(c, 4) for b, c in sorted(self.row_cost_ms.items())},
                            "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3),
                            "target_ms": round(self.target_ms, 3), "min_work_ms": round(self.min_work_ms, 3),
-                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes,
-                           "probe_ahead_ms": round(self.probe_ahead_ms, 3)},
+                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes},
                           sort_keys=True)
 
     @classmethod
@@ -110,8 +99,7 @@ class AdmissionPolicy:
                        lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]),
                        target_ms=float(data.get("target_ms", 0.0)), min_work_ms=float(data.get("min_work_ms", 0.0)),
                        max_limit_ms=float(data.get("max_limit_ms", 0.0)),
-                       shared_lanes=bool(data.get("shared_lanes", False)),
-                       probe_ahead_ms=float(data.get("probe_ahead_ms", 0.0)))
+                       shared_lanes=bool(data.get("shared_lanes", False)))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"admission policy is not valid: {err}") from None
 
@@ -192,9 +180,10 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
     refused forever.
 
     While `probing` (no answer has been late since the server last drained), a server with no
-    more than its tier's share of one longest row per lane ahead of a request
-    (`probe_allowance_ms`) admits it whatever its own work, as an idle one does: the request
-    then waits at most one longest row, which W already sets aside. At light load the bound has rarely been in use
+    more than its tier's share of one longest row per lane ahead of a request (the bound's
+    floor, `min_work_ms`, is one longest row spread over the lanes: `min_work_ms x lanes` per
+    lane) admits it whatever its own work, as an idle one does: the request then waits at most
+    one longest row, which W already sets aside. At light load the bound has rarely been in use
     and has barely moved from its starting guess, or sits at its floor where earlier bursts left
     it, which says nothing about the load now: without this, long rows that happened to overlap
     at 6 req/s were turned away (one request in 91, and in 90, of 15 s Locust runs of three
@@ -218,7 +207,7 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
         return late
     if waited_ms is not None and policy.max_limit_ms > 0:
         limit_ms = min(limit_ms, policy.max_limit_ms - waited_ms)
-    idle_ms = policy.probe_allowance_ms * share if probing else 0.0
+    idle_ms = policy.min_work_ms * policy.lanes * share if probing else 0.0
     admitted = work_ahead_ms <= idle_ms or work_ahead_ms + own_work_ms <= limit_ms
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms, waited_ms, bound_ms)
 

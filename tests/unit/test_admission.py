@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import threading
-from dataclasses import replace
 
 import pytest
 
@@ -249,12 +248,9 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.lanes == 2
     assert admission.policy.shared_lanes  # the buckets run side by side: work ahead counts as they share lanes
     assert "share the lanes" in admission.reasons["admission"]
-    # Its floor: one preferred batch of the cheapest bucket (c_16(4) = 12 ms), per lane; while
-    # probing, one row of the slowest bucket per lane ahead (80 ms) is admitted as by an idle server.
-    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(6.0)
-    assert "one preferred batch of bucket 16 per lane (6.0 ms)" in admission.reasons["admission_bound"]
-    assert admission.policy.probe_allowance_ms == pytest.approx(80.0)
-    assert "one row of bucket 256 per lane ahead" in admission.reasons["admission_bound"]
+    # Its floor: one row of the slowest bucket (80 ms), per lane.
+    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
+    assert "one row of bucket 256 (40.0 ms per lane)" in admission.reasons["admission_bound"]
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
     assert admission.policy.target_ms < 195.0  # room for the wait before the router takes a request
     # The router queue is a hand-off buffer: Little's law at peak over S - o, 100 x 195 ms.
@@ -430,21 +426,6 @@ def test_while_probing_a_request_with_one_longest_row_per_lane_ahead_is_admitted
     admitted = decide(ADAPTIVE, 20.0, 50.0, probing=True)
     assert adjust_bound(ADAPTIVE, 60.0, 100.0, probing=True, admitted=admitted) == pytest.approx(61.2)
     assert adjust_bound(ADAPTIVE, 60.0, 160.0, probing=True, admitted=admitted) == pytest.approx(57.0)
-
-
-def test_the_probe_allowance_is_its_own_and_not_the_floor_where_the_policy_names_one():
-    # A floor below a longest row (one cheap batch per lane) keeps the probing allowance.
-    low_floor = replace(ADAPTIVE, min_work_ms=5.0, probe_ahead_ms=40.0)
-    assert decide(low_floor, 40.0, 50.0, probing=True).admitted
-    assert not decide(low_floor, 40.5, 50.0, probing=True).admitted
-    assert adjust_bound(low_floor, 6.0, latency_ms=300.0) == pytest.approx(5.0)  # down to its own floor
-    assert AdmissionPolicy.from_json(low_floor.to_json()) == low_floor
-    # A policy written before the allowance had its name reads it as the floor over the lanes.
-    older = AdmissionPolicy.from_json(ADAPTIVE.to_json().replace('"probe_ahead_ms": 0.0, ', ""))
-    assert "probe_ahead_ms" not in ADAPTIVE.to_json().replace('"probe_ahead_ms": 0.0, ', "")
-    assert older.probe_allowance_ms == pytest.approx(40.0)
-    with pytest.raises(ValueError, match="probe_ahead_ms must be >= 0"):
-        replace(ADAPTIVE, probe_ahead_ms=-1.0)
 
 
 def test_the_shared_table_admits_past_the_bound_at_light_load_until_an_answer_is_late(tmp_path):

@@ -611,16 +611,11 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     hand_off_ms = slo_p95_ms - overhead_ms
     max_queue_size = max(1, math.ceil(peak_rps * hand_off_ms / 1000.0))
     target_ms = admission_target_ms(curves, slo_p95_ms, overhead_ms, budget_buckets)
-    # The floor: one preferred batch of the cheapest bucket per lane; below it no lane could be
-    # given a whole batch of anything. It was one row of the slowest bucket per lane (38.9 ms
-    # for embed) while a bound at the floor climbed back only 0.27% an answer: at 10x goodput
-    # the refusals' CPU slowed the buckets' compute by a third, the bound sat at that floor and
-    # the admitted p95 was 247 ms against 200. After a drain the bound now probes back up 2% an
-    # answer, so a crash that took it low no longer keeps it there. While probing, a request
-    # behind no more than one longest row per lane is admitted as by an idle server.
-    cheapest_bucket = min(curves, key=lambda bucket: curves[bucket].at(preferred[bucket]))
-    min_work_ms = min(curves[cheapest_bucket].at(preferred[cheapest_bucket]) / lanes, max_work_ms)
-    probe_ahead_ms = slowest_ms
+    # The floor: one row of the slowest bucket per lane. Measured with one preferred batch of the
+    # cheapest bucket instead (9.4 ms for embed): answers late while a bucket instance was
+    # reloaded after a crash took the bound there, and at 30 req/s it climbed back so slowly
+    # that a retrying client saw 66 requests fail where it had seen 3 (bench overload, crash).
+    min_work_ms = min(slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
     costs = ", ".join(f"{b}: {c:.2f}" for b, c in sorted(row_cost_ms.items()))
     budget = (f"W = S - o - c_{slowest_bucket}(1) = {slo_p95_ms:.0f} - {overhead_ms:.1f} - {slowest_ms:.1f} "
@@ -632,8 +627,7 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                    f"{', '.join(map(str, left_out))} cannot, and their rows are still admitted and costed")
     return Admission(
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
-                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True,
-                               probe_ahead_ms=probe_ahead_ms),
+                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True),
         max_queue_size=max_queue_size,
         reasons={
             "admission": (f"admit while work in flight <= the bound, which starts at {ADMISSION_WORK_SHARE:.0%} of "
@@ -647,10 +641,10 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"+2% until the first late one; only answers admitted while half the bound was "
                                 f"in use move it; a late answer cuts the bound it was admitted under, so answers "
                                 f"admitted together cut it once, and one past S - o by target / latency, to half "
-                                f"at most); between one preferred batch of bucket {cheapest_bucket} per lane "
-                                f"({min_work_ms:.1f} ms) and S - o = {max_limit_ms:.1f} ms; until an answer is late "
-                                f"after the server drained, a request with no more than one row of bucket "
-                                f"{slowest_bucket} per lane ahead of it is admitted, as by an idle server"),
+                                f"at most); between one row of bucket {slowest_bucket} "
+                                f"({min_work_ms:.1f} ms per lane) and S - o = {max_limit_ms:.1f} ms; until an "
+                                f"answer is late after the server drained, a request with no more than one such row "
+                                f"per lane ahead of it is admitted, as by an idle server"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
