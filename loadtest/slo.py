@@ -17,14 +17,11 @@ from enum import StrEnum
 
 from loadtest.mix import LoadMix, ModelKind
 from loadtest.shapes import LoadShape, stage_index
-from tools.bench.loadgen import percentile
+from tools.bench.loadgen import MIN_P95_SAMPLES, percentile
 
-# Below this many successful requests a p95 is mostly the slowest one (of 7, 70% of the way
-# from the second slowest to it): a server whose true p95 meets the target still has one of 7
-# requests past it 30% of the time (1 - 0.95^7), and a 15 s run of three users failed on one
-# such tenant line (7 requests, one 374 ms answer beside six under 60 ms). Such a line is
-# judged on its median instead, which a slow tenant still fails and one slow answer does not.
-MIN_P95_SAMPLES = 20
+# A line of fewer than MIN_P95_SAMPLES successful requests is judged on its median: a 15 s run
+# of three users failed on one tenant line of 7 requests (one 374 ms answer beside six under
+# 60 ms). A slow tenant still fails on its median; one slow answer does not.
 
 
 class Metric(StrEnum):

@@ -10,13 +10,8 @@ import pytest
 
 from python_backends.embed.admission import ADMIT_ALL, AdmissionPolicy
 from tools.bench.harness import profile_name_for_gpu
-from tools.bench.profiler import (
-    MIN_OVERHEAD_REQUESTS,
-    probe_knobs,
-    probe_rows,
-    profiled_version,
-    profiling_router_config,
-)
+from tools.bench.loadgen import MIN_P95_SAMPLES
+from tools.bench.profiler import probe_knobs, probe_rows, profiled_version, profiling_router_config
 from tools.cli.profile import add_arguments
 from tools.repository.sources import served_graph
 from tools.spec.serving import load_spec
@@ -88,6 +83,6 @@ def test_profile_refuses_an_overhead_of_too_few_requests_for_a_p95():
     # Of 10 requests the p95 is mostly the slowest: one late answer would decide the config.
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_arguments(parser)
-    assert parser.parse_args(["--overhead-requests", str(MIN_OVERHEAD_REQUESTS)]).overhead_requests == 20
+    assert parser.parse_args(["--overhead-requests", str(MIN_P95_SAMPLES)]).overhead_requests == 20
     with pytest.raises(argparse.ArgumentError, match=r"must be >= 20 \(a p95 of fewer requests is mostly"):
         parser.parse_args(["--overhead-requests", "10"])

@@ -73,13 +73,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tools.bench import transformers_cb
+from tools.bench import llm_device, transformers_cb
 from tools.bench.harness import build_repository, detect_hardware, hardware_report, without_tenant_quotas
 from tools.bench.loadgen import RateSearch, percentile, poisson_arrival_times
 from tools.clients.llm import STREAM_CLOSED, Generation, LLMStream
 from tools.observe.metrics import fetch_text, parse_exposition
 from tools.paths import DEFAULT_MODEL_REPOSITORY, REPO_ROOT
-from tools.planning.llm_limits import decode_block_tables, mean_decode_context
+from tools.planning.llm_limits import mean_decode_context
 from tools.repository.configs import GeneratedModel, plan_llm_model
 from tools.server.triton_server import ModelControlMode, ServerConfig, ServerError, TritonServer, free_port
 from tools.spec.profile import LatencyProfile
@@ -604,47 +604,35 @@ def tokenize_chats(model_dir: Path, chats: Sequence[PlannedRequest]) -> tuple[li
 
 
 def measure_decode_limit(llm: LLMModelSpec, context_tokens: int, num_steps: int, log) -> dict[str, Any]:
-    """Decode tokens/s of the engine's forward alone: `PagedCausalLM.step` over max_num_seqs
-    decode entries, each with `context_tokens` of context, on the engine's device, dtype and
-    threads; the median of `num_steps` timed steps after two untimed ones."""
+    """Decode tokens/s of the engine's forward alone (`llm_device.decode_limit`) over
+    max_num_seqs decode entries, each with `context_tokens` of context, on the engine's device,
+    dtype and threads; with what the spec's KV budget holds of such sequences."""
     import torch
 
     from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
-    from python_backends.llm.model import DTYPES, PagedCausalLM, StepSequence, default_device, default_dtype
+    from python_backends.llm.model import DTYPES, PagedCausalLM, default_device, default_dtype
 
     num_seqs, block_size = llm.max_num_seqs, llm.block_size
     device = default_device() if llm.device == "auto" else llm.device
     dtype = default_dtype(device) if llm.dtype == "auto" else DTYPES[llm.dtype]
     torch.set_num_threads(engine_threads(llm))
-    tables = decode_block_tables(num_seqs, context_tokens, block_size)
     log(f"decode limit: the engine's forward alone, {num_seqs} sequences at {context_tokens} tokens of context, "
         f"{num_steps} steps ...")
-    model = PagedCausalLM.from_dir(served_model_dir(llm), num_blocks=num_seqs * len(tables[0]),
-                                   block_size=block_size, dtype=dtype, device=device)
     # The cache holds zeros, not a real context: attention costs the same whatever the values.
-    batch = [StepSequence(token_ids=[1], start=context_tokens - 1, block_table=table, samples=True)
-             for table in tables]
-    step_s = []
-    for index in range(2 + num_steps):
-        begun = time.perf_counter()
-        model.step(batch)
-        if index >= 2:
-            step_s.append(time.perf_counter() - begun)
-    median_s = statistics.median(step_s)
+    model = PagedCausalLM.from_dir(served_model_dir(llm), num_blocks=1, block_size=block_size, dtype=dtype,
+                                   device=device)
+    found = llm_device.decode_limit(model, num_seqs, context_tokens, block_size, num_steps)
     shape = model.shape
+    del model
     kv = KVCacheSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                      dtype_bytes=dtype.itemsize, block_size=block_size)
     pool_blocks = num_blocks_for_budget(kv, int(llm.kv_cache_mb * (1 << 20)))
-    del model
-    found = {"decode_limit_tokens_per_s": round(num_seqs / median_s, 1),
-             "decode_limit": {"num_seqs": num_seqs, "context_tokens": context_tokens, "steps": num_steps,
-                              "step_ms_median": round(median_s * 1000, 1),
-                              "step_ms_min": round(min(step_s) * 1000, 1),
-                              "threads": engine_threads(llm), "device": str(device),
-                              "dtype": str(dtype).removeprefix("torch."),
-                              # What the KV budget holds at this context, without prefix sharing:
-                              # the engine cannot keep more sequences than this decoding at once.
-                              "kv_budget_num_seqs": pool_blocks // len(tables[0])}}
+    blocks_per_seq = math.ceil(context_tokens / block_size)
+    # What the KV budget holds at this context, without prefix sharing: the engine cannot keep
+    # more sequences than this decoding at once.
+    found["decode_limit"].update(threads=engine_threads(llm), device=str(device),
+                                 dtype=str(dtype).removeprefix("torch."),
+                                 kv_budget_num_seqs=pool_blocks // blocks_per_seq)
     log(f"decode limit: {found['decode_limit_tokens_per_s']} tokens/s ({found['decode_limit']['step_ms_median']} ms "
         f"a step)")
     return found

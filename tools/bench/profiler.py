@@ -49,9 +49,6 @@ from tools.spec.profile import LatencyCurve, ModelProfile, Overhead
 from tools.spec.serving import BucketedModelSpec, HardwareLimits, ServingSpec, SpecError
 
 MAX_PROBE_BATCH = 128
-# The overhead's p95 needs 20 requests: of fewer it is mostly the slowest one, and one late
-# answer (a scheduler wake-up, a page fault) then decides the whole configuration.
-MIN_OVERHEAD_REQUESTS = 20
 WARMUP_EXECUTIONS = 2
 
 
