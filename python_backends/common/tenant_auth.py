@@ -63,13 +63,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-
-import jwt
-from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, EllipticCurvePublicKey
-from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+from typing import TYPE_CHECKING
 
 from python_backends.common.paths import KIT_ROOT
 from python_backends.common.quotas import TENANT_PATTERN, parse_tenant, parse_tenant_claim
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+    from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+
+# PyJWT and cryptography are imported in the functions that sign and verify: every model's
+# stub imports this module (through `python_backends.common.params`), and only routers with
+# auth on use them; the two cost 50 ms of CPU at each of the kit's 26 stub starts.
 
 SECRET_ALGORITHM = "HS256"  # the kit's own keys sign and verify with this
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")  # what a JWKS key may verify
@@ -184,6 +189,8 @@ def check_key(key_id: str, secret: bytes) -> None:
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ValueError(f"key {key_id!r}: the secret is {len(secret)} bytes; it must be "
                          f"{MIN_SECRET_BYTES}-{MAX_SECRET_BYTES} random bytes")
+    import jwt
+
     try:
         # PyJWT refuses an HMAC secret that parses as a PEM, DER or SSH key or holds a JWK: said
         # here, when the file is read, rather than as every token failing.
@@ -199,6 +206,8 @@ def issue_token(tenant: str, expiry_s: int, key_id: str, secret: bytes) -> str:
     check_key(key_id, secret)
     if isinstance(expiry_s, bool) or not isinstance(expiry_s, int) or not 0 < expiry_s < MAX_EXPIRY_S:
         raise ValueError(f"expiry {expiry_s!r} must be Unix seconds, a positive integer of at most 12 digits")
+    import jwt
+
     return jwt.encode({"sub": tenant, "exp": expiry_s}, secret, algorithm=SECRET_ALGORITHM,
                       headers={"kid": key_id, "typ": "JWT"})
 
@@ -331,6 +340,8 @@ def verified_parts(token: object, keys: Mapping[str, VerificationKey], issuer: s
                         f"'{parts.key_id}' verifies {algorithm} only (forged or altered)")
     if not _canonical(parts.signature):
         raise _forged()
+    import jwt
+
     try:
         jwt.decode(str(token), key.key if isinstance(key, PublicKey) else key, algorithms=[algorithm],
                    options=SIGNATURE_ONLY)
@@ -455,6 +466,10 @@ def _public_key(jwk: dict, name: str, algorithm: str) -> PublicKey:
     kty = {"RS256": "RSA", "ES256": "EC"}[algorithm]
     if jwk.get("kty") != kty or (algorithm == "ES256" and jwk.get("crv") != "P-256"):
         raise ValueError(f"{name}: alg {algorithm} needs kty {kty!r}" + (" and crv 'P-256'" if kty == "EC" else ""))
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, EllipticCurvePublicKey
+    from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+
     try:
         key = jwt.PyJWK(jwk, algorithm).key
     except (jwt.PyJWTError, ValueError, TypeError, KeyError):  # PyJWT's message quotes the key: not repeated

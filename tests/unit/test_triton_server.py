@@ -1,6 +1,7 @@
 """Command line, environment and start-up checks of the tritonserver launcher."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from tools.server.triton_server import (
     ServerError,
     TritonDistribution,
     TritonServer,
+    auto_complete_needed,
     build_command,
     build_env,
     busy_ports,
@@ -47,6 +49,31 @@ def test_build_command_sets_ports_mode_and_models():
     for flag in ("--model-repository=/repo", "--backend-directory=/b", "--http-port=1", "--grpc-port=2",
                  "--metrics-port=3", "--model-control-mode=explicit", "--load-model=embed", "--log-verbose=1"):
         assert flag in command
+
+
+def test_auto_completion_is_off_only_for_the_kit_s_own_python_models(tmp_path):
+    """Every model of the kit's repository is a Python model with every field written: no stub
+    is started to complete its config. Anything Triton may have to complete keeps it on."""
+    shutil.copytree(REPO / "model_repository" / "embed", tmp_path / "embed",
+                    ignore=shutil.ignore_patterns("routing.json", "__pycache__"))
+    kit = ServerConfig(model_repository=tmp_path)
+    assert not auto_complete_needed(kit)
+    assert "--disable-auto-complete-config" in build_command(kit, FAKE, Path("/b"), auto_complete=False)
+    assert "--disable-auto-complete-config" not in build_command(kit, FAKE, Path("/b"))
+    assert auto_complete_needed(ServerConfig(model_repository=tmp_path, extra_repositories=(Path("/users"),)))
+    (tmp_path / "scorer" / "1").mkdir(parents=True)
+    (tmp_path / "scorer" / "1" / "model.py").write_text("class TritonPythonModel:\n"
+                                                        "    @staticmethod\n"
+                                                        "    def auto_complete_config(config):\n"
+                                                        "        return config\n")
+    (tmp_path / "scorer" / "config.pbtxt").write_text('backend: "python"\n')
+    assert auto_complete_needed(kit)  # the model asks to complete its own config
+    (tmp_path / "scorer" / "1" / "model.py").unlink()
+    assert not auto_complete_needed(kit)
+    (tmp_path / "scorer" / "config.pbtxt").write_text('backend: "onnxruntime"\n')
+    assert auto_complete_needed(kit)  # ONNX Runtime fills in the tensors a config leaves out
+    (tmp_path / "scorer" / "config.pbtxt").unlink()
+    assert auto_complete_needed(kit)
 
 
 def test_build_env_paths():
