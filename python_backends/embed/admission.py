@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,9 @@ class AdmissionPolicy:
     min_work_ms: float = 0.0  # the adaptive bound never goes below this
     max_limit_ms: float = 0.0  # ... nor above this
     shared_lanes: bool = False  # buckets share the lanes at once: count work ahead as processor sharing
+    # bucket length -> c(max_batch), its longest execution: with it, every admitted request's
+    # chunks carry a queue deadline to their bucket (`queue_wait_ms`); empty: none
+    batch_ms: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
@@ -57,9 +60,10 @@ class AdmissionPolicy:
         if self.adaptive and not 0 < self.min_work_ms <= self.max_work_ms <= self.max_limit_ms:
             raise ValueError(f"need 0 < min_work_ms <= max_work_ms <= max_limit_ms, got {self.min_work_ms}, "
                              f"{self.max_work_ms}, {self.max_limit_ms}")
-        for bucket, cost in self.row_cost_ms.items():
-            if not cost >= 0:
-                raise ValueError(f"row_cost_ms of bucket {bucket} must be >= 0, got {cost}")
+        for what, costs in (("row_cost_ms", self.row_cost_ms), ("batch_ms", self.batch_ms)):
+            for bucket, cost in costs.items():
+                if not cost >= 0:
+                    raise ValueError(f"{what} of bucket {bucket} must be >= 0, got {cost}")
 
     @property
     def adaptive(self) -> bool:
@@ -88,7 +92,9 @@ class AdmissionPolicy:
         return json.dumps({"row_cost_ms": {str(b): round(c, 4) for b, c in sorted(self.row_cost_ms.items())},
                            "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3),
                            "target_ms": round(self.target_ms, 3), "min_work_ms": round(self.min_work_ms, 3),
-                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes},
+                           "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes,
+                           **({"batch_ms": {str(b): round(c, 3) for b, c in sorted(self.batch_ms.items())}}
+                              if self.batch_ms else {})},
                           sort_keys=True)
 
     @classmethod
@@ -99,7 +105,8 @@ class AdmissionPolicy:
                        lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]),
                        target_ms=float(data.get("target_ms", 0.0)), min_work_ms=float(data.get("min_work_ms", 0.0)),
                        max_limit_ms=float(data.get("max_limit_ms", 0.0)),
-                       shared_lanes=bool(data.get("shared_lanes", False)))
+                       shared_lanes=bool(data.get("shared_lanes", False)),
+                       batch_ms={int(b): float(c) for b, c in data.get("batch_ms", {}).items()})
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"admission policy is not valid: {err}") from None
 
@@ -218,6 +225,26 @@ def deadline_passed(policy: AdmissionPolicy, waited_ms: float | None) -> Admissi
     if waited_ms is None or policy.max_work_ms <= 0 or policy.max_limit_ms <= 0 or waited_ms < policy.max_limit_ms:
         return None
     return AdmissionDecision(False, 0.0, 0.0, 0.0, waited_ms)
+
+
+def answer_deadline_s(policy: AdmissionPolicy, started_s: float, waited_ms: float | None) -> float | None:
+    """When the answer to a request the router took at `started_s` (its clock) turns late:
+    S - o after it arrived, its wait before the router (`waited_ms`, its stamp) included.
+    None where no deadline travels with it (admission off, or no `batch_ms`)."""
+    if not policy.batch_ms or policy.max_work_ms <= 0 or policy.max_limit_ms <= 0:
+        return None
+    return started_s + (policy.max_limit_ms - (waited_ms or 0.0)) / 1000.0
+
+
+def queue_wait_ms(policy: AdmissionPolicy, bucket_len: int, now_s: float, deadline_s: float | None) -> float | None:
+    """How long a chunk of bucket `bucket_len` sent at `now_s` may wait in the bucket's queue and
+    still be answered by `deadline_s` (`answer_deadline_s`): the time left less the bucket's
+    longest execution, c(max_batch). The router sends it as the request's timeout, so Triton
+    rejects in its queue, before any compute, a chunk whose answer would be late (a deadline
+    that travels with the request, as gRPC's do). None: no deadline; <= 0: late already."""
+    if deadline_s is None or bucket_len not in policy.batch_ms:
+        return None
+    return (deadline_s - now_s) * 1000.0 - policy.batch_ms[bucket_len]
 
 
 def seen_latency_ms(policy: AdmissionPolicy, router_ms: float, waited_ms: float | None) -> float:

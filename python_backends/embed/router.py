@@ -352,6 +352,8 @@ def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int, tensor: st
 # and a full queue. Over BLS they arrive as INTERNAL; the router restores UNAVAILABLE
 # (HTTP 503), the retryable status a client gets when it calls a model directly.
 SCHEDULER_REJECTIONS = ("Request timeout expired", "Exceeds maximum queue size")
+# A chunk the router does not send: its deadline leaves it no time to queue (`admission.queue_wait_ms`).
+LATE_BEFORE_SENT = "Request timeout expired before the request was sent: its answer would come after the latency SLO"
 
 
 def is_instance_crash(message: str) -> bool:

@@ -43,8 +43,10 @@ from python_backends.common.tokenization import TextTokenizer
 from python_backends.embed.admission import (
     AdmissionDecision,
     SharedWork,
+    answer_deadline_s,
     deadline_passed,
     instance_slot,
+    queue_wait_ms,
     seen_latency_ms,
     tier_share,
 )
@@ -53,6 +55,7 @@ from python_backends.embed.inline import held_off, record_inline, serves_inline
 from python_backends.embed.kinds import labels_of
 from python_backends.embed.metrics import RouterMetrics
 from python_backends.embed.router import (
+    LATE_BEFORE_SENT,
     EmbedRouter,
     PreparedRequest,
     RouterConfig,
@@ -129,6 +132,7 @@ class Accepted:
     started: float  # time.monotonic() when the router took it
     waited_ms: float | None = None  # how long it waited before that (its X-Request-Start stamp); None: unknown
     admission: AdmissionDecision | None = None  # the decision that admitted it; None: none taken
+    deadline_s: float | None = None  # time.monotonic() when its answer turns late; None: no deadline travels
 
     @property
     def tenant(self):
@@ -385,7 +389,8 @@ class EmbedService:
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
-        return Accepted(prepared, version, pinned, table, own_work, started, waited, admission)
+        return Accepted(prepared, version, pinned, table, own_work, started, waited, admission,
+                        answer_deadline_s(self.admission, started, waited))
 
     # --- serving an admitted request ----------------------------------------------------------
 
@@ -413,30 +418,37 @@ class EmbedService:
             message = f"{message} The instance crashed while serving this request; retry."
         return self._error(f"bucket model {model_name} v{version}: {message}", code)
 
-    def _exec(self, model_name: str, chunk, version: int):
+    def _exec(self, model_name: str, chunk, version: int, deadline_s: float | None = None):
         """One chunk's blocking BLS call to `version` of `model_name` (its bucket model or the
-        express model): the response."""
+        express model): the response. With a `deadline_s`, the time the chunk may queue there
+        (`queue_wait_ms`) goes as the request's timeout, and a chunk already too late to be
+        answered by then is not sent: it gets the queue's own timeout rejection."""
         pb = self.pb
+        wait_ms = queue_wait_ms(self.admission, chunk.chunk.bucket_len, time.monotonic(), deadline_s)
+        if wait_ms is not None and wait_ms < 0.001:
+            return pb.InferenceResponse(error=pb.TritonError(LATE_BEFORE_SENT, pb.TritonError.UNAVAILABLE))
         return pb.InferenceRequest(
             model_name=model_name,
             model_version=version,
             inputs=[pb.Tensor(name, tensor) for name, tensor in chunk.tensors.items()],
             requested_output_names=self.output_names,
+            timeout=0 if wait_ms is None else int(wait_ms * 1000.0),
         ).exec()
 
-    def _exec_to(self, targets: list[str], index: int, chunk, version: int):
+    def _exec_to(self, targets: list[str], index: int, chunk, version: int, deadline_s: float | None = None):
         """Chunk `index` to its target; a chunk the express model cannot take because it does not
         serve `version` goes to its bucket model, and `targets` says so afterwards."""
-        response = self._exec(targets[index], chunk, version)
+        response = self._exec(targets[index], chunk, version, deadline_s)
         if (response.has_error() and targets[index] != chunk.model_name
                 and not self.pb.is_model_ready(targets[index], str(version))):
             targets[index] = chunk.model_name  # the express model is not loaded (at this version)
-            response = self._exec(chunk.model_name, chunk, version)
+            response = self._exec(chunk.model_name, chunk, version, deadline_s)
         return response
 
-    def _run_chunks(self, prepared: PreparedRequest, version: int, targets: list[str] | None = None):
+    def _run_chunks(self, prepared: PreparedRequest, version: int, targets: list[str] | None = None,
+                    deadline_s: float | None = None):
         """Send every chunk to `version` of its model in `targets` (by default `_targets`: its
-        bucket model, or the express model).
+        bucket model, or the express model), each with the request's deadline (`_exec`).
 
         Returns ((model name, error) of the first failure, None, None), or (None, the
         reassembled outputs, the bucket's own output tensors by name when one chunk served the
@@ -447,7 +459,7 @@ class EmbedService:
         chunks = prepared.chunks
         targets = targets if targets is not None else self._targets(prepared)
         if len(chunks) == 1:  # most requests: no lanes to run
-            response = self._exec_to(targets, 0, chunks[0], version)
+            response = self._exec_to(targets, 0, chunks[0], version, deadline_s)
             if response.has_error():
                 return (targets[0], response.error()), None, None
             tensors = {name: pb.get_output_tensor_by_name(response, name) for name in names}
@@ -458,7 +470,7 @@ class EmbedService:
 
         def run_lane(lane):
             for index in lane:
-                responses[index] = self._exec_to(targets, index, chunks[index], version)
+                responses[index] = self._exec_to(targets, index, chunks[index], version, deadline_s)
                 if responses[index].has_error():
                     return
 
@@ -478,15 +490,20 @@ class EmbedService:
         prepared, version, pinned, started = accepted.prepared, accepted.version, accepted.pinned, accepted.started
         outcomes, latency, inflight = self.metrics.of_version(version)
         targets = self._targets(prepared)
+        failure = None
         try:
-            failure, outputs, served_tensors = self._run_chunks(prepared, version, targets)
+            failure, outputs, served_tensors = self._run_chunks(prepared, version, targets, accepted.deadline_s)
         except BaseException:
             inflight.increment(-1)
             raise
         finally:
-            self.work.release(self.admission, accepted.own_work, seen_latency_ms(
-                self.admission, (time.monotonic() - started) * 1000.0, accepted.waited_ms),
-                accepted.admission)
+            router_ms = (time.monotonic() - started) * 1000.0
+            if failure is not None and accepted.deadline_s is not None and is_scheduler_rejection(
+                    failure[1].message()):
+                # Turned away at its deadline: its answer would have been late, and the bound learns so.
+                router_ms = max(router_ms, (accepted.deadline_s - started) * 1000.0)
+            self.work.release(self.admission, accepted.own_work,
+                              seen_latency_ms(self.admission, router_ms, accepted.waited_ms), accepted.admission)
         if failure is not None:
             inflight.increment(-1)
             model_name, error = failure

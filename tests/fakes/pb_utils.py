@@ -180,6 +180,7 @@ class BlsCall:
     model_version: int
     inputs: dict[str, np.ndarray]
     parameters: dict
+    timeout_us: int = 0  # the request's timeout (0: none)
 
 
 def fake_encoder(call: BlsCall) -> InferenceResponse:
@@ -216,9 +217,9 @@ class FakeTriton:
 
         class InferenceRequest:
             def __init__(self, model_name: str, inputs: list[Tensor], requested_output_names=(),
-                         model_version: int = -1, parameters: Mapping | None = None, **_):
+                         model_version: int = -1, parameters: Mapping | None = None, timeout: int = 0, **_):
                 self.call = BlsCall(model_name, int(model_version), {t.name(): t.as_numpy() for t in inputs},
-                                    dict(parameters or {}))
+                                    dict(parameters or {}), int(timeout))
 
             def exec(self, decoupled: bool = False):
                 fake.calls.append(self.call)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -15,9 +16,11 @@ from python_backends.embed.admission import (
     AdmissionPolicy,
     SharedWork,
     adjust_bound,
+    answer_deadline_s,
     deadline_passed,
     decide,
     instance_slot,
+    queue_wait_ms,
     seen_latency_ms,
     shared_work_ahead_ms,
     tier_share,
@@ -43,6 +46,7 @@ def test_work_of_a_bucket_without_a_cost_is_an_error():
     ({"lanes": 0}, "lanes must be >= 1"),
     ({"max_work_ms": -1.0}, "max_work_ms must be >= 0"),
     ({"row_cost_ms": {16: -2.0}}, "row_cost_ms of bucket 16"),
+    ({"batch_ms": {16: -2.0}}, "batch_ms of bucket 16"),
 ])
 def test_policy_rejects_impossible_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -52,6 +56,8 @@ def test_policy_rejects_impossible_values(kwargs, message):
 def test_policy_round_trips_through_json_and_bad_json_names_the_problem():
     assert AdmissionPolicy.from_json(POLICY.to_json()) == POLICY
     assert AdmissionPolicy.from_json(SHARED.to_json()) == SHARED
+    with_deadlines = AdmissionPolicy(row_cost_ms={16: 4.0}, lanes=2, max_work_ms=60.0, batch_ms={16: 30.0})
+    assert AdmissionPolicy.from_json(with_deadlines.to_json()) == with_deadlines
     with pytest.raises(ValueError, match="admission policy is not valid"):
         AdmissionPolicy.from_json('{"lanes": 2}')
     with pytest.raises(ValueError, match="admission policy is not valid"):
@@ -373,6 +379,34 @@ def test_a_request_that_waited_past_the_slo_is_refused_even_by_an_idle_server_be
     assert not decide(ADAPTIVE, 0.0, 5.0, waited_ms=195.0).admitted
     assert deadline_passed(ADAPTIVE, 189.0) is None and deadline_passed(ADAPTIVE, None) is None
     assert deadline_passed(ADMIT_ALL, 10_000.0) is None  # no admission, no refusals
+
+
+def test_an_admitted_request_carries_its_deadline_to_each_bucket_queue_less_the_bucket_s_longest_batch():
+    policy = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0, max_limit_ms=195.0,
+                             batch_ms={16: 30.0, 256: 150.0})
+    # Due S - o = 195 ms after it arrived: the router took it at t = 10 s after a 45 ms wait.
+    deadline = answer_deadline_s(policy, 10.0, 45.0)
+    assert deadline == pytest.approx(10.150)
+    assert answer_deadline_s(policy, 10.0, None) == pytest.approx(10.195)  # no stamp: from the router's clock
+    # Sent 20 ms later: 130 ms left, of which the bucket's longest execution takes 30 (16) or 150 (256).
+    assert queue_wait_ms(policy, 16, 10.020, deadline) == pytest.approx(100.0)
+    assert queue_wait_ms(policy, 256, 10.020, deadline) == pytest.approx(-20.0)  # late already: not sent
+    # No deadline travels without the longest batches, for a bucket whose queue takes none, or
+    # without admission.
+    assert queue_wait_ms(policy, 64, 10.020, deadline) is None
+    assert answer_deadline_s(replace(policy, batch_ms={}), 10.0, 45.0) is None
+    assert answer_deadline_s(replace(policy, max_work_ms=0.0), 10.0, 45.0) is None
+    assert queue_wait_ms(policy, 16, 10.020, None) is None
+
+
+def test_derived_deadlines_name_each_bucket_s_longest_batch():
+    admission = derive_admission(CURVES, preferred={16: 4, 256: 2}, lanes=2, slo_p95_ms=200.0, overhead_ms=5.0,
+                                 peak_rps=100.0, batch_ms={16: 30.0})
+    assert admission.policy.batch_ms == {16: 30.0}
+    assert "16: 30.0 ms" in admission.reasons["deadlines"]
+    plain = derive_admission(CURVES, preferred={16: 4, 256: 2}, lanes=2, slo_p95_ms=200.0, overhead_ms=5.0,
+                             peak_rps=100.0)
+    assert plain.policy.batch_ms == {} and "deadlines" not in plain.reasons
 
 
 def test_the_bound_judges_an_answer_by_its_whole_time_when_its_stamp_says_how_long_it_waited():

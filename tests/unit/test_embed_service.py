@@ -200,6 +200,31 @@ def test_the_wait_before_the_router_counts_and_a_request_already_late_costs_no_w
     assert code == TritonError.INVALID_ARG and "x-request-start 't=soon'" in message
 
 
+def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not_sent(serve, tmp_path):
+    fake = FakeTriton()
+    policy = AdmissionPolicy(row_cost_ms={16: 10.0, 32: 20.0, 64: 40.0}, lanes=1, max_work_ms=50.0, target_ms=150.0,
+                             min_work_ms=10.0, max_limit_ms=190.0, batch_ms={16: 30.0, 64: 150.0})
+    service = serve(fake, admission=policy)
+    # Stamped 40 ms ago: due 150 ms from now, so it may queue about 150 - 30 ms at bucket 16.
+    assert not answer(service, request([words(10)], **{"X-Request-Start": stamp(time.time() - 0.04)})).has_error()
+    [call] = fake.calls
+    assert call.model_name == "encoder_16" and 110_000 <= call.timeout_us <= 120_000
+    # Its 64-token row needs 150 ms at most of the 150 left: no time to queue, so that chunk is
+    # not sent, and the request is refused as a busy queue would refuse it (retryable).
+    code, message = error_of(answer(service, request([words(10), words(60)],
+                                                     **{"X-Request-Start": stamp(time.time() - 0.04)})))
+    assert code == TritonError.UNAVAILABLE and "Request timeout expired before the request was sent" in message
+    assert [c.model_name for c in fake.calls[1:]] == ["encoder_16"]  # the 16-token chunk only
+    # Bucket 32 has no longest batch in the policy: its queue takes no deadline.
+    assert not answer(service, request([words(20)])).has_error()
+    assert fake.calls[-1].model_name == "encoder_32" and fake.calls[-1].timeout_us == 0
+    other = SharedWork(tmp_path / "work.bin", 5, CONFIG.bucket_lens)
+    try:
+        assert other.total_ms() == 0.0  # every request gave its work back, the refused one included
+    finally:
+        other.close()
+
+
 def test_a_pinned_version_serves_the_request_and_an_unloaded_one_is_not_found(serve):
     ready = {(f"encoder_{n}", v) for n in (16, 32, 64) for v in (1, 2)}
     fake = FakeTriton(ready=ready)

@@ -590,7 +590,8 @@ def admission_target_ms(curves: Mapping[int, LatencyCurve], slo_p95_ms: float, o
 
 def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int, int], lanes: int,
                      slo_p95_ms: float, overhead_ms: float, peak_rps: float,
-                     budget_buckets: Collection[int] | None = None) -> Admission:
+                     budget_buckets: Collection[int] | None = None,
+                     batch_ms: Mapping[int, float] | None = None) -> Admission:
     """How much the router lets in, so that what it admits still meets the SLO under overload.
 
     A row of bucket b costs c_b(p_b) / p_b of a lane at its preferred batch p_b. A request
@@ -603,7 +604,9 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     its bound is what peak traffic brings in over S - o (Little's law), at least one
     request: a request held longer than that is late anyway. W is taken over
     `budget_buckets` (default: every bucket); the rows of the others are still admitted
-    and costed.
+    and costed. `batch_ms` (bucket -> c(max_batch), for the buckets whose queues take a
+    request's timeout) makes every admitted request carry its deadline, S - o after it
+    arrived, to those queues.
     """
     row_cost_ms = {bucket: curve.at(preferred[bucket]) / preferred[bucket] for bucket, curve in curves.items()}
     slowest_bucket, slowest_ms, wait_budget_ms = _wait_budget(curves, slo_p95_ms, overhead_ms, budget_buckets)
@@ -625,9 +628,18 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
         budget += (f", taken over the buckets that can meet the SLO "
                    f"({', '.join(map(str, sorted(budget_buckets or ())))}): bucket(s) "
                    f"{', '.join(map(str, left_out))} cannot, and their rows are still admitted and costed")
+    reasons = {}
+    if batch_ms:
+        longest = ", ".join(f"{b}: {c:.1f}" for b, c in sorted(batch_ms.items()))
+        reasons["deadlines"] = (f"an admitted request's answer is due S - o = {max_limit_ms:.1f} ms after it arrived "
+                                f"(its X-Request-Start stamp, else when the router took it); each chunk goes to its "
+                                f"bucket with the time left less the bucket's longest execution c(max_batch) "
+                                f"({longest} ms) as its timeout, so a chunk that would be answered late is rejected "
+                                f"in the bucket's queue (503, retry) before any compute")
     return Admission(
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
-                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True),
+                               min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True,
+                               batch_ms=dict(batch_ms or {})),
         max_queue_size=max_queue_size,
         reasons={
             "admission": (f"admit while work in flight <= the bound, which starts at {ADMISSION_WORK_SHARE:.0%} of "
@@ -649,5 +661,6 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
                                f"{max_queue_size} (a request held longer is late anyway)"),
+            **reasons,
         },
     )

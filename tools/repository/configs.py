@@ -197,6 +197,9 @@ def _batching(config: mc.ModelConfig, knobs: BatchingKnobs, hardware: HardwareLi
     policy = batching.default_queue_policy
     policy.timeout_action = mc.ModelQueuePolicy.REJECT
     policy.default_timeout_microseconds = knobs.default_timeout_us  # 0: no timeout
+    # A request may shorten it (the router's deadlines); Triton takes the shorter of the two only
+    # where the queue has a timeout of its own.
+    policy.allow_timeout_override = knobs.default_timeout_us > 0
     policy.max_queue_size = knobs.max_queue_size
     group = config.instance_group.add()
     group.count = knobs.instance_count
@@ -677,12 +680,15 @@ def plan_embed_model(model: BucketedModelSpec, spec: ServingSpec, profile: Laten
             knobs=knobs,
             files_from=estimated[bucket_len][1] if bucket_len in estimated else "",
         ))
+    knobs_by_bucket = {b: next(g.knobs for g in generated if g.name == model.encoder_name(b))
+                       for b in model.bucket_lens}
     try:
         admission = derive_admission(
-            curves,
-            {b: next(g.knobs.preferred_batch_size for g in generated if g.name == model.encoder_name(b))
-             for b in model.bucket_lens},
-            lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps, slo_fit.budget_buckets)
+            curves, {b: knobs.preferred_batch_size for b, knobs in knobs_by_bucket.items()},
+            lanes, model.slo_p95_ms, overhead.p95_ms, model.peak_rps, slo_fit.budget_buckets,
+            # Deadlines go to the queues that take a request's timeout (those with one of their own).
+            batch_ms={b: curves[b].at(knobs.max_batch_size) for b, knobs in knobs_by_bucket.items()
+                      if knobs.default_timeout_us > 0})
     except ValueError as err:
         raise InfeasibleSLO(f"{model.name}: {err}") from None
     router = derive_router(model.peak_rps, model.slo_p95_ms, profile.hardware.cpu_count, model.max_router_instances,

@@ -127,7 +127,7 @@ class BucketedModelSpec:
     max_request_rows: int  # rows one client request may carry (the router's max_batch_size)
     max_router_instances: int  # cap on router instances (one per host core is derived)
     max_text_bytes: int  # longest row accepted, in UTF-8 bytes
-    queue_timeouts: bool = False  # write default_timeout_microseconds on bucket models (see serving.toml)
+    queue_timeouts: bool = True  # bucket queue timeouts, and deadlines from the router (see serving.toml)
     bucket_count: int = 0  # buckets = "derived": the most buckets derived from the workload; 0: the spec lists them
     max_length: int | None = None  # text kinds: most tokens the model takes (caps derived edges); None: not declared
     precision: dict[int, str] = field(default_factory=dict)  # version -> "fp32" or "int8" (build recipe)
@@ -613,8 +613,9 @@ class BucketedModelTable(Table):
     """Cap on router instances (one per host core is derived)."""
     max_text_bytes: int | None = Field(None, gt=0)
     """Longest text row accepted, in UTF-8 bytes (text kinds)."""
-    queue_timeouts: StrictBool = False
-    """Write default_timeout_microseconds on bucket models (see serving.toml for why not by default)."""
+    queue_timeouts: StrictBool = True
+    """Bucket queues REJECT after S - o - c(max_batch) and take each admitted request's deadline
+    from the router; false: no queue timeouts (the queue bound alone turns requests away)."""
     _derived: tuple[int, ...] = PrivateAttr(())  # buckets = "derived": the edges derived from the workload
 
     @property
