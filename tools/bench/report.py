@@ -463,7 +463,6 @@ def _llm_capacity_headline(llm: Mapping[str, Any], results_link: str) -> list[st
 def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str) -> str:
     goodput, llm, overload, batch, step = (results[name] for name in RESULT_FILES)
     slo_bucketed = goodput["setups"]["slo_bucketed"]["goodput_rps"]
-    flood = overload["overload"]
     isolation = overload["isolation"]["b"]
     crash = overload["crash"]["with_retries"]
     last_stage = step["stages"][-1]
@@ -477,10 +476,12 @@ def render_headline(results: Mapping[str, Mapping[str, Any]], results_link: str)
          f"{_ratio(llm['ratios']['tokens_per_s_continuous_vs_static'])} the tokens/s of static batching",
          f"[llm.json]({results_link}llm.json)"],
         *([_llm_capacity_headline(llm, results_link)] if "decode_limit_tokens_per_s" in llm else []),
-        [f"overload at {_num(flood['offered_rps'] / flood['goodput_rps'], 0)}{TIMES} goodput",
-         f"{_int(flood['ok'] / flood['duration_s'])} req/s served, {_int(flood['lost'])} lost, "
-         f"{_int(flood['failed_other'])} failed", f"admitted p95 {_int(flood['admitted_p95_ms'])} ms",
-         f"[overload.json]({results_link}overload.json)"],
+        *([f"overload at {_num(phase['offered_rps'] / phase['goodput_rps'], 0)}{TIMES} goodput",
+           f"{_int(phase['ok'] / phase['duration_s'])} req/s served, {_int(phase['lost'])} lost, "
+           f"{_int(phase['failed_other'])} failed",
+           f"admitted p95 / p99 {_int(phase['admitted_p95_ms'])} / {_int(phase['admitted_p99_ms'])} ms",
+           f"[overload.json]({results_link}overload.json)"]
+          for phase in (overload[part] for part in ("overload", "overload_10x") if part in overload)),
         ["tenant isolation", f"premium p95 {isolation['p95_ms_with_flood']:.1f} ms beside a flood",
          f"{isolation['p95_ms_alone']:.1f} ms alone", f"[overload.json]({results_link}overload.json)"],
         ["crash of an instance", f"{_int(crash['failed'])} failed with retries",
