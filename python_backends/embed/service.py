@@ -409,8 +409,10 @@ class EmbedService:
             # Routed to a version that is being loaded or unloaded: retry.
             code = self.pb.TritonError.UNAVAILABLE
         elif is_scheduler_rejection(message):
-            # Rejected by the bucket's queue policy: the server is busy, not broken; retry.
+            # Rejected by the bucket's queue policy (full, or the request's deadline came): the
+            # server is busy, not broken; retry once the work in flight has drained.
             code = self.pb.TritonError.UNAVAILABLE
+            message = f"{message}; server busy, retry after {max(0.001, self.work.total_ms() / 1000.0):.3f} s"
         elif is_instance_crash(message):
             # The instance died under the request; the supervisor reloads it, the other
             # instances keep serving: a retry succeeds.
