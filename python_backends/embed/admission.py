@@ -227,24 +227,35 @@ def deadline_passed(policy: AdmissionPolicy, waited_ms: float | None) -> Admissi
     return AdmissionDecision(False, 0.0, 0.0, 0.0, waited_ms)
 
 
-def answer_deadline_s(policy: AdmissionPolicy, started_s: float, waited_ms: float | None) -> float | None:
+def answer_deadline_s(policy: AdmissionPolicy, started_s: float, waited_ms: float | None,
+                      chunks_by_bucket: Mapping[int, int]) -> float | None:
     """When the answer to a request the router took at `started_s` (its clock) turns late:
     S - o after it arrived, its wait before the router (`waited_ms`, its stamp) included.
-    None where no deadline travels with it (admission off, or no `batch_ms`)."""
+
+    None where no deadline travels with it: admission off, no `batch_ms`, or a request whose
+    own chunks (`chunks_by_bucket`: a bucket's chunks run one after another) take longer than
+    that even at their buckets' longest batches on an idle server: like `decide` on an idle
+    server, such a request is served late rather than refused at every try."""
     if not policy.batch_ms or policy.max_work_ms <= 0 or policy.max_limit_ms <= 0:
         return None
-    return started_s + (policy.max_limit_ms - (waited_ms or 0.0)) / 1000.0
+    left_ms = policy.max_limit_ms - (waited_ms or 0.0)
+    if any(chunks * policy.batch_ms.get(bucket, 0.0) > left_ms for bucket, chunks in chunks_by_bucket.items()):
+        return None
+    return started_s + left_ms / 1000.0
 
 
-def queue_wait_ms(policy: AdmissionPolicy, bucket_len: int, now_s: float, deadline_s: float | None) -> float | None:
+def queue_wait_ms(policy: AdmissionPolicy, bucket_len: int, now_s: float, deadline_s: float | None,
+                  chunks_left: int = 1) -> float | None:
     """How long a chunk of bucket `bucket_len` sent at `now_s` may wait in the bucket's queue and
     still be answered by `deadline_s` (`answer_deadline_s`): the time left less the bucket's
-    longest execution, c(max_batch). The router sends it as the request's timeout, so Triton
-    rejects in its queue, before any compute, a chunk whose answer would be late (a deadline
-    that travels with the request, as gRPC's do). None: no deadline; <= 0: late already."""
+    longest execution, c(max_batch), for it and for each of the request's chunks of that
+    bucket still to go after it (`chunks_left` counts it too). The router sends it as the
+    request's timeout, so Triton rejects in its queue, before any compute, a chunk whose answer
+    would be late (a deadline that travels with the request, as gRPC's do). None: no
+    deadline; <= 0: late already."""
     if deadline_s is None or bucket_len not in policy.batch_ms:
         return None
-    return (deadline_s - now_s) * 1000.0 - policy.batch_ms[bucket_len]
+    return (deadline_s - now_s) * 1000.0 - chunks_left * policy.batch_ms[bucket_len]
 
 
 def seen_latency_ms(policy: AdmissionPolicy, router_ms: float, waited_ms: float | None) -> float:

@@ -389,8 +389,9 @@ class EmbedService:
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
+        chunks_by_bucket = {prepared.chunks[lane[0]].chunk.bucket_len: len(lane) for lane in prepared.lanes()}
         return Accepted(prepared, version, pinned, table, own_work, started, waited, admission,
-                        answer_deadline_s(self.admission, started, waited))
+                        answer_deadline_s(self.admission, started, waited, chunks_by_bucket))
 
     # --- serving an admitted request ----------------------------------------------------------
 
@@ -420,13 +421,14 @@ class EmbedService:
             message = f"{message} The instance crashed while serving this request; retry."
         return self._error(f"bucket model {model_name} v{version}: {message}", code)
 
-    def _exec(self, model_name: str, chunk, version: int, deadline_s: float | None = None):
+    def _exec(self, model_name: str, chunk, version: int, deadline_s: float | None = None, chunks_left: int = 1):
         """One chunk's blocking BLS call to `version` of `model_name` (its bucket model or the
         express model): the response. With a `deadline_s`, the time the chunk may queue there
-        (`queue_wait_ms`) goes as the request's timeout, and a chunk already too late to be
-        answered by then is not sent: it gets the queue's own timeout rejection."""
+        (`queue_wait_ms`, with `chunks_left` of its bucket still to run, itself included) goes
+        as the request's timeout, and a chunk already too late to be answered by then is not
+        sent: it gets the queue's own timeout rejection."""
         pb = self.pb
-        wait_ms = queue_wait_ms(self.admission, chunk.chunk.bucket_len, time.monotonic(), deadline_s)
+        wait_ms = queue_wait_ms(self.admission, chunk.chunk.bucket_len, time.monotonic(), deadline_s, chunks_left)
         if wait_ms is not None and wait_ms < 0.001:
             return pb.InferenceResponse(error=pb.TritonError(LATE_BEFORE_SENT, pb.TritonError.UNAVAILABLE))
         return pb.InferenceRequest(
@@ -437,14 +439,15 @@ class EmbedService:
             timeout=0 if wait_ms is None else int(wait_ms * 1000.0),
         ).exec()
 
-    def _exec_to(self, targets: list[str], index: int, chunk, version: int, deadline_s: float | None = None):
+    def _exec_to(self, targets: list[str], index: int, chunk, version: int, deadline_s: float | None = None,
+                 chunks_left: int = 1):
         """Chunk `index` to its target; a chunk the express model cannot take because it does not
         serve `version` goes to its bucket model, and `targets` says so afterwards."""
-        response = self._exec(targets[index], chunk, version, deadline_s)
+        response = self._exec(targets[index], chunk, version, deadline_s, chunks_left)
         if (response.has_error() and targets[index] != chunk.model_name
                 and not self.pb.is_model_ready(targets[index], str(version))):
             targets[index] = chunk.model_name  # the express model is not loaded (at this version)
-            response = self._exec(chunk.model_name, chunk, version, deadline_s)
+            response = self._exec(chunk.model_name, chunk, version, deadline_s, chunks_left)
         return response
 
     def _run_chunks(self, prepared: PreparedRequest, version: int, targets: list[str] | None = None,
@@ -471,8 +474,8 @@ class EmbedService:
         responses = [None] * len(chunks)
 
         def run_lane(lane):
-            for index in lane:
-                responses[index] = self._exec_to(targets, index, chunks[index], version, deadline_s)
+            for done, index in enumerate(lane):
+                responses[index] = self._exec_to(targets, index, chunks[index], version, deadline_s, len(lane) - done)
                 if responses[index].has_error():
                     return
 

@@ -385,18 +385,29 @@ def test_an_admitted_request_carries_its_deadline_to_each_bucket_queue_less_the_
     policy = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0, max_limit_ms=195.0,
                              batch_ms={16: 30.0, 256: 150.0})
     # Due S - o = 195 ms after it arrived: the router took it at t = 10 s after a 45 ms wait.
-    deadline = answer_deadline_s(policy, 10.0, 45.0)
+    deadline = answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1})
     assert deadline == pytest.approx(10.150)
-    assert answer_deadline_s(policy, 10.0, None) == pytest.approx(10.195)  # no stamp: from the router's clock
-    # Sent 20 ms later: 130 ms left, of which the bucket's longest execution takes 30 (16) or 150 (256).
+    assert answer_deadline_s(policy, 10.0, None, {16: 1}) == pytest.approx(10.195)  # no stamp: the router's clock
+    # Sent 20 ms later: 130 ms left, of which the bucket's longest execution takes 30 (16) or
+    # 150 (256), once for each of the request's chunks of that bucket still to run.
     assert queue_wait_ms(policy, 16, 10.020, deadline) == pytest.approx(100.0)
+    assert queue_wait_ms(policy, 16, 10.020, deadline, chunks_left=2) == pytest.approx(70.0)
     assert queue_wait_ms(policy, 256, 10.020, deadline) == pytest.approx(-20.0)  # late already: not sent
     # No deadline travels without the longest batches, for a bucket whose queue takes none, or
     # without admission.
     assert queue_wait_ms(policy, 64, 10.020, deadline) is None
-    assert answer_deadline_s(replace(policy, batch_ms={}), 10.0, 45.0) is None
-    assert answer_deadline_s(replace(policy, max_work_ms=0.0), 10.0, 45.0) is None
+    assert answer_deadline_s(replace(policy, batch_ms={}), 10.0, 45.0, {16: 1}) is None
+    assert answer_deadline_s(replace(policy, max_work_ms=0.0), 10.0, 45.0, {16: 1}) is None
     assert queue_wait_ms(policy, 16, 10.020, None) is None
+
+
+def test_a_request_too_large_to_meet_its_deadline_even_alone_carries_none_and_is_served_late():
+    policy = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0, max_limit_ms=195.0,
+                             batch_ms={16: 30.0, 256: 150.0})
+    # Two chunks of bucket 256 run one after the other: 300 ms > the 195 ms left, at any load.
+    assert answer_deadline_s(policy, 10.0, None, {16: 1, 256: 2}) is None
+    assert answer_deadline_s(policy, 10.0, 100.0, {16: 4}) is None  # 120 ms of its own > 95 ms left
+    assert answer_deadline_s(policy, 10.0, 100.0, {16: 3}) == pytest.approx(10.095)
 
 
 def test_derived_deadlines_name_each_bucket_s_longest_batch():

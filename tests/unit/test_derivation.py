@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from tools.planning.derivation import BucketDemand, InfeasibleSLO, derive_knobs, find_knee, past_knee
+from tools.planning.derivation import (
+    QUEUE_TIMEOUT_CEILING_US,
+    BucketDemand,
+    InfeasibleSLO,
+    derive_knobs,
+    find_knee,
+    past_knee,
+)
 from tools.spec.profile import LatencyCurve
 
 # A CPU-like curve: per-execution cost grows almost linearly past b = 8.
@@ -76,7 +83,8 @@ def test_loose_slo_gives_larger_batches_and_longer_delay():
     assert loose.preferred_batch_size > tight.preferred_batch_size
     assert tight.max_queue_delay_us == 500  # 30 - 3 - 2·c(10) = 0.5 ms
     assert loose.max_queue_delay_us == 18750  # 15 more rows at 800 rows/s
-    assert loose.default_timeout_us > tight.default_timeout_us
+    # The queues take each request's deadline: their own timeout is only its ceiling.
+    assert loose.default_timeout_us == tight.default_timeout_us == QUEUE_TIMEOUT_CEILING_US
 
 
 def test_linger_is_capped_by_how_fast_traffic_fills_the_batch():
@@ -113,8 +121,10 @@ def test_no_linger_when_single_rows_carry_the_traffic():
 def test_queue_policy_rejects_what_can_no_longer_make_it_and_sizes_queue_by_littles_law():
     knobs = derive_knobs(demand(slo=100.0, expected=100.0, peak=400.0), CURVE)
     c_max = CURVE.at(knobs.max_batch_size)
-    timeout_s = (100.0 - 3.0 - c_max) / 1000
-    assert knobs.default_timeout_us == int(timeout_s * 1e6)
+    # Each request's deadline is at most S - o - c(max_batch); the queue's own timeout is only
+    # the ceiling it shortens, so a request without one is never turned away for its wait.
+    assert knobs.default_timeout_us == QUEUE_TIMEOUT_CEILING_US
+    assert f"S - o - c(max_batch) = 100 - 3.0 - {c_max:.1f}" in knobs.reasons["default_timeout_microseconds"]
     # The queue holds what drains at full batches within the budget after overhead, S - o.
     drain_rps = CURVE.throughput_rps(knobs.max_batch_size)
     assert knobs.max_queue_size == math.ceil(drain_rps * (100.0 - 3.0) / 1000)

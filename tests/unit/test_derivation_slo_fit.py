@@ -3,6 +3,7 @@
 import pytest
 
 from tools.planning.derivation import (
+    QUEUE_TIMEOUT_CEILING_US,
     BucketDemand,
     BucketFit,
     InfeasibleSLO,
@@ -105,7 +106,8 @@ def test_a_best_effort_bucket_runs_unbatched_and_keeps_the_other_knobs():
     assert (knobs.max_batch_size, knobs.preferred_batch_size, knobs.max_queue_delay_us) == (1, 1, 0)
     assert knobs.reasons["max_queue_delay_microseconds"] == "0, best effort: no batching, so nothing to wait for"
     # The rest as for any bucket: the timeout after one row, Little's law, one instance per lane.
-    assert knobs.default_timeout_us == int((SLO - OVERHEAD - 60.0) * 1000)
+    assert knobs.default_timeout_us == QUEUE_TIMEOUT_CEILING_US  # deadlines come with the requests
+    assert f"= {SLO - OVERHEAD - 60.0:.1f} ms" in knobs.reasons["default_timeout_microseconds"]
     assert knobs.instance_count == 2 and knobs.max_queue_size >= 1
     # A bucket that misses even alone gets no queue timeout: late beats rejected.
     infeasible = derive_knobs(BucketDemand("encoder_256", SLO, OVERHEAD, 1.0, 2.0, best_effort=True), CURVES[256])

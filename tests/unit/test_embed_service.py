@@ -201,7 +201,11 @@ def test_the_wait_before_the_router_counts_and_a_request_already_late_costs_no_w
 
 
 def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not_sent(serve, tmp_path):
-    fake = FakeTriton()
+    def slow_encoder(call):  # each execution of bucket 16 takes 60 ms
+        time.sleep(0.06)
+        return fake_encoder(call)
+
+    fake = FakeTriton(slow_encoder)
     policy = AdmissionPolicy(row_cost_ms={16: 10.0, 32: 20.0, 64: 40.0}, lanes=1, max_work_ms=50.0, target_ms=150.0,
                              min_work_ms=10.0, max_limit_ms=190.0, batch_ms={16: 30.0, 64: 150.0})
     service = serve(fake, admission=policy)
@@ -209,12 +213,19 @@ def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not
     assert not answer(service, request([words(10)], **{"X-Request-Start": stamp(time.time() - 0.04)})).has_error()
     [call] = fake.calls
     assert call.model_name == "encoder_16" and 110_000 <= call.timeout_us <= 120_000
-    # Its 64-token row needs 150 ms at most of the 150 left: no time to queue, so that chunk is
-    # not sent, and the request is refused as a busy queue would refuse it (retryable).
-    code, message = error_of(answer(service, request([words(10), words(60)],
-                                                     **{"X-Request-Start": stamp(time.time() - 0.04)})))
+    # Five rows of bucket 16 are three chunks of two, one after another, stamped 80 ms ago: due
+    # in 110 ms. The first may queue 110 - 3 x 30 ms; it takes 60 ms, which leaves the second
+    # no time to queue: it is not sent, and the request is refused as a busy queue refuses it.
+    code, message = error_of(answer(service, request([words(10)] * 5,
+                                                     **{"X-Request-Start": stamp(time.time() - 0.08)})))
     assert code == TritonError.UNAVAILABLE and "Request timeout expired before the request was sent" in message
-    assert [c.model_name for c in fake.calls[1:]] == ["encoder_16"]  # the 16-token chunk only
+    assert "server busy, retry after" in message
+    sent = fake.calls[1:]
+    assert len(sent) == 1 and 10_000 <= sent[0].timeout_us <= 20_000
+    # Seven rows are four chunks, 120 ms of their own against 110 left: too large to meet the SLO
+    # even alone, so no deadline; served late rather than refused.
+    assert not answer(service, request([words(10)] * 7, **{"X-Request-Start": stamp(time.time() - 0.08)})).has_error()
+    assert [c.timeout_us for c in fake.calls[2:]] == [0, 0, 0, 0]
     # Bucket 32 has no longest batch in the policy: its queue takes no deadline.
     assert not answer(service, request([words(20)])).has_error()
     assert fake.calls[-1].model_name == "encoder_32" and fake.calls[-1].timeout_us == 0

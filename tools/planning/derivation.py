@@ -16,9 +16,11 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
   share it, so the needed batches are planned together (`plan_shared_batches`): the
   smallest batches that keep the summed utilisation under target at peak. If single rows
   keep up, the linger is zero: waiting would only add latency.
-- queue policy: `default_timeout_microseconds = S - o - c(max_batch_size)`: a request still
-  queued after that cannot finish inside the SLO even in the next batch, so it is rejected
-  (REJECT, retryable UNAVAILABLE) rather than served late. `max_queue_size` by Little's law:
+- queue policy: every admitted request brings its deadline from the router (the time left
+  before its answer is due, less c(max_batch_size): at most `S - o - c(max_batch_size)`), and
+  one still queued after that cannot finish inside the SLO even in the next batch, so it is
+  rejected (REJECT, retryable UNAVAILABLE) rather than served late; the queue's own
+  `default_timeout_microseconds` is only the ceiling those deadlines shorten. `max_queue_size` by Little's law:
   the rate the queue drains at x the budget after overhead (`S - o`), at least one full
   batch; more would only delay the rejection, fewer would turn away bursts that could
   still be served (the SLO is a p95: the tail may be late, which beats being rejected).
@@ -61,6 +63,11 @@ SLO_PERCENTILE = 0.95  # the spec's SLOs are p95s: 95% of requests within `slo_p
 # Float noise in summed traffic shares (0.04 + 0.01 is 0.05000000000000001): a mix at
 # exactly the allowance is within it.
 _SHARE_TOLERANCE = 1e-9
+
+# A bucket queue's own timeout where requests bring their deadlines: Triton takes a request's
+# timeout only when it is shorter than its queue's, so the queue needs one; this long, it
+# never turns away a request that brings none.
+QUEUE_TIMEOUT_CEILING_US = 3_600_000_000
 
 
 def slo_miss_allowance(percentile: float = SLO_PERCENTILE) -> float:
@@ -477,10 +484,14 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
             "time to wait, so a request of this bucket that queues misses the SLO anyway: served late, not rejected"
         )
     elif demand.queue_timeout:
-        timeout_us = int(timeout_ms * 1000)
+        timeout_us = QUEUE_TIMEOUT_CEILING_US
         reasons["default_timeout_microseconds"] = (
-            f"S - o - c(max_batch) = {slo:.0f} - {overhead:.1f} - {c_max:.1f} = {timeout_ms:.1f} ms: "
-            "queued longer than this, a request misses the SLO even in the next batch, so REJECT it"
+            f"{QUEUE_TIMEOUT_CEILING_US / 1e6:.0f} s, only the ceiling each request's own deadline shortens "
+            f"(Triton honours a request's timeout only below its queue's): the router sends every admitted "
+            f"request with the time left before its answer is due, at most S - o - c(max_batch) = {slo:.0f} - "
+            f"{overhead:.1f} - {c_max:.1f} = {timeout_ms:.1f} ms, and REJECTs what would be late; a request "
+            f"without a deadline (too large to meet the SLO even alone: served late, not rejected) is not "
+            f"turned away for its time here"
         )
     else:
         timeout_us = 0

@@ -104,7 +104,8 @@ def derive_express(name: str, lingering: Mapping[int, BatchingKnobs], lanes: int
             "max_queue_delay_microseconds": "0: it serves light traffic, whose batches never fill; requests that "
                                             "come while the instances are busy still batch",
             "default_timeout_microseconds": ("not set, as on the buckets it serves" if timeout_us == 0 else
-                                             f"the longest of the buckets it serves: {timeout_us / 1000:.1f} ms"),
+                                             f"the longest of the buckets it serves: {timeout_us / 1e6:g} s "
+                                             "(each request's deadline from the router shortens it, as there)"),
             "max_queue_size": f"the bounds of the buckets it serves, added up: {queue_size}",
             "instance_count": f"one per lane of the device: {lanes}",
         })
