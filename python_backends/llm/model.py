@@ -82,8 +82,7 @@ class _AttentionGroup:
     """Sequences whose attention runs in one call."""
 
     rows: torch.Tensor  # their query rows in the step's flat token axis
-    blocks: torch.Tensor  # [sequences, blocks]: each sequence's KV blocks in token order (padded with block 0)
-    num_keys: int  # key slots per sequence: blocks x block size, key j at position j
+    slots: torch.Tensor  # [sequences, keys]: cache slots of each sequence's context (padded)
     query_positions: torch.Tensor  # [sequences, queries]: the position of each query
     num_queries: int  # queries per sequence: 1 for decodes, the chunk length for a prefill
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
@@ -93,7 +92,7 @@ class _AttentionGroup:
         order, so key j is at position j: causal (and past padding) is j <= the query's
         position; a sliding window of W also needs j > position - W, as in transformers."""
         if sliding_window not in self.masks:
-            keys = torch.arange(self.num_keys, device=self.blocks.device)[None, None, :]
+            keys = torch.arange(self.slots.shape[1], device=self.slots.device)[None, None, :]
             positions = self.query_positions[:, :, None]
             allowed = keys <= positions
             if sliding_window is not None:
@@ -148,15 +147,13 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     scale = head_dim ** -0.5 if scaling is None else scaling
     window = sliding_window if sliding_window else None
     out = torch.empty_like(q)
-    # Whole blocks are gathered, not slots: one copy of block_size slots per block. Measured on
-    # 1 core, 96 contexts of 145 tokens in blocks of 16 (3 KV heads of 64): 1.15 ms a tensor and
-    # layer against 2.77 ms slot by slot, the key slots past a context's end masked like padding.
-    k_blocks, v_blocks = (cache.view(plan.cache.num_blocks, -1) for cache in (k_cache, v_cache))
     for group in plan.groups:
-        context = (group.blocks.shape[0], group.num_keys, num_kv_heads, head_dim)
-        flat = group.blocks.view(-1)
-        keys = k_blocks.index_select(0, flat).view(context).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
-        values = v_blocks.index_select(0, flat).view(context).transpose(1, 2)
+        # One index_select over the flat slot list per tensor: cheaper than advanced
+        # indexing with the 2-D slot index, and the same rows.
+        context = (*group.slots.shape, num_kv_heads, head_dim)
+        flat = group.slots.view(-1)
+        keys = k_cache.index_select(0, flat).view(context).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
+        values = v_cache.index_select(0, flat).view(context).transpose(1, 2)
         mask = group.mask(window)
         if group.num_queries == 1 and softcap is None:
             # Decodes: the query heads that share a key/value head attend as that head's queries,
@@ -397,35 +394,34 @@ class PagedCausalLM:
             raise ValueError(f"the block table ({len(block_table)} blocks of {bs}) does not cover "
                              f"position {positions[-1]}") from None
 
-    def _plan_attention(self, batch: Sequence[StepSequence]) -> list[_AttentionGroup]:
+    def _plan_attention(self, batch: Sequence[StepSequence], contexts: Sequence[list[int]]) -> list[_AttentionGroup]:
         """Group the step's sequences for attention: decoding sequences (one query each) in
         padded calls of similar context lengths (`group_by_length`), each prefill chunk in a
         call of its own, so no sequence pays for another's query length, and a short chat
         little for a long essay's context."""
-        device, bs = self.device, self.block_size
+        device = self.device
         groups: list[_AttentionGroup] = []
-        decode_rows, decode_blocks, decode_lens = [], [], []
+        decode_rows, decode_slots, decode_lens = [], [], []
         row = 0
-        for seq in batch:
+        for seq, slots in zip(batch, contexts, strict=True):
             n = len(seq.token_ids)
             end = seq.start + n
-            blocks = list(seq.block_table[:-(-end // bs)])  # those holding positions [0, end)
             if n == 1:
                 decode_rows.append(row)
-                decode_blocks.append(blocks)
+                decode_slots.append(slots)
                 decode_lens.append(end)
             else:
                 groups.append(_AttentionGroup(rows=torch.arange(row, row + n, device=device),
-                                              blocks=torch.tensor([blocks], device=device), num_keys=len(blocks) * bs,
+                                              slots=torch.tensor([slots], device=device),
                                               query_positions=torch.arange(seq.start, end, device=device)[None],
                                               num_queries=n))
             row += n
         for members in group_by_length(decode_lens, self.group_split_slots):
-            width = max(len(decode_blocks[i]) for i in members)
-            padded = [decode_blocks[i] + [0] * (width - len(decode_blocks[i])) for i in members]  # masked keys
+            width = max(decode_lens[i] for i in members)
+            padded = [decode_slots[i] + [0] * (width - decode_lens[i]) for i in members]  # padding keys are masked
             groups.append(_AttentionGroup(
                 rows=torch.tensor([decode_rows[i] for i in members], device=device),
-                blocks=torch.tensor(padded, device=device), num_keys=width * bs,
+                slots=torch.tensor(padded, device=device),
                 query_positions=torch.tensor([[decode_lens[i] - 1] for i in members], device=device),
                 num_queries=1))
         return groups
@@ -439,18 +435,20 @@ class PagedCausalLM:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        contexts: list[list[int]] = []  # per sequence: the cache slots of positions [0, start + n)
         for seq in batch:
             n = len(seq.token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence computes no tokens")
+            contexts.append(self._slots(seq.block_table, range(seq.start + n)))
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + n))
-            slots.extend(self._slots(seq.block_table, range(seq.start, seq.start + n)))
+            slots.extend(contexts[-1][seq.start:])
             if seq.samples:
                 sample_rows.append(len(token_ids) - 1)
         device = self.device
         plan = _StepPlan(slot_index=torch.tensor(slots, dtype=torch.long, device=device),
-                         groups=self._plan_attention(batch), cache=self.cache)
+                         groups=self._plan_attention(batch, contexts), cache=self.cache)
         out = self.model(input_ids=torch.tensor([token_ids], device=device),
                          position_ids=torch.tensor([positions], device=device), use_cache=False,
                          logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
