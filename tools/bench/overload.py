@@ -233,6 +233,7 @@ class Durations:
     crash_s: float  # each of the two phases; the kill comes at a third
     overload_10x_s: float = 0.0  # the 10x phase; 0: as long as the 3x one
     refusals_s: float = 10.0  # the phase of requests refused for their wait
+    settle_s: float = 2.0  # quiet between phases, for the queues of the last one to drain
 
     def overload_phase_s(self, part: str) -> float:
         """How long the overload phase `part` (of OVERLOAD_PHASES) lasts."""
@@ -242,7 +243,7 @@ class Durations:
 FULL = Durations(overload_s=60.0, isolation_s=30.0, crash_s=20.0)
 METRICS_FLUSH_S = 1.0  # wait for the router's last metric flush (every 0.5 s) before reading /metrics
 BENCH_EXIT_TIMEOUT_S = 5  # seconds tritonserver waits on stop (see run_benchmark)
-QUICK = Durations(overload_s=10.0, isolation_s=5.0, crash_s=5.0, overload_10x_s=5.0, refusals_s=3.0)
+QUICK = Durations(overload_s=10.0, isolation_s=5.0, crash_s=5.0, overload_10x_s=5.0, refusals_s=3.0, settle_s=0.5)
 OVERLOAD_PHASES = {"overload": 3.0, "overload_10x": 10.0}  # part -> offered rate as a multiple of goodput
 
 
@@ -397,7 +398,7 @@ def run_crash(server: TritonServer, supervisor: Supervisor, texts: Sequence[str]
         }
         log(f"  {summary['ok']} ok, {failed} failed ({summary['crashed']} by the crash, {summary['retried']} "
             f"retried); detected after {detected_s:.1f} s, whole again after {detected_s + restart['reload_s']:.1f} s")
-        time.sleep(2.0)
+        time.sleep(durations.settle_s)
     result["failed_without_retries"] = result["without_retries"]["failed"]
     result["failed_with_retries"] = result["with_retries"]["failed"]
     result["seconds_to_recover"] = max(result["without_retries"]["seconds_to_recover"],
@@ -448,15 +449,15 @@ def run_benchmark(spec: ServingSpec, workload: Workload, credentials: Mapping[st
                     report[part] = run_overload(server, texts, goodput_rps, model.slo_p95_ms,
                                                 durations.overload_phase_s(part), credentials, log, model.name,
                                                 embed_models[1:], multiple)
-                    time.sleep(2.0)
+                    time.sleep(durations.settle_s)
             if "refusals" in parts:
                 report["refusals"] = run_refusals(server, texts, OVERLOAD_PHASES["overload_10x"] * goodput_rps,
                                                   durations.refusals_s, model.slo_p95_ms, credentials, log)
-                time.sleep(2.0)
+                time.sleep(durations.settle_s)
             if "isolation" in parts:
                 report["isolation"] = run_isolation(server, factory, model.slo_p95_ms, durations,
                                                     steady_rps, flood_rps, credentials, log)
-                time.sleep(2.0)
+                time.sleep(durations.settle_s)
             if "crash" in parts:
                 report["crash"] = run_crash(server, supervisor, texts, model.slo_p95_ms, durations,
                                             crash_rps, victim, credentials, log)
