@@ -64,7 +64,7 @@ def test_open_loop_sweep_writes_per_step_results_with_server_times_and_a_plot(tr
 def test_closed_loop_step_writes_csv(triton, tmp_path):
     """One request in flight. Back-to-back requests hit a Triton 2.51 dynamic-batcher race:
     now and then a request enqueued just as the previous batch finishes waits for the
-    batcher's 500 ms idle wake-up, and the buckets' queue timeout (about 98 ms) rejects it as
+    batcher's 500 ms idle wake-up, and its deadline in the bucket's queue rejects it as
     UNAVAILABLE. The sweep must count those as errors, and nothing else may fail."""
     done = run_shown(shown("docs/loadtests.md", "python -m tools sweep --url localhost:8001 --mode closed "
                            "--concurrency 1 --duration 2 --warmup 1 --out build/closed.csv --plot build/closed.png"),
