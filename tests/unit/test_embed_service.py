@@ -200,6 +200,26 @@ def test_the_wait_before_the_router_counts_and_a_request_already_late_costs_no_w
     assert code == TritonError.INVALID_ARG and "x-request-start 't=soon'" in message
 
 
+def test_a_call_whose_requests_are_all_refused_returns_their_answers_in_one_list(serve):
+    fake = FakeTriton()
+    policy = AdmissionPolicy(row_cost_ms={16: 10.0, 32: 20.0, 64: 40.0}, lanes=1, max_work_ms=50.0, target_ms=150.0,
+                             min_work_ms=10.0, max_limit_ms=190.0)
+    service = serve(fake, admission=policy)
+    late = {"X-Request-Start": stamp(time.time() - 0.5)}  # waited past S - o: refused before any work
+    refused = [request([words(10)], **late), request([words(10)], version="x"), request([words(10)], **late)]
+    returned = service.execute(refused)
+    # One message back for the three (Triton's response batch), none through the senders.
+    assert returned is not None and len(returned) == 3 and all(r.sender.sent == [] for r in refused)
+    assert [error_of(r)[0] for r in returned] == [TritonError.UNAVAILABLE, TritonError.INVALID_ARG,
+                                                  TritonError.UNAVAILABLE]
+    # With a request to serve in the call, every answer goes through its sender.
+    mixed = [request([words(10)], **late), request([words(10)]), request([words(10)])]
+    assert service.execute(mixed) is None
+    assert error_of(mixed[0].sender.final())[0] == TritonError.UNAVAILABLE
+    assert not mixed[1].sender.final().has_error() and not mixed[2].sender.final().has_error()
+    assert fake.calls and all(len(r.sender.sent) == 1 for r in mixed)
+
+
 def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not_sent(serve, tmp_path):
     def slow_encoder(call):  # each execution of bucket 16 takes 60 ms
         time.sleep(0.06)
