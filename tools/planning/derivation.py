@@ -20,10 +20,11 @@ compute time `c(b)` per execution at batch size `b` (measured by `python -m tool
   before its answer is due, less c(max_batch_size): at most `S - o - c(max_batch_size)`), and
   one still queued after that cannot finish inside the SLO even in the next batch, so it is
   rejected (REJECT, retryable UNAVAILABLE) rather than served late; the queue's own
-  `default_timeout_microseconds` is only the ceiling those deadlines shorten. `max_queue_size` by Little's law:
-  the rate the queue drains at x the budget after overhead (`S - o`), at least one full
-  batch; more would only delay the rejection, fewer would turn away bursts that could
-  still be served (the SLO is a p95: the tail may be late, which beats being rejected).
+  `default_timeout_microseconds` is only the ceiling those deadlines shorten.
+  `max_queue_size` by Little's law: the rate the queue drains at x the budget after
+  overhead (`S - o`), at least one full batch; more would only delay the rejection, fewer
+  would turn away bursts that could still be served (the SLO is a p95: the tail may be
+  late, which beats being rejected).
 - the router's inline limits (`derive_inline`): how long a lone request served on the
   router's own thread may take before its bucket counts as lingering, and which buckets are
   too slow to serve that way at all.
