@@ -353,7 +353,9 @@ def decode_rows(raw_rows: Sequence[bytes | str], max_text_bytes: int, tensor: st
 # (HTTP 503), the retryable status a client gets when it calls a model directly.
 SCHEDULER_REJECTIONS = ("Request timeout expired", "Exceeds maximum queue size")
 # A chunk the router does not send: its deadline leaves it no time to queue (`admission.queue_wait_ms`).
-LATE_BEFORE_SENT = "Request timeout expired before the request was sent: its answer would come after the latency SLO"
+# It reads as the queue's own timeout rejection, and is mapped and counted as one.
+LATE_BEFORE_SENT = (f"{SCHEDULER_REJECTIONS[0]} before the request was sent: its answer would come after the "
+                    "latency SLO")
 
 
 def is_instance_crash(message: str) -> bool:
@@ -403,6 +405,13 @@ class PreparedRequest:
         for prepared in self.chunks:
             rows[prepared.chunk.bucket_len] = rows.get(prepared.chunk.bucket_len, 0) + len(prepared.chunk.row_indices)
         return rows
+
+    def chunks_by_bucket(self) -> dict[int, int]:
+        """How many chunks each bucket's lane runs, one after another."""
+        chunks: dict[int, int] = {}
+        for prepared in self.chunks:
+            chunks[prepared.chunk.bucket_len] = chunks.get(prepared.chunk.bucket_len, 0) + 1
+        return chunks
 
     def lanes(self) -> list[list[int]]:
         """Indices into `chunks`, one lane per bucket.

@@ -398,9 +398,8 @@ class EmbedService:
         if not admission.admitted:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
-        chunks_by_bucket = {prepared.chunks[lane[0]].chunk.bucket_len: len(lane) for lane in prepared.lanes()}
         return Accepted(prepared, version, pinned, table, own_work, started, waited, admission,
-                        answer_deadline_s(self.admission, started, waited, chunks_by_bucket))
+                        answer_deadline_s(self.admission, started, waited, prepared.chunks_by_bucket()))
 
     # --- serving an admitted request ----------------------------------------------------------
 
