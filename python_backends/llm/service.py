@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -143,10 +143,10 @@ class LLMMetrics:
 class LLMService:
     """The `llm` model's instance: one engine, driven by one loop thread."""
 
-    def __init__(self, pb, model: str, engine: LLMEngine, tenants: TenantPolicy = UNLIMITED,
+    def __init__(self, pb, model: str, make_engine: Callable[[], LLMEngine], tenants: TenantPolicy = UNLIMITED,
                  auth: AuthConfig = AUTH_OFF):
+        """`make_engine` runs on the engine loop's thread (`EngineLoop.build` says why)."""
         self.pb = pb
-        self.engine = engine
         self.tenants = tenants
         self.auth = auth
         self.key_source = KeySource(auth.keys_path()) if auth.mode is not AuthMode.OFF else None
@@ -154,8 +154,9 @@ class LLMService:
         self.token_buckets = LocalBuckets()  # one instance owns the engine, so its buckets are local
         self.metrics = LLMMetrics(pb, model)
         self.ids = itertools.count()
-        self.loop = EngineLoop(engine, on_step=self.metrics.step).start()
-        self.metrics.step(engine.stats())
+        self.loop = EngineLoop.build(make_engine, on_step=self.metrics.step)
+        self.engine = self.loop.engine
+        self.metrics.step(self.engine.stats())
 
     @classmethod
     def from_args(cls, pb, args: Mapping[str, str]) -> LLMService:
@@ -173,8 +174,9 @@ class LLMService:
             raise pb.TritonModelException(str(err)) from None
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, name, required=REQUIRED_FILES)
-        engine = LLMEngine.from_dir(version_dir, config)
-        service = cls(pb, name, engine, parameters.tenants, parameters.tenant_auth)
+        service = cls(pb, name, lambda: LLMEngine.from_dir(version_dir, config), parameters.tenants,
+                      parameters.tenant_auth)
+        engine = service.engine
         pb.Logger.log_info(
             f"{name}: {config.policy.value} batching, {engine.scheduler.config.num_blocks} KV blocks of "
             f"{config.block_size} tokens, up to {config.max_num_seqs} sequences")

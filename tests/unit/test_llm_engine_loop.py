@@ -1,10 +1,12 @@
 """The engine loop's threading contract, driven by a fake engine: outputs reach their sink in
 order, cancellation and broken clients free the request, and a crashed engine fails every
-waiting client instead of leaving it hanging."""
+waiting client instead of leaving it hanging; an engine made by the loop is made on its thread."""
 
 from __future__ import annotations
 
 import threading
+
+import pytest
 
 from python_backends.llm.engine import EngineLoop, EngineStats, StepOutput
 from python_backends.llm.scheduler import FinishReason, SamplingParams
@@ -18,6 +20,9 @@ class FakeEngine:
         self.steps = 0
         self.fail_at_step = fail_at_step
         self.aborted: list[str] = []
+
+    def use_threads(self) -> None:  # no torch threads to set
+        pass
 
     @property
     def has_work(self) -> bool:
@@ -138,3 +143,34 @@ def test_a_crashed_engine_fails_every_waiting_client_and_reports_why():
     assert all("the LLM engine stopped: RuntimeError: device lost" in s.failure for s in sinks)
     loop.stop(drain_timeout_s=0.1)
     assert isinstance(loop.error, RuntimeError)
+
+
+def test_build_makes_the_engine_on_the_loop_thread_and_serves_with_it():
+    made_on = []
+
+    def make():
+        made_on.append(threading.current_thread().name)
+        return FakeEngine()
+
+    loop = EngineLoop.build(make, idle_wait_s=0.01)
+    sink = Sink()
+    loop.submit("a", [1], params(2), sink)
+    assert sink.done.wait(5)
+    loop.stop()
+    assert made_on == ["llm-engine"]
+    assert sink.outputs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_build_raises_what_making_the_engine_raised():
+    def make():
+        raise ValueError("max_model_len 9000 exceeds the model's 2048 positions")
+
+    with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
+        EngineLoop.build(make)
+
+
+def test_a_loop_takes_an_engine_or_a_maker_not_both():
+    with pytest.raises(ValueError, match="not both"):
+        EngineLoop(FakeEngine(), make_engine=FakeEngine)
+    with pytest.raises(ValueError, match="not both"):
+        EngineLoop(None)

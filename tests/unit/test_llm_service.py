@@ -31,6 +31,9 @@ class FakeEngine:
         self.max_prompt = max_prompt
         self.prepared = 0
 
+    def use_threads(self) -> None:  # no torch threads to set
+        pass
+
     def prepare(self, inputs):
         self.prepared += 1
         prompt = [ord(c) for c in (inputs.text_input or "")]
@@ -73,7 +76,7 @@ def start():
 
     def make(engine=None, **kwargs):
         fake = FakeTriton()
-        service = LLMService(fake, "llm", engine or FakeEngine(), **kwargs)
+        service = LLMService(fake, "llm", lambda: engine or FakeEngine(), **kwargs)
         services.append(service)
         return fake, service
 
