@@ -1,6 +1,7 @@
-"""The LLM engine on the real SmolLM2 weights, in process: greedy output is the same as
-`transformers`' own `generate`, and the same alone as inside a full batch, with chunked
-prefill and with preemption."""
+"""The LLM engine on the real SmolLM2 weights, in process: in float32, greedy output is the
+same as `transformers`' own `generate`, and the same alone as inside a full batch, with
+chunked prefill and with preemption; in bfloat16 (the default on a CPU that multiplies it in
+hardware, and on a GPU), its logits are transformers' within bfloat16's rounding."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def chat(question: str, **overrides):
 
 
 def engine(**config) -> LLMEngine:
-    return LLMEngine.from_dir(MODEL_DIR, EngineConfig(**{"kv_cache_bytes": 64 << 20, **config}))
+    """float32 unless asked: its greedy tokens do not depend on the batch a sequence is in
+    (bfloat16 rounds each layer's output, and a near tie between two tokens can then go
+    either way with the batch's shape)."""
+    return LLMEngine.from_dir(MODEL_DIR, EngineConfig(**{"kv_cache_bytes": 64 << 20, "dtype": "float32", **config}))
 
 
 def generate(llm: LLMEngine, requests: dict[str, object]) -> dict[str, tuple[str, list, FinishReason]]:
@@ -88,6 +92,31 @@ def test_greedy_output_is_transformers_generate(alone):
                              eos_token_id=list(params.stop_token_ids), pad_token_id=tokenizer.pad_token_id)
         expected = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert alone[index] == expected, QUESTIONS[index]
+
+
+def test_bfloat16_logits_are_transformers_within_its_rounding():
+    """A prompt's prefill and one decode step in bfloat16 (packed for oneDNN on a CPU) against
+    transformers' own forward in bfloat16: bfloat16 keeps 8 bits of mantissa, so logits of
+    about 20 are 0.125 apart; a wrong computation is off by whole units."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from python_backends.llm.model import PagedCausalLM, StepSequence
+
+    reference = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.bfloat16)
+    model = PagedCausalLM.from_dir(MODEL_DIR, num_blocks=64, block_size=16, dtype=torch.bfloat16, device="cpu")
+    llm = engine()
+    for index in (0, 3, 7):
+        prompt, _ = llm.prepare(chat(QUESTIONS[index]))
+        blocks = list(range(-(-(len(prompt) + 1) // 16)))
+        with torch.inference_mode():
+            expected = reference(torch.tensor([prompt])).logits[0, -1].float()
+            token = int(expected.argmax())
+            expected_next = reference(torch.tensor([[*prompt, token]])).logits[0, -1].float()
+        prefilled = model.step([StepSequence(prompt, 0, blocks, True)])[0]
+        decoded = model.step([StepSequence([token], len(prompt), blocks, True)])[0]
+        torch.testing.assert_close(prefilled, expected, rtol=0, atol=0.5)
+        torch.testing.assert_close(decoded, expected_next, rtol=0, atol=0.5)
 
 
 @pytest.mark.parametrize("split_slots", [GROUP_SPLIT_SLOTS, 0, 1 << 20], ids=["default", "one_per_group", "one_group"])

@@ -1,5 +1,6 @@
-"""The engine's linear layers: weights packed for oneDNN give what `F.linear` gives at any
-batch, and projections fused into one GEMM give each projection's own output."""
+"""The engine's linear layers: weights packed for oneDNN (float32 or bfloat16) give what
+`F.linear` gives at any batch, and projections fused into one GEMM give each projection's own
+output."""
 
 from __future__ import annotations
 
@@ -25,6 +26,22 @@ def test_packed_matches_f_linear_at_any_batch(weight, rows, with_bias):
     bias = torch.randn(96) if with_bias else None
     x = torch.randn(1, rows, 40, generator=torch.Generator().manual_seed(rows))  # transformers' [batch, tokens, width]
     torch.testing.assert_close(PackedLinear(weight, bias)(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3 * PACK_BATCH_HINT + 1])
+def test_packed_bfloat16_matches_f_linear_in_bfloat16(weight, rows):
+    bias = torch.randn(96)
+    x = torch.randn(rows, 40, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    packed = PackedLinear(weight.bfloat16(), bias)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, weight.bfloat16(), bias.bfloat16()), rtol=1.6e-2, atol=1e-2)
+
+
+def test_packing_refuses_a_dtype_onednn_does_not_pack(weight):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        PackedLinear(weight.half(), None)
 
 
 @needs_onednn

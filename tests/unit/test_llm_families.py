@@ -109,8 +109,11 @@ def prompt(length: int) -> list[int]:
 
 
 def engine(folder: Path, **config) -> LLMEngine:
+    """In float32, as the reference computes: token-for-token equality is float32's promise
+    (bfloat16 rounds each layer, and a near tie can go either way with the batch)."""
     return LLMEngine.from_dir(folder, EngineConfig(**{"kv_cache_bytes": 8 << 20, "block_size": BLOCK,
-                                                      "max_model_len": 256, "device": "cpu", **config}))
+                                                      "max_model_len": 256, "device": "cpu", "dtype": "float32",
+                                                      **config}))
 
 
 def run(llm: LLMEngine, lengths, eos: bool = True) -> dict[int, list[int]]:

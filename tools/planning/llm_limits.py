@@ -1,8 +1,9 @@
 """The LLM engine's limits on the hardware a latency profile describes.
 
-On a CPU the spec's values stand: the engine runs in float32 (oneDNN's packed GEMM) with the
-KV budget the spec gives it in host memory, and its step limits were measured on that CPU
-(serving.toml's comments say how).
+On a CPU the spec's values stand: the engine runs in bfloat16 where the CPU multiplies it in
+hardware (AVX-512 BF16, AMX), else in float32 (`python_backends.llm.model.default_dtype`), on
+oneDNN's packed GEMM, with the KV budget the spec gives it in host memory, and its step
+limits were measured on that CPU (serving.toml's comments say how).
 
 On a GPU the engine runs in bfloat16 (unless the spec names a dtype) and the KV cache is
 what the GPU's memory holds beside the weights, planned the way vLLM plans it: of the

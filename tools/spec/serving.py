@@ -216,7 +216,7 @@ class LLMModelSpec:
     threads: int  # torch intra-op threads; 0: every core
     source: Path | None = None  # a Hugging Face folder or a .gguf file; None: the packaged SmolLM2 GGUF
     device: str = "auto"  # cpu, cuda, or auto (cuda where torch sees a GPU)
-    dtype: str = "auto"  # float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on a GPU)
+    dtype: str = "auto"  # float32, bfloat16, float16, or auto (bfloat16 on a GPU or a CPU with bfloat16 instructions)
 
 
 @dataclass(frozen=True)
@@ -841,7 +841,10 @@ class LLMModelTable(Table):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the engine runs: auto is cuda where torch sees a GPU, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights, activations and KV cache: auto is float32 on CPU, bfloat16 on a GPU."""
+    """Weights, activations and KV cache: auto is bfloat16 on a GPU and on a CPU that multiplies
+    bfloat16 in hardware (AVX-512 BF16, AMX), float32 on other CPUs. Greedy output in bfloat16
+    can change with the batch a request shares (a near tie between two tokens tips either
+    way); float32 gives the same tokens alone and in any batch."""
 
     @field_validator("batching", mode="before")
     @classmethod
