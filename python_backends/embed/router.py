@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
@@ -408,10 +409,7 @@ class PreparedRequest:
 
     def chunks_by_bucket(self) -> dict[int, int]:
         """How many chunks each bucket's lane runs, one after another."""
-        chunks: dict[int, int] = {}
-        for prepared in self.chunks:
-            chunks[prepared.chunk.bucket_len] = chunks.get(prepared.chunk.bucket_len, 0) + 1
-        return chunks
+        return dict(Counter(prepared.chunk.bucket_len for prepared in self.chunks))
 
     def lanes(self) -> list[list[int]]:
         """Indices into `chunks`, one lane per bucket.

@@ -255,7 +255,8 @@ class LLMEngine:
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: EngineConfig) -> LLMEngine:
-        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))  # for the weights' packing
+        num_threads = config.num_threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(num_threads)  # for the weights' packing
         tokenizer = ChatTokenizer(model_dir)
         shape = ModelShape.from_dir(model_dir)
         device = default_device() if config.device == "auto" else config.device
@@ -269,7 +270,7 @@ class LLMEngine:
         model = PagedCausalLM.from_dir(model_dir, num_blocks=sched_config.num_blocks, block_size=config.block_size,
                                        dtype=dtype, device=device)
         return cls(model, tokenizer, Scheduler(sched_config), default_max_tokens=config.default_max_tokens,
-                   num_threads=config.num_threads)
+                   num_threads=num_threads)
 
     def use_threads(self) -> None:
         """Give the calling thread the engine's torch threads. OpenMP keeps its thread count

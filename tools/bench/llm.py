@@ -587,14 +587,18 @@ def served_model_dir(llm: LLMModelSpec) -> Path:
     return DEFAULT_MODEL_REPOSITORY / llm.name / str(max(llm.versions))
 
 
-def engine_dtype(llm: LLMModelSpec) -> str:
-    """The dtype the engine computes in: the spec's, or what `auto` picks on this machine."""
-    from python_backends.llm.model import default_device, default_dtype
+def engine_device_dtype(llm: LLMModelSpec) -> tuple[str, Any]:
+    """Where and in which torch dtype the engine computes: the spec's, or what `auto` picks on
+    this machine (as `LLMEngine.from_dir` resolves them)."""
+    from python_backends.llm.model import DTYPES, default_device, default_dtype
 
-    if llm.dtype != "auto":
-        return llm.dtype
     device = default_device() if llm.device == "auto" else llm.device
-    return str(default_dtype(device)).removeprefix("torch.")
+    return device, default_dtype(device) if llm.dtype == "auto" else DTYPES[llm.dtype]
+
+
+def engine_dtype(llm: LLMModelSpec) -> str:
+    """The engine's dtype by name, as the report shows it."""
+    return str(engine_device_dtype(llm)[1]).removeprefix("torch.")
 
 
 def engine_threads(llm: LLMModelSpec) -> int:
@@ -620,11 +624,10 @@ def measure_decode_limit(llm: LLMModelSpec, context_tokens: int, num_steps: int,
     import torch
 
     from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
-    from python_backends.llm.model import DTYPES, PagedCausalLM, default_device, default_dtype
+    from python_backends.llm.model import PagedCausalLM
 
     num_seqs, block_size = llm.max_num_seqs, llm.block_size
-    device = default_device() if llm.device == "auto" else llm.device
-    dtype = default_dtype(device) if llm.dtype == "auto" else DTYPES[llm.dtype]
+    device, dtype = engine_device_dtype(llm)
     torch.set_num_threads(engine_threads(llm))
     log(f"decode limit: the engine's forward alone, {num_seqs} sequences at {context_tokens} tokens of context, "
         f"{num_steps} steps ...")
@@ -652,10 +655,7 @@ def run_peer(llm: LLMModelSpec, prompts: Sequence[Sequence[int]], stop_token_ids
              plan: CapacityPlan, log) -> dict[str, Any]:
     """transformers_cb's closed loop on the engine's requests and limits; its figures as the
     engine setups report theirs. Raises `transformers_cb.PeerError` when it cannot run."""
-    from python_backends.llm.model import DTYPES, default_device, default_dtype
-
-    device = default_device() if llm.device == "auto" else llm.device
-    dtype = default_dtype(device) if llm.dtype == "auto" else DTYPES[llm.dtype]
+    device, dtype = engine_device_dtype(llm)
     options = plan.options
     python = transformers_cb.ensure_venv(log)
     job = transformers_cb.peer_job(
