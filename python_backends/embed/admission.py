@@ -228,15 +228,21 @@ def deadline_passed(policy: AdmissionPolicy, waited_ms: float | None) -> Admissi
 
 
 def answer_deadline_s(policy: AdmissionPolicy, started_s: float, waited_ms: float | None,
-                      chunks_by_bucket: Mapping[int, int]) -> float | None:
+                      chunks_by_bucket: Mapping[int, int], work_ahead_ms: float) -> float | None:
     """When the answer to a request the router took at `started_s` (its clock) turns late:
     S - o after it arrived, its wait before the router (`waited_ms`, its stamp) included.
 
-    None where no deadline travels with it: admission off, no `batch_ms`, or a request whose
-    own chunks (`chunks_by_bucket`: a bucket's chunks run one after another) take longer than
-    that even at their buckets' longest batches on an idle server: like `decide` on an idle
-    server, such a request is served late rather than refused at every try."""
+    None where no deadline travels with it: admission off, no `batch_ms`, a request admitted
+    with no work in flight ahead of it (`work_ahead_ms` below the least any request brings),
+    or one whose own chunks (`chunks_by_bucket`: a bucket's chunks run one after another) take
+    longer than that even at their buckets' longest batches on an idle server. The deadline
+    sheds work that would queue behind others; an idle server dropping a request frees nothing
+    for anyone, and its own slowness there (a cold server's first calls, the router's own
+    work) is no reason to tell the client it is busy. Like `decide` on an idle server, such a
+    request is served, late if need be, rather than refused at every try."""
     if not policy.batch_ms or policy.max_work_ms <= 0 or policy.max_limit_ms <= 0:
+        return None
+    if work_ahead_ms < max(policy.smallest_work_ms, 1e-9):
         return None
     left_ms = policy.max_limit_ms - (waited_ms or 0.0)
     if any(chunks * policy.batch_ms.get(bucket, 0.0) > left_ms for bucket, chunks in chunks_by_bucket.items()):

@@ -399,7 +399,8 @@ class EmbedService:
             return self._error(admission.message(), self.pb.TritonError.UNAVAILABLE)
         self.metrics.of_version(version)[2].increment(1)  # in flight from admission on
         return Accepted(prepared, version, pinned, table, own_work, started, waited, admission,
-                        answer_deadline_s(self.admission, started, waited, prepared.chunks_by_bucket()))
+                        answer_deadline_s(self.admission, started, waited, prepared.chunks_by_bucket(),
+                                          admission.work_ahead_ms))
 
     # --- serving an admitted request ----------------------------------------------------------
 

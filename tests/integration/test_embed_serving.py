@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 
 from python_backends.common.regimes import REGIMES_PARAMETER, LingerRegimes
 from python_backends.common.request_start import stamp
+from python_backends.embed.admission import AdmissionPolicy
 from tests.integration.helpers import (
     BUCKETS,
     ROUTER_COUNTERS_LAG_S,
@@ -179,6 +180,19 @@ def test_a_request_start_stamp_reaches_the_router_over_both_protocols(http_clien
     # Stamped now: served.
     fresh = http_client.infer("embed", [_text_input(httpclient)], headers={"X-Request-Start": stamp(time.time())})
     assert fresh.as_numpy("EMBEDDING").shape == (1, 384)
+
+
+def test_an_idle_server_serves_a_request_whose_deadline_is_too_close_rather_than_say_busy(http_client):
+    # Stamped so that less than its bucket's longest batch is left of S - o: with work queued
+    # ahead its chunk would not be sent (its answer would be late); on an idle server nothing
+    # is ahead, dropping it frees nothing, and the server is not busy: it is served.
+    policy = AdmissionPolicy.from_json(http_client.get_model_config("embed")["parameters"]["admission"]["string_value"])
+    assert policy.batch_ms and policy.max_limit_ms > policy.batch_ms[16]
+    waited_s = (policy.max_limit_ms - policy.batch_ms[16] / 2) / 1000.0
+    for _ in range(3):
+        result = http_client.infer("embed", [_text_input(httpclient)],
+                                   headers={"X-Request-Start": stamp(time.time() - waited_s)})
+        assert result.as_numpy("EMBEDDING").shape == (1, 384)
 
 
 def _text_input(client_module):

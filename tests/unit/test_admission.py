@@ -290,6 +290,7 @@ def test_an_slo_the_slowest_row_alone_fills_is_an_error_naming_the_bucket():
 
 ADAPTIVE = AdmissionPolicy(row_cost_ms={16: 4.0}, lanes=2, max_work_ms=60.0, target_ms=150.0, min_work_ms=20.0,
                            max_limit_ms=190.0)
+BUSY = 25.0  # work in flight ahead of a request (ms per lane)
 
 
 def test_the_bound_shrinks_on_a_late_answer_and_grows_slowly_on_time_ones():
@@ -385,9 +386,9 @@ def test_an_admitted_request_carries_its_deadline_to_each_bucket_queue_less_the_
     policy = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0, max_limit_ms=195.0,
                              batch_ms={16: 30.0, 256: 150.0})
     # Due S - o = 195 ms after it arrived: the router took it at t = 10 s after a 45 ms wait.
-    deadline = answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1})
+    deadline = answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1}, BUSY)
     assert deadline == pytest.approx(10.150)
-    assert answer_deadline_s(policy, 10.0, None, {16: 1}) == pytest.approx(10.195)  # no stamp: the router's clock
+    assert answer_deadline_s(policy, 10.0, None, {16: 1}, BUSY) == pytest.approx(10.195)  # no stamp: the router's clock
     # Sent 20 ms later: 130 ms left, of which the bucket's longest execution takes 30 (16) or
     # 150 (256), once for each of the request's chunks of that bucket still to run.
     assert queue_wait_ms(policy, 16, 10.020, deadline) == pytest.approx(100.0)
@@ -396,18 +397,29 @@ def test_an_admitted_request_carries_its_deadline_to_each_bucket_queue_less_the_
     # No deadline travels without the longest batches, for a bucket whose queue takes none, or
     # without admission.
     assert queue_wait_ms(policy, 64, 10.020, deadline) is None
-    assert answer_deadline_s(replace(policy, batch_ms={}), 10.0, 45.0, {16: 1}) is None
-    assert answer_deadline_s(replace(policy, max_work_ms=0.0), 10.0, 45.0, {16: 1}) is None
+    assert answer_deadline_s(replace(policy, batch_ms={}), 10.0, 45.0, {16: 1}, BUSY) is None
+    assert answer_deadline_s(replace(policy, max_work_ms=0.0), 10.0, 45.0, {16: 1}, BUSY) is None
     assert queue_wait_ms(policy, 16, 10.020, None) is None
+
+
+def test_a_request_admitted_onto_an_idle_server_carries_no_deadline():
+    policy = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0, max_limit_ms=195.0,
+                             batch_ms={16: 30.0, 256: 150.0})
+    # Nothing in flight ahead of it: dropping it would free nothing for anyone, so even a cold
+    # server that spends the whole S - o on its first call serves it rather than say "busy".
+    assert answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1}, 0.0) is None
+    assert answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1}, 1e-12) is None  # what float sums leave
+    assert answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1}, 1.9) is None  # less than one 16-token row
+    assert answer_deadline_s(policy, 10.0, 45.0, {16: 2, 256: 1}, 2.0) == pytest.approx(10.150)
 
 
 def test_a_request_too_large_to_meet_its_deadline_even_alone_carries_none_and_is_served_late():
     policy = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 80.0}, lanes=2, max_work_ms=60.0, max_limit_ms=195.0,
                              batch_ms={16: 30.0, 256: 150.0})
     # Two chunks of bucket 256 run one after the other: 300 ms > the 195 ms left, at any load.
-    assert answer_deadline_s(policy, 10.0, None, {16: 1, 256: 2}) is None
-    assert answer_deadline_s(policy, 10.0, 100.0, {16: 4}) is None  # 120 ms of its own > 95 ms left
-    assert answer_deadline_s(policy, 10.0, 100.0, {16: 3}) == pytest.approx(10.095)
+    assert answer_deadline_s(policy, 10.0, None, {16: 1, 256: 2}, BUSY) is None
+    assert answer_deadline_s(policy, 10.0, 100.0, {16: 4}, BUSY) is None  # 120 ms of its own > 95 ms left
+    assert answer_deadline_s(policy, 10.0, 100.0, {16: 3}, BUSY) == pytest.approx(10.095)
 
 
 def test_derived_deadlines_name_each_bucket_s_longest_batch():

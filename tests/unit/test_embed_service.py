@@ -229,6 +229,16 @@ def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not
     policy = AdmissionPolicy(row_cost_ms={16: 10.0, 32: 20.0, 64: 40.0}, lanes=1, max_work_ms=50.0, target_ms=150.0,
                              min_work_ms=10.0, max_limit_ms=190.0, batch_ms={16: 30.0, 64: 150.0})
     service = serve(fake, admission=policy)
+    other = SharedWork(tmp_path / "work.bin", 5, CONFIG.bucket_lens)  # another router instance
+    try:
+        _deadlines_go_to_the_bucket_queues(service, fake, other)
+        assert other.total_ms() == 0.0  # every request gave its work back, the refused one included
+    finally:
+        other.close()
+
+
+def _deadlines_go_to_the_bucket_queues(service, fake, other):
+    other.add(10.0)  # a row's work in flight ahead of the next requests: deadlines shed work behind it
     # Stamped 40 ms ago: due 150 ms from now, so it may queue about 150 - 30 ms at bucket 16.
     assert not answer(service, request([words(10)], **{"X-Request-Start": stamp(time.time() - 0.04)})).has_error()
     [call] = fake.calls
@@ -242,18 +252,18 @@ def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not
     assert "server busy, retry after" in message
     sent = fake.calls[1:]
     assert len(sent) == 1 and 10_000 <= sent[0].timeout_us <= 20_000
+    # Admitted onto an idle server, the same request carries no deadline: dropping it would
+    # free nothing for anyone, and the server is not busy.
+    other.add(-10.0)
+    assert not answer(service, request([words(10)] * 5, **{"X-Request-Start": stamp(time.time() - 0.08)})).has_error()
+    assert [c.timeout_us for c in fake.calls[2:]] == [0, 0, 0]
     # Seven rows are four chunks, 120 ms of their own against 110 left: too large to meet the SLO
     # even alone, so no deadline; served late rather than refused.
     assert not answer(service, request([words(10)] * 7, **{"X-Request-Start": stamp(time.time() - 0.08)})).has_error()
-    assert [c.timeout_us for c in fake.calls[2:]] == [0, 0, 0, 0]
+    assert [c.timeout_us for c in fake.calls[5:]] == [0, 0, 0, 0]
     # Bucket 32 has no longest batch in the policy: its queue takes no deadline.
     assert not answer(service, request([words(20)])).has_error()
     assert fake.calls[-1].model_name == "encoder_32" and fake.calls[-1].timeout_us == 0
-    other = SharedWork(tmp_path / "work.bin", 5, CONFIG.bucket_lens)
-    try:
-        assert other.total_ms() == 0.0  # every request gave its work back, the refused one included
-    finally:
-        other.close()
 
 
 def test_a_pinned_version_serves_the_request_and_an_unloaded_one_is_not_found(serve):
