@@ -254,9 +254,9 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     assert admission.policy.lanes == 2
     assert admission.policy.shared_lanes  # the buckets run side by side: work ahead counts as they share lanes
     assert "share the lanes" in admission.reasons["admission"]
-    # Its floor: one row of the slowest bucket (80 ms), per lane.
-    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(40.0)
-    assert "one row of bucket 256 (40.0 ms per lane)" in admission.reasons["admission_bound"]
+    # Its floor: half a row of the slowest bucket (80 ms), per lane.
+    assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(20.0)
+    assert "0.5 of a row of bucket 256 (20.0 ms per lane)" in admission.reasons["admission_bound"]
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
     assert admission.policy.target_ms < 195.0  # room for the wait before the router takes a request
     # The router queue is a hand-off buffer: Little's law at peak over S - o, 100 x 195 ms.

@@ -556,6 +556,19 @@ def derive_knobs(demand: BucketDemand, curve: LatencyCurve) -> BatchingKnobs:
 # Runs vary by about 10 ms, so the margin matters more than the last request per second.
 ADMISSION_WORK_SHARE = 0.5
 
+# The adaptive bound's floor, as a share of one row of the slowest bucket per lane. With the
+# whole row (1.0) the bound sat on the floor through a 10x-goodput flood (bench overload
+# overload_10x, 2 vCPU: the bucket models ran at twice their profiled times, the CPU taken by
+# the refusals) while the answers kept coming late: admitted p95 245, 270, 188, 211, 211 ms
+# against the 200 ms SLO, alternated in one hour with 0.5, where the bound moved between 20
+# and 48 ms per lane: 178, 187, 180, 179 ms, and as many requests served within the SLO
+# (116-159 req/s against 115-166). Crash recovery held (30 req/s, one instance killed: 12
+# failed without retries, 0 with), unlike one preferred batch of the cheapest bucket (9.4 ms
+# for embed), from which the bound climbed back too slowly after the answers a crash made
+# late: a retrying client saw 66 requests fail where it had seen 3. Below the floor a row of
+# the slowest bucket is admitted only with nothing ahead of it.
+MIN_WORK_ROW_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -626,11 +639,8 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     hand_off_ms = slo_p95_ms - overhead_ms
     max_queue_size = max(1, math.ceil(peak_rps * hand_off_ms / 1000.0))
     target_ms = admission_target_ms(curves, slo_p95_ms, overhead_ms, budget_buckets)
-    # The floor: one row of the slowest bucket per lane. Measured with one preferred batch of the
-    # cheapest bucket instead (9.4 ms for embed): answers late while a bucket instance was
-    # reloaded after a crash took the bound there, and at 30 req/s it climbed back so slowly
-    # that a retrying client saw 66 requests fail where it had seen 3 (bench overload, crash).
-    min_work_ms = min(slowest_ms / lanes, max_work_ms)
+    # The floor: half a row of the slowest bucket per lane (`MIN_WORK_ROW_SHARE` says why).
+    min_work_ms = min(MIN_WORK_ROW_SHARE * slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
     costs = ", ".join(f"{b}: {c:.2f}" for b, c in sorted(row_cost_ms.items()))
     budget = (f"W = S - o - c_{slowest_bucket}(1) = {slo_p95_ms:.0f} - {overhead_ms:.1f} - {slowest_ms:.1f} "
@@ -665,9 +675,9 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"+2% until the first late one; only answers admitted while half the bound was "
                                 f"in use move it; a late answer cuts the bound it was admitted under, so answers "
                                 f"admitted together cut it once, and one past S - o by target / latency, to half "
-                                f"at most); between one row of bucket {slowest_bucket} "
+                                f"at most); between {MIN_WORK_ROW_SHARE:g} of a row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and S - o = {max_limit_ms:.1f} ms; until an "
-                                f"answer is late after the server drained, a request with no more than one such row "
+                                f"answer is late after the server drained, a request with no more work than the floor "
                                 f"per lane ahead of it is admitted, as by an idle server"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
