@@ -32,7 +32,7 @@ import torch
 from python_backends.common.errors import InvalidInput
 from python_backends.llm.config import EngineConfig
 from python_backends.llm.kv_blocks import KVCacheSpec
-from python_backends.llm.model import DTYPES, ModelShape, PagedCausalLM, StepSequence, default_device, default_dtype
+from python_backends.llm.model import ModelShape, PagedCausalLM, StepSequence, resolve_device_dtype
 from python_backends.llm.scheduler import (
     FinishReason,
     SamplingParams,
@@ -259,8 +259,7 @@ class LLMEngine:
         torch.set_num_threads(num_threads)  # for the weights' packing
         tokenizer = ChatTokenizer(model_dir)
         shape = ModelShape.from_dir(model_dir)
-        device = default_device() if config.device == "auto" else config.device
-        dtype = default_dtype(device) if config.dtype == "auto" else DTYPES[config.dtype]
+        device, dtype = resolve_device_dtype(config.device, config.dtype)
         kv = KVCacheSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                          dtype_bytes=dtype.itemsize, block_size=config.block_size)
         sched_config = config.scheduler_config(kv)

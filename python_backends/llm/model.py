@@ -375,6 +375,13 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32
 
 
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """Where and in which torch dtype the engine computes, from a spec's names: `auto` is
+    `default_device()`, and `default_dtype` on that device."""
+    resolved = default_device() if device == "auto" else device
+    return resolved, default_dtype(resolved) if dtype == "auto" else DTYPES[dtype]
+
+
 def load_causal_lm(model_dir: Path, dtype: torch.dtype, device: str, gguf_file: str | None = None) -> nn.Module:
     """`AutoModelForCausalLM` from a local directory (or a GGUF file in it), never the hub."""
     from transformers import AutoModelForCausalLM

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.llm.engine import EngineConfig, LLMEngine, build_inputs
+from python_backends.llm.engine import ChatTokenizer, EngineConfig, LLMEngine, build_inputs
 from python_backends.llm.model import GROUP_SPLIT_SLOTS
 from python_backends.llm.scheduler import BatchingPolicy, FinishReason
 from tests.integration.helpers import CHAT_QUESTIONS
@@ -105,9 +105,9 @@ def test_bfloat16_logits_are_transformers_within_its_rounding():
 
     reference = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.bfloat16)
     model = PagedCausalLM.from_dir(MODEL_DIR, num_blocks=64, block_size=16, dtype=torch.bfloat16, device="cpu")
-    llm = engine()
+    tokenizer = ChatTokenizer(MODEL_DIR)
     for index in (0, 3, 7):
-        prompt, _ = llm.prepare(chat(QUESTIONS[index]))
+        prompt = tokenizer.encode(chat(QUESTIONS[index]))
         blocks = list(range(-(-(len(prompt) + 1) // 16)))
         with torch.inference_mode():
             expected = reference(torch.tensor([prompt])).logits[0, -1].float()

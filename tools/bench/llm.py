@@ -590,10 +590,9 @@ def served_model_dir(llm: LLMModelSpec) -> Path:
 def engine_device_dtype(llm: LLMModelSpec) -> tuple[str, Any]:
     """Where and in which torch dtype the engine computes: the spec's, or what `auto` picks on
     this machine (as `LLMEngine.from_dir` resolves them)."""
-    from python_backends.llm.model import DTYPES, default_device, default_dtype
+    from python_backends.llm.model import resolve_device_dtype
 
-    device = default_device() if llm.device == "auto" else llm.device
-    return device, default_dtype(device) if llm.dtype == "auto" else DTYPES[llm.dtype]
+    return resolve_device_dtype(llm.device, llm.dtype)
 
 
 def engine_dtype(llm: LLMModelSpec) -> str:
