@@ -13,6 +13,8 @@ from python_backends.llm.service import INPUT_NAMES, INVALID_REQUEST, LLMService
 
 __all__ = ["INPUT_NAMES", "INVALID_REQUEST", "TritonPythonModel"]
 
+DRAIN_TIMEOUT_S = 20.0  # how long an unload lets in-flight generations finish
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -22,4 +24,7 @@ class TritonPythonModel:
         return self.service.execute(requests)  # None: the engine loop answers through each sender
 
     def finalize(self):
-        self.service.finalize(drain_timeout_s=30.0)
+        # Shorter than tritonserver's default 30 s exit timeout: a drain that lasts as long as
+        # the server waits would leave the model loaded when the server gives up, and the
+        # server would exit with an error instead of stopping cleanly.
+        self.service.finalize(drain_timeout_s=DRAIN_TIMEOUT_S)

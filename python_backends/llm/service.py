@@ -230,5 +230,11 @@ class LLMService:
                              TritonSink(self.pb, sender, inputs.stream, self.metrics, on_done=refund))
         return None
 
-    def finalize(self, drain_timeout_s: float = 30.0) -> None:
+    def finalize(self, drain_timeout_s: float = 20.0) -> None:
+        """Let in-flight generations finish (up to the timeout; the rest are told to retry) and
+        stop the loop; the server log says how many were in flight and how long it took."""
+        started, in_flight = time.monotonic(), self.loop.num_in_flight
+        self.pb.Logger.log_info(f"llm: unloading, {in_flight} requests in flight")
         self.loop.stop(drain_timeout_s=drain_timeout_s)
+        self.pb.Logger.log_info(f"llm: stopped in {time.monotonic() - started:.1f} s, "
+                                f"{self.loop.num_in_flight} requests left")
