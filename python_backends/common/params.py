@@ -82,18 +82,23 @@ PositiveInt = _integer(1)  # an integer >= 1, written as its digits
 CountInt = _integer(0)  # an integer >= 0 (0 often meaning "let the library choose")
 
 
-def _parse_positive_number(value: object, info: ValidationInfo) -> float:
-    try:
-        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else float(str(value))
-    except ValueError:
-        raise ValueError(f"parameter {info.field_name}={value!r} is not a number") from None
-    if not 0 < number < float("inf"):
-        raise ValueError(f"parameter {info.field_name}={number:g} must be a finite number > 0")
-    return number
+def _number(allow_zero: bool):
+    def parse(value: object, info: ValidationInfo) -> float:
+        try:
+            number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+                else float(str(value))
+        except ValueError:
+            raise ValueError(f"parameter {info.field_name}={value!r} is not a number") from None
+        if not (number >= 0 if allow_zero else number > 0) or number == float("inf"):
+            raise ValueError(f"parameter {info.field_name}={number:g} must be a finite number "
+                             f"{'>= 0' if allow_zero else '> 0'}")
+        return number
+
+    return Annotated[float, PlainValidator(parse), PlainSerializer(lambda number: f"{number:g}", return_type=str)]
 
 
-PositiveNumber = Annotated[float, PlainValidator(_parse_positive_number),
-                           PlainSerializer(lambda number: f"{number:g}", return_type=str)]
+PositiveNumber = _number(allow_zero=False)  # a finite number > 0
+NonNegativeNumber = _number(allow_zero=True)  # a finite number >= 0 (0 often meaning "off")
 
 
 def _parse_flag(value: object, info: ValidationInfo) -> bool:

@@ -17,6 +17,7 @@ from python_backends.common.params import (
     CountInt,
     Flag,
     ModelParameters,
+    NonNegativeNumber,
     PositiveInt,
     PositiveNumber,
     TenantsParameter,
@@ -94,6 +95,7 @@ class LLMParameters(ModelParameters):
     prefix_caching: Flag = True  # reuse the KV blocks of prompt prefixes already computed
     device: str = "auto"  # cpu, cuda[:N], or auto (cuda where torch sees a GPU)
     dtype: str = "auto"  # float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on a GPU)
+    stream_hold_ms: NonNegativeNumber = 0.0  # while requests wait, a stream's tokens are held up to this long
     tenants: TenantsParameter = UNLIMITED  # each tenant's generated-token quota by tier
     tenant_auth: AuthParameter = AUTH_OFF  # how a request proves its tenant
 

@@ -39,6 +39,7 @@ from python_backends.llm.scheduler import (
     Scheduler,
     SequenceState,
 )
+from python_backends.llm.streaming import send_now
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 64
@@ -403,16 +404,28 @@ class EngineLoop:
     """
 
     def __init__(self, engine: LLMEngine | None, on_step: Callable[[EngineStats], None] | None = None,
-                 idle_wait_s: float = 0.05, make_engine: Callable[[], LLMEngine] | None = None):
+                 idle_wait_s: float = 0.05, make_engine: Callable[[], LLMEngine] | None = None,
+                 stream_hold_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        """`stream_hold_s`: how long a stream's tokens may be held while requests wait
+        (`python_backends.llm.streaming`); 0 sends every token as it is made. `clock` times
+        the steps and the held tokens."""
         if (engine is None) == (make_engine is None):
             raise ValueError("give an engine or what makes one, not both")
+        if not stream_hold_s >= 0:
+            raise ValueError(f"stream_hold_s must be >= 0, got {stream_hold_s}")
         self.engine: LLMEngine = engine  # type: ignore[assignment]  # or made on the loop's thread
         self._make_engine = make_engine
         self._made = threading.Event()
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
+        self.stream_hold_s = stream_hold_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, RequestSink] = {}  # in-flight requests, touched by the loop thread only
+        # Outputs not sent yet (their texts joined) and when the oldest of their tokens was made.
+        self._held: dict[str, tuple[StepOutput, float]] = {}
+        self._requests_waiting = False  # after the last step: requests wait for a slot or KV blocks
+        self._step_s = 0.0  # how long the last step took
+        self._clock = clock
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self.error: BaseException | None = None  # what killed the loop, if anything did
@@ -423,7 +436,7 @@ class EngineLoop:
 
     @classmethod
     def build(cls, make_engine: Callable[[], LLMEngine], on_step: Callable[[EngineStats], None] | None = None,
-              idle_wait_s: float = 0.05) -> EngineLoop:
+              idle_wait_s: float = 0.05, stream_hold_s: float = 0.0) -> EngineLoop:
         """Make the engine on the loop's own thread, then run it there; returns once the engine
         is made, raising what making it raised.
 
@@ -434,7 +447,7 @@ class EngineLoop:
         there beside the loop's own, and a step's many small operations then wait for
         sleeping workers: on 2 vCPU, the elementwise multiplications alone took 20 ms of a
         96-sequence decode step against 5-7 ms with the loop's thread the only one."""
-        loop = cls(None, on_step, idle_wait_s, make_engine=make_engine).start()
+        loop = cls(None, on_step, idle_wait_s, make_engine=make_engine, stream_hold_s=stream_hold_s).start()
         loop._made.wait()
         if loop.error is not None:
             raise loop.error
@@ -480,6 +493,7 @@ class EngineLoop:
                 return True
 
     def _abort(self, request_id: str) -> None:
+        self._held.pop(request_id, None)  # the client is gone or asked to stop: its held text goes too
         sink = self._sinks.pop(request_id, None)
         output = self.engine.abort(request_id)
         if sink is not None and output is not None:
@@ -510,27 +524,62 @@ class EngineLoop:
             self.engine.use_threads()
             while not self._stopping.is_set():
                 changed = self._take_inbox(block=not self.engine.has_work)
-                for request_id in [r for r, sink in self._sinks.items() if sink.cancelled()]:
-                    self._abort(request_id)
-                    changed = True
+                if not self._requests_waiting:  # else a stream's cancellation is checked when it is sent to
+                    for request_id in [r for r, sink in self._sinks.items() if sink.cancelled()]:
+                        self._abort(request_id)
+                        changed = True
+                stats = None
                 if self.engine.has_work:
                     changed = True
-                    for output in self.engine.step():
-                        sink = self._sinks.get(output.request_id)
-                        if output.finish_reason is not None:
-                            self._sinks.pop(output.request_id, None)
-                        if sink is not None:
-                            self._deliver(sink, output)
+                    started = self._clock()
+                    outputs = self.engine.step()
+                    stats = self.engine.stats()
+                    now = self._clock()
+                    self._step_s = now - started
+                    self._stream(outputs, stats.num_waiting > 0, now)
                 if changed and self.on_step is not None:
-                    self.on_step(self.engine.stats())
+                    self.on_step(stats or self.engine.stats())
         except BaseException as err:  # fail every waiting client rather than hang them
             self.error = err
+            self._held.clear()
             for request_id, sink in list(self._sinks.items()):
                 self.engine.requests.pop(request_id, None)
                 self._deliver_failure(sink, f"the LLM engine stopped: {type(err).__name__}: {err}")
             self._sinks.clear()
             traceback.print_exc()  # to the server log; new requests are refused with self.error
             return
+        self._held.clear()
         for request_id, sink in list(self._sinks.items()):
             self._deliver_failure(sink, "the model is unloading; retry")
             self._sinks.pop(request_id)
+
+    def _stream(self, outputs: list[StepOutput], requests_waiting: bool, now_s: float) -> None:
+        """Send this step's outputs, or hold them (`streaming.send_now`), and send what was
+        held before that may wait no longer (a preempted stream makes no output meanwhile)."""
+        self._requests_waiting = requests_waiting
+        made = set()
+        for output in outputs:
+            request_id = output.request_id
+            made.add(request_id)
+            sink = self._sinks.get(request_id)
+            if output.finish_reason is not None:
+                self._sinks.pop(request_id, None)
+            held_since = None
+            if request_id in self._held:
+                before, held_since = self._held.pop(request_id)
+                output = dataclasses.replace(output, text_delta=before.text_delta + output.text_delta)
+            if sink is not None:
+                self._send_or_hold(sink, output, held_since, now_s)
+        for request_id in [r for r in self._held if r not in made]:
+            output, held_since = self._held.pop(request_id)
+            self._send_or_hold(self._sinks[request_id], output, held_since, now_s)
+
+    def _send_or_hold(self, sink: RequestSink, output: StepOutput, held_since: float | None, now_s: float) -> None:
+        if not send_now(finished=output.finish_reason is not None, num_output_tokens=output.num_output_tokens,
+                        held_since_s=held_since, now_s=now_s, next_step_s=self._step_s,
+                        hold_s=self.stream_hold_s, requests_waiting=self._requests_waiting):
+            self._held[output.request_id] = (output, now_s if held_since is None else held_since)
+        elif self._requests_waiting and output.finish_reason is None and sink.cancelled():
+            self._abort(output.request_id)
+        else:
+            self._deliver(sink, output)

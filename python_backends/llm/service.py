@@ -144,8 +144,9 @@ class LLMService:
     """The `llm` model's instance: one engine, driven by one loop thread."""
 
     def __init__(self, pb, model: str, make_engine: Callable[[], LLMEngine], tenants: TenantPolicy = UNLIMITED,
-                 auth: AuthConfig = AUTH_OFF):
-        """`make_engine` runs on the engine loop's thread (`EngineLoop.build` says why)."""
+                 auth: AuthConfig = AUTH_OFF, stream_hold_s: float = 0.0):
+        """`make_engine` runs on the engine loop's thread (`EngineLoop.build` says why);
+        `stream_hold_s`: how long the loop may hold a stream's tokens while requests wait."""
         self.pb = pb
         self.tenants = tenants
         self.auth = auth
@@ -154,7 +155,7 @@ class LLMService:
         self.token_buckets = LocalBuckets()  # one instance owns the engine, so its buckets are local
         self.metrics = LLMMetrics(pb, model)
         self.ids = itertools.count()
-        self.loop = EngineLoop.build(make_engine, on_step=self.metrics.step)
+        self.loop = EngineLoop.build(make_engine, on_step=self.metrics.step, stream_hold_s=stream_hold_s)
         self.engine = self.loop.engine
         self.metrics.step(self.engine.stats())
 
@@ -175,11 +176,13 @@ class LLMService:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, name, required=REQUIRED_FILES)
         service = cls(pb, name, lambda: LLMEngine.from_dir(version_dir, config), parameters.tenants,
-                      parameters.tenant_auth)
+                      parameters.tenant_auth, stream_hold_s=parameters.stream_hold_ms / 1000)
         engine = service.engine
         pb.Logger.log_info(
             f"{name}: {config.policy.value} batching, {engine.scheduler.config.num_blocks} KV blocks of "
-            f"{config.block_size} tokens, up to {config.max_num_seqs} sequences")
+            f"{config.block_size} tokens, up to {config.max_num_seqs} sequences"
+            + (f"; while requests wait, a stream's tokens are held up to {parameters.stream_hold_ms:g} ms"
+               if parameters.stream_hold_ms else ""))
         return service
 
     def _tenant_of(self, request) -> str:

@@ -55,12 +55,18 @@ def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals
     assert report["decode_limit_tokens_per_s"] > 0
     assert limit["num_seqs"] == report["engine"]["max_num_seqs"] and limit["context_tokens"] > 1
     assert "transformers_cb" not in report
+    # The stream-hold comparison: closed loops on the same server, every token sent vs held.
+    hold = report["continuous"]["stream_hold"]
+    assert hold["hold_ms"] == report["tpot_p95_ms"]  # the spec sets no stream_hold_ms: the TPOT target
+    assert len(hold["held_tokens_per_s"]) == len(hold["every_token_tokens_per_s"]) == 1
+    assert min(hold["held_tokens_per_s"] + hold["every_token_tokens_per_s"]) > 0
+    assert "stream_hold" not in report["static"]
     assert set(report["ratios"]) == {
         *(f"{figure}_continuous_vs_static" for figure in ("tokens_per_s", "ttft_p95", "llm_goodput")),
-        "saturated_continuous_vs_decode_limit"}
+        "saturated_continuous_vs_decode_limit", "saturated_held_vs_every_token"}
     assert report["targets"]["saturated_at_least_3x_transformers_cb"] is None  # the peer did not run
     assert out.with_suffix(".png").stat().st_size > 1000
-    for part in ("goodput search from", "closed loop of 4 streams", "decode limit:"):
+    for part in ("goodput search from", "closed loop of 4 streams", "decode limit:", "every token sent vs held"):
         assert part in result.stdout, part
 
 

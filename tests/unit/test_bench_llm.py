@@ -21,11 +21,13 @@ from tools.bench.llm import (
     certain_miss,
     chat_list,
     drain_budget_s,
+    hold_summary,
     p95_miss_count,
     plan_requests,
     ratios,
     same_answers,
     saturated_summary,
+    saturating_concurrency,
     setup_model,
     slo_misses,
     step_duration_s,
@@ -237,6 +239,8 @@ def test_a_low_rate_step_lasts_long_enough_for_its_requests():
     ({"step_warmup_s": 80.0}, "warm-up"),
     ({"saturate_s": 0.0}, "closed loop"),
     ({"concurrency": 0}, "concurrency must be >= 1"),
+    ({"hold_s": 0.0}, "closed loop"),
+    ({"hold_rounds": -1}, "hold_rounds must be >= 0"),
 ])
 def test_capacity_options_refuse_what_cannot_measure(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -305,6 +309,23 @@ def capacity_report(**peer) -> dict:
     if peer:
         report[PEER] = peer
     return report
+
+
+def test_the_closed_loop_has_more_streams_than_the_engine_has_slots():
+    assert [saturating_concurrency(n) for n in (1, 4, 96, 97)] == [2, 5, 120, 122]
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        saturating_concurrency(0)
+
+
+def test_the_stream_hold_comparison_is_the_median_of_its_rounds_ratios():
+    found = hold_summary([300.0, 330.0, 280.0], [290.0, 300.0, 300.0], hold_ms=400.0)
+    assert found["held_vs_every_token"] == pytest.approx(1.034, abs=1e-3)  # 1.034, 1.1, 0.933
+    assert found["hold_ms"] == 400.0 and found["every_token_tokens_per_s"] == [290.0, 300.0, 300.0]
+    report = capacity_report()
+    report["continuous"]["stream_hold"] = found
+    assert capacity_ratios(report)["saturated_held_vs_every_token"] == found["held_vs_every_token"]
+    with pytest.raises(ValueError, match="as many held rounds"):
+        hold_summary([300.0], [], hold_ms=400.0)
 
 
 def test_capacity_ratios_and_targets():

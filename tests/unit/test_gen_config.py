@@ -479,6 +479,8 @@ def test_llm_config_is_decoupled_with_optional_inputs_and_engine_parameters(plan
     assert config.parameters["batching"].string_value == "continuous"
     assert float(config.parameters["kv_cache_mb"].string_value) > 0
     assert config.instance_group[0].count == 1
+    llm = next(m for m in load_spec(REPO / "serving.toml").llm_models if m.name == "llm")
+    assert float(config.parameters["stream_hold_ms"].string_value) == llm.tpot_p95_ms  # the spec sets none
 
 
 def test_llm_infer_is_the_plain_infer_front_of_the_llm(plan):

@@ -1,6 +1,7 @@
 """The engine loop's threading contract, driven by a fake engine: outputs reach their sink in
 order, cancellation and broken clients free the request, and a crashed engine fails every
-waiting client instead of leaving it hanging; an engine made by the loop is made on its thread."""
+waiting client instead of leaving it hanging; an engine made by the loop is made on its thread.
+While requests wait, a stream's tokens are held and sent together, never longer than the hold."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ from python_backends.llm.scheduler import FinishReason, SamplingParams
 class FakeEngine:
     """Emits one output per request per step; finishes a request after its max_tokens steps."""
 
-    def __init__(self, fail_at_step: int | None = None):
+    def __init__(self, fail_at_step: int | None = None, waiting: int = 0, step_s: float = 0.0):
         self.requests: dict[str, list[int]] = {}  # request id -> [tokens so far, max tokens]
         self.steps = 0
         self.fail_at_step = fail_at_step
         self.aborted: list[str] = []
+        self.waiting = waiting  # what stats() says waits for a slot
+        self.paused: set[str] = set()  # requests that make no output meanwhile (preempted)
+        self.pause_after: dict[str, int] = {}  # request id -> the token after which it is paused
+        self.now = 0.0  # the loop's clock: each step takes step_s
+        self.step_s = step_s
 
     def use_threads(self) -> None:  # no torch threads to set
         pass
@@ -43,9 +49,14 @@ class FakeEngine:
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("device lost")
+        self.now += self.step_s
         outputs = []
         for request_id, state in list(self.requests.items()):
+            if request_id in self.paused:
+                continue
             state[0] += 1
+            if state[0] == self.pause_after.get(request_id):
+                self.paused.add(request_id)
             done = state[0] >= state[1]
             if done:
                 del self.requests[request_id]
@@ -53,21 +64,28 @@ class FakeEngine:
         return outputs
 
     def stats(self):
-        return EngineStats(len(self.requests), 0, 0, 1, 0, self.steps)
+        return EngineStats(len(self.requests), self.waiting, 0, 1, 0, self.steps)
+
+    def clock(self) -> float:
+        return self.now
 
 
 class Sink:
-    def __init__(self, raise_on_send: bool = False):
+    def __init__(self, raise_on_send: bool = False, on_send=None):
         self.outputs: list[StepOutput] = []
         self.failure: str | None = None
         self.cancel = threading.Event()
         self.done = threading.Event()
         self.raise_on_send = raise_on_send
+        self.on_send = on_send  # called with each output sent, on the loop's thread
+        self.cancel_checks = 0
 
     def send(self, output):
         if self.raise_on_send:
             raise ConnectionError("client went away")
         self.outputs.append(output)
+        if self.on_send is not None:
+            self.on_send(output)
         if output.finish_reason is not None:
             self.done.set()
 
@@ -76,6 +94,7 @@ class Sink:
         self.done.set()
 
     def cancelled(self):
+        self.cancel_checks += 1
         return self.cancel.is_set()
 
 
@@ -174,3 +193,69 @@ def test_a_loop_takes_an_engine_or_a_maker_not_both():
         EngineLoop(FakeEngine(), make_engine=FakeEngine)
     with pytest.raises(ValueError, match="not both"):
         EngineLoop(None)
+
+
+def hold_loop(engine: FakeEngine, hold_s: float) -> EngineLoop:
+    return EngineLoop(engine, idle_wait_s=0.01, stream_hold_s=hold_s, clock=engine.clock)
+
+
+def test_while_requests_wait_tokens_are_held_and_sent_together_first_and_last_at_once():
+    engine = FakeEngine(waiting=3, step_s=0.1)
+    loop = hold_loop(engine, hold_s=10.0).start()
+    sink = Sink()
+    loop.submit("a", [1], params(6), sink)
+    assert sink.done.wait(5)
+    loop.stop()
+    assert [o.text_delta for o in sink.outputs] == ["t1 ", "t2 t3 t4 t5 t6 "]
+    assert [o.num_output_tokens for o in sink.outputs] == [1, 6]
+    assert sink.outputs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_with_nothing_waiting_or_no_hold_every_token_is_sent_as_it_is_made():
+    for engine, hold_s in ((FakeEngine(waiting=0, step_s=0.1), 10.0), (FakeEngine(waiting=3, step_s=0.1), 0.0)):
+        loop = hold_loop(engine, hold_s).start()
+        sink = Sink()
+        loop.submit("a", [1], params(4), sink)
+        assert sink.done.wait(5)
+        loop.stop()
+        assert [o.text_delta for o in sink.outputs] == ["t1 ", "t2 ", "t3 ", "t4 "]
+
+
+def test_no_held_token_waits_longer_than_the_hold():
+    engine = FakeEngine(waiting=3, step_s=0.1)
+    sent: list[tuple[float, int]] = []  # (when, tokens so far) of each response
+    loop = hold_loop(engine, hold_s=0.35).start()
+    sink = Sink(on_send=lambda output: sent.append((engine.now, output.num_output_tokens)))
+    loop.submit("a", [1], params(12), sink)
+    assert sink.done.wait(5)
+    loop.stop()
+    made_at = {token: round(0.1 * token, 9) for token in range(1, 13)}  # token n is made by step n
+    before = 0
+    for when, tokens in sent:
+        assert all(when - made_at[token] <= 0.35 + 1e-9 for token in range(before + 1, tokens + 1)), sent
+        before = tokens
+    assert before == 12 and len(sent) < 12, sent  # all of them, in fewer responses than tokens
+    assert "".join(o.text_delta for o in sink.outputs) == "".join(f"t{n} " for n in range(1, 13))
+
+
+def test_a_stream_that_makes_no_output_gets_what_it_holds_by_the_hold():
+    engine = FakeEngine(waiting=3, step_s=0.1)
+    engine.pause_after = {"a": 3}  # preempted holding tokens 2 and 3; "b" keeps the loop stepping
+    loop = hold_loop(engine, hold_s=0.35).start()
+    held, other = Sink(), Sink()
+    loop.submit("a", [1], params(50), held)
+    loop.submit("b", [1], params(40), other)
+    assert other.done.wait(5)
+    loop.stop(drain_timeout_s=0.0)
+    assert [o.text_delta for o in held.outputs] == ["t1 ", "t2 t3 "]
+
+
+def test_while_requests_wait_a_cancelled_stream_is_found_when_it_is_sent_to():
+    engine = FakeEngine(waiting=3, step_s=0.1)
+    loop = hold_loop(engine, hold_s=0.35).start()
+    sink = Sink(on_send=lambda output: sink.cancel.set())  # cancelled right after its first token
+    loop.submit("a", [1], params(10_000), sink)
+    assert sink.done.wait(5)
+    loop.stop()
+    assert sink.outputs[-1].finish_reason is FinishReason.CANCELLED and engine.aborted == ["a"]
+    assert sink.cancel_checks < engine.steps  # not asked at every step

@@ -282,9 +282,12 @@ def llm_capacity(result: dict, *, peer: bool) -> dict:
         decode_limit={"num_seqs": 96, "context_tokens": 131, "step_ms_median": 240.0, "kv_budget_num_seqs": 66},
         capacity={"search_start_rps": 1.0, "search_min_rps": 0.25, "step_s": 80.0, "step_warmup_s": 20.0,
                   "min_finished_share": 0.95, "concurrency": 96, "saturated_list": 1000, "saturate_s": 150.0,
-                  "saturate_warmup_s": 30.0},
+                  "saturate_warmup_s": 30.0, "hold_rounds": 3, "hold_warmup_s": 15.0, "hold_s": 45.0},
         targets={"goodput_above_every_baseline": True, "saturated_at_least_70pct_of_decode_limit": False,
                  "saturated_at_least_3x_transformers_cb": True if peer else None})
+    result["continuous"]["stream_hold"] = {"hold_ms": 400.0, "held_tokens_per_s": [300.0, 310.0, 290.0],
+                                           "every_token_tokens_per_s": [280.0, 300.0, 290.0],
+                                           "held_vs_every_token": 1.033}
     result["ratios"] = {**result["ratios"], "llm_goodput_continuous_vs_static": None,
                         "llm_goodput_continuous_vs_static_retiring": 6.0, "saturated_continuous_vs_decode_limit": 0.63}
     if peer:
@@ -322,7 +325,16 @@ def test_the_llm_capacity_figures_are_a_table_of_their_own(kit):
             f"limit: missed; saturated tokens/s ≥ 3{times} `transformers_cb`'s: met.") in section
     assert ("| LLM capacity (p95 TTFT, TPOT within target) | goodput 3.00 req/s; 252.0 tokens/s saturated | 63% of "
             f"the decode limit, 3.15{times} transformers' continuous batching |") in sections["headline"]
+    assert ("Streams held while requests wait (each token up to 400 ms, then sent with the stream's next): 300.0 "
+            f"tokens/s against 290.0 sending every token as it is made, 1.03{times} (median of 3 rounds of the two "
+            "closed loops alternating on one server, 45 s each after 15 s; by round: 300.0 vs 280.0, 310.0 vs 300.0, "
+            "290.0 vs 290.0).") in section
     # Without the peer: no row, no ratio, no verdict for it.
     path.write_text(json.dumps(llm_capacity(result, peer=False)))
     section = render_sections(load_results(kit["results"]), "../results/")["llm"]
     assert "`transformers_cb`:" not in section and "`transformers_cb`'s: " not in section
+    # Without the stream-hold comparison (a run before it, or --setups without continuous's copy): no sentence.
+    result = llm_capacity(result, peer=False)
+    del result["continuous"]["stream_hold"]
+    path.write_text(json.dumps(result))
+    assert "Streams held" not in render_sections(load_results(kit["results"]), "../results/")["llm"]

@@ -82,6 +82,7 @@ def test_each_rule_names_the_file_the_table_and_the_key(changes, message):
     ({"threads": -1}, "[llm_models.llm]: 'threads' must be >= 0, got -1"),
     ({"block_size": 0}, "[llm_models.llm]: 'block_size' must be > 0, got 0"),
     ({"ttft_p95_ms": "soon"}, "[llm_models.llm]: 'ttft_p95_ms' must be a number, got 'soon'"),
+    ({"stream_hold_ms": -1}, "[llm_models.llm]: 'stream_hold_ms' must be >= 0, got -1"),
 ])
 def test_llm_rules_name_the_table(changes, message):
     assert error({**BASE, "llm_models": {"llm": {**LLM, **changes}}}) == f"{SPEC} {message}"
@@ -171,6 +172,13 @@ def test_a_derived_tensor_model_is_bucketed_along_its_variable_axis(tmp_path):
 def test_llm_defaults():
     (llm,) = parse_spec({**BASE, "llm_models": {"llm": LLM}}, SPEC).llm_models
     assert (llm.name, llm.versions, llm.batching) == ("llm", (1,), "continuous")
+    assert llm.stream_hold_ms == LLM["tpot_p95_ms"]  # a held token waits no longer than a token may take
+
+
+def test_llm_stream_hold_may_be_set_or_turned_off():
+    for hold in (0, 150):
+        (llm,) = parse_spec({**BASE, "llm_models": {"llm": {**LLM, "stream_hold_ms": hold}}}, SPEC).llm_models
+        assert llm.stream_hold_ms == hold
 
 
 def tables() -> list[type[BaseModel]]:

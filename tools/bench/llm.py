@@ -34,10 +34,14 @@ measured at capacity, on the same server:
                           still running `drain_budget_s` after the step's last arrival is past
                           any pair of targets and is cancelled (counted unfinished). 0 when
                           even the search's lowest rate fails.
-  saturated_tokens_per_s  closed loop: as many streams as max_num_seqs (`--concurrency`), each
-                          sending the next request of one fixed list of the workload's chats
-                          when its last one finished, so the engine always has more work than
-                          it can admit; output tokens received per second after a warm-up.
+  saturated_tokens_per_s  closed loop: a quarter more streams than max_num_seqs (`--concurrency`),
+                          each sending the next request of one fixed list of the workload's
+                          chats when its last one finished, so the engine always has more work
+                          than it can admit; output tokens received per second after a warm-up.
+  stream_hold             continuous only, on the same server: closed loops alternating between
+                          the engine as the spec sets it (a stream's tokens held up to
+                          stream_hold_ms while requests wait) and a copy that sends every token
+                          as it is made; each side's tokens/s per round and the median ratio.
 
 and beside them, in the same run:
 
@@ -121,9 +125,12 @@ class CapacityOptions:
     step_s: float = 80.0  # arrivals per search step
     step_warmup_s: float = 20.0  # of them, the first seconds whose requests are not judged (the server fills)
     min_step_requests: int = 20  # a low rate's step lasts long enough to send about this many
-    concurrency: int | None = None  # closed-loop streams; None: the engine's max_num_seqs
+    concurrency: int | None = None  # closed-loop streams; None: `saturating_concurrency`
     saturate_warmup_s: float = 30.0  # closed loop: seconds before tokens count (the first prefills)
     saturate_s: float = 150.0  # closed loop: seconds whose tokens count
+    hold_rounds: int = 3  # stream-hold comparison: rounds of (every token, held), alternating
+    hold_warmup_s: float = 15.0  # ... each loop's seconds before tokens count
+    hold_s: float = 45.0  # ... each loop's seconds whose tokens count
     limit_steps: int = 20  # timed decode steps of the decode limit
 
     def __post_init__(self) -> None:
@@ -134,16 +141,30 @@ class CapacityOptions:
         if not 0 <= self.step_warmup_s < self.step_s:
             raise ValueError(f"a search step's warm-up ({self.step_warmup_s} s) must be shorter than the step "
                              f"({self.step_s} s)")
-        if not (self.saturate_warmup_s >= 0 and self.saturate_s > 0):
-            raise ValueError("the closed loop's warm-up must be >= 0 and its window > 0")
+        if not (self.saturate_warmup_s >= 0 and self.saturate_s > 0 and self.hold_warmup_s >= 0 and self.hold_s > 0):
+            raise ValueError("a closed loop's warm-up must be >= 0 and its window > 0")
+        if self.hold_rounds < 0:
+            raise ValueError(f"hold_rounds must be >= 0, got {self.hold_rounds}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
 
 
 FULL = CapacityOptions()
+EVERY_TOKEN_SUFFIX = "_every_token"  # the continuous setup's copy of the model that holds no token
+
+
+def saturating_concurrency(max_num_seqs: int) -> int:
+    """Closed-loop streams that keep every batch slot of the engine busy: a quarter more than
+    its slots. With exactly as many streams as slots, a finished request's slot stays empty
+    until its client's next request arrives: on 2 vCPU, 87-89 sequences computed a step of 96;
+    with requests waiting, the next takes the slot at once: 95.7."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    return max_num_seqs + -(-max_num_seqs // 4)
 # The test suite's: one search step per setup, a few seconds of closed loop at a few streams.
 QUICK = CapacityOptions(start_rps=1.0, min_rps=0.5, max_steps=1, step_s=3.0, step_warmup_s=1.0, min_step_requests=3,
-                        concurrency=4, saturate_warmup_s=1.0, saturate_s=3.0, limit_steps=3)
+                        concurrency=4, saturate_warmup_s=1.0, saturate_s=3.0, hold_rounds=1, hold_warmup_s=0.5,
+                        hold_s=2.0, limit_steps=3)
 
 
 @dataclass(frozen=True)
@@ -377,7 +398,20 @@ def capacity_ratios(report: dict) -> dict[str, float | None]:
     if PEER in report:
         found[f"saturated_continuous_vs_{PEER}"] = _ratio(continuous["saturated_tokens_per_s"],
                                                           report[PEER]["saturated_tokens_per_s"])
+    if continuous.get("stream_hold"):
+        found["saturated_held_vs_every_token"] = continuous["stream_hold"]["held_vs_every_token"]
     return found
+
+
+def hold_summary(held: Sequence[float], every_token: Sequence[float], hold_ms: float) -> dict[str, Any]:
+    """The stream-hold comparison's figures: each side's saturated tokens/s by round and the
+    median over rounds of held / every token (one round's two loops ran minutes apart at most
+    on the same server, so the ratio leaves out the machine's slower drifts)."""
+    if len(held) != len(every_token) or not held:
+        raise ValueError(f"need as many held rounds as every-token rounds, at least one: {len(held)}, "
+                         f"{len(every_token)}")
+    return {"hold_ms": hold_ms, "held_tokens_per_s": list(held), "every_token_tokens_per_s": list(every_token),
+            "held_vs_every_token": round(statistics.median(h / e for h, e in zip(held, every_token, strict=True)), 3)}
 
 
 def targets(report: dict) -> dict[str, bool | None]:
@@ -444,12 +478,12 @@ def drive(url: str, planned: Sequence[PlannedRequest], drain_timeout_s: float, l
 
 
 def drive_closed(url: str, chats: Sequence[PlannedRequest], concurrency: int, duration_s: float, label: str,
-                 log) -> tuple[list[Generation], float]:
+                 log, model: str = "llm") -> tuple[list[Generation], float]:
     """Closed loop over one stream: `concurrency` requests in flight for `duration_s`, each
     stream sending the next chat of the list (cycled) when its last one finished; then the
     ones still running are cancelled. A loop whose requests keep failing (more failures than
     streams) stops there: its figures would measure errors."""
-    stream = LLMStream(url)
+    stream = LLMStream(url, model)
     upcoming = itertools.cycle(chats)
     generations: list[Generation] = []
     in_flight: list[Generation] = []
@@ -547,13 +581,34 @@ def measure_saturated(url: str, setup: str, plan: CapacityPlan, log) -> dict[str
     return found
 
 
+def measure_stream_hold(url: str, plan: CapacityPlan, hold_ms: float, log) -> dict[str, Any]:
+    """Rounds of two closed loops on one server, the copy that sends every token first, then
+    `llm` as the spec sets it (`hold_summary`)."""
+    options = plan.options
+    total_s = options.hold_warmup_s + options.hold_s
+    log(f"  continuous: {options.hold_rounds} rounds of closed loops, every token sent vs held up to {hold_ms:g} ms "
+        f"({total_s:g} s each) ...")
+    held, every_token = [], []
+    for round_index in range(options.hold_rounds):
+        for model, into in ((f"llm{EVERY_TOKEN_SUFFIX}", every_token), ("llm", held)):
+            label = f"round {round_index + 1}, {model}"
+            generations, start = drive_closed(url, plan.chats, plan.concurrency, total_s, label, log, model)
+            into.append(saturated_summary(generations, start, options.hold_warmup_s, options.hold_s,
+                                          plan.concurrency)["saturated_tokens_per_s"])
+            time.sleep(SETTLE_S)
+        log(f"    round {round_index + 1}: {held[-1]} tokens/s held, {every_token[-1]} every token")
+    return hold_summary(held, every_token, hold_ms)
+
+
 def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], window_s: float, warmup_s: float,
-              drain_timeout_s: float, log, capacity: CapacityPlan | None = None) -> dict:
+              drain_timeout_s: float, log, capacity: CapacityPlan | None = None, hold_ms: float = 0.0) -> dict:
     """One setup on its own tritonserver: the fixed-rate run, then (with `capacity`) the goodput
-    search and the closed loop, in that order, on the same server."""
+    search and the closed loop, in that order, on the same server; with `hold_ms`, then the
+    stream-hold comparison (the repository holds `llm`'s every-token copy too)."""
+    models = ("llm", f"llm{EVERY_TOKEN_SUFFIX}") if hold_ms and capacity is not None else ("llm",)
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
-                          load_models=("llm",))
+                          load_models=models)
     log(f"  {setup}: starting tritonserver ...")
     with TritonServer(config, log_path=repository.parent / f"{setup}.log") as server:
         server.wait_ready(timeout_s=300)
@@ -576,6 +631,8 @@ def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], w
             time.sleep(SETTLE_S)
             result.update(search_goodput(server.grpc_url, setup, capacity, log))
             result.update(measure_saturated(server.grpc_url, setup, capacity, log))
+            if len(models) > 1 and capacity.options.hold_rounds:
+                result["stream_hold"] = measure_stream_hold(server.grpc_url, capacity, hold_ms, log)
     return result
 
 
@@ -767,7 +824,7 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
         f"tokens/s; setups: {', '.join(setups)}")
     slo = LLMSlo.of(llm)
     chats = tuple(chat_list(workload, SATURATED_LIST_SIZE))
-    concurrency = options.concurrency or llm.max_num_seqs
+    concurrency = options.concurrency or saturating_concurrency(llm.max_num_seqs)
     prompts, stop_token_ids = tokenize_chats(served_model_dir(llm), chats)
     context_tokens = round(mean_decode_context([len(p) for p in prompts], [c.max_tokens for c in chats]))
     capacity = CapacityPlan(workload=workload, slo=slo, options=options, chats=chats, concurrency=concurrency,
@@ -790,6 +847,8 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
                      "step_s": options.step_s, "step_warmup_s": options.step_warmup_s,
                      "min_finished_share": slo.min_finished_share, "concurrency": concurrency,
                      "saturate_warmup_s": options.saturate_warmup_s, "saturate_s": options.saturate_s,
+                     "hold_rounds": options.hold_rounds, "hold_warmup_s": options.hold_warmup_s,
+                     "hold_s": options.hold_s,
                      "saturated_list": len(chats)},
         "command": command,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -797,8 +856,15 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
     if PEER in setups:  # its virtualenv first: a failure there comes in minutes, not after the server runs
         transformers_cb.ensure_venv(log)
     for setup in engine_setups:
-        repository = build_repository(f"llm_{setup}", [setup_model(llm, setup, spec, profile)])
-        report[setup] = run_setup(setup, repository, planned, duration_s, warmup_s, drain_timeout_s, log, capacity)
+        models = [setup_model(llm, setup, spec, profile)]
+        hold_ms = llm.stream_hold_ms if setup == "continuous" else 0.0
+        if hold_ms:  # the copy that sends every token, for the stream-hold comparison
+            copy = setup_model(replace(llm, name=f"llm{EVERY_TOKEN_SUFFIX}", stream_hold_ms=0.0), setup, spec,
+                               profile)
+            models.append(replace(copy, files_of=llm.name))
+        repository = build_repository(f"llm_{setup}", models)
+        report[setup] = run_setup(setup, repository, planned, duration_s, warmup_s, drain_timeout_s, log, capacity,
+                                  hold_ms)
     # The decode limit and the peer right after the last setup's closed loop (continuous runs
     # last): the ratios compare figures minutes apart, not an hour. Measured first, the limit
     # came 40 minutes before continuous's closed loop on a shared host whose speed moved by a

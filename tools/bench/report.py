@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,16 @@ def render_llm_capacity(result: Mapping[str, Any]) -> str:
         saturated.append(f"{_ratio(ratios[f'saturated_continuous_vs_{LLM_PEER}'])} `{LLM_PEER}`'s")
     verdicts = [f"{what}: {_target(met)}" for name, what in LLM_TARGETS.items()
                 if (met := targets.get(name)) is not None]
+    hold = result["continuous"].get("stream_hold") if "continuous" in result else None
+    held = ([f"Streams held while requests wait (each token up to {_int(hold['hold_ms'])} ms, then sent with "
+             f"the stream's next): {_num(statistics.median(hold['held_tokens_per_s']))} tokens/s against "
+             f"{_num(statistics.median(hold['every_token_tokens_per_s']))} sending every token as it is made, "
+             f"{_ratio(hold['held_vs_every_token'])} (median of {len(hold['held_tokens_per_s'])} rounds of the two "
+             f"closed loops alternating on one server, {_int(capacity['hold_s'])} s each after "
+             f"{_int(capacity['hold_warmup_s'])} s; by round: "
+             + ", ".join(f"{_num(h)} vs {_num(e)}" for h, e in zip(hold["held_tokens_per_s"],
+                                                                   hold["every_token_tokens_per_s"], strict=True))
+             + ")."] if hold else [])
     return "\n".join([
         f"At capacity: goodput is the highest Poisson arrival rate with ≥ "
         f"{_pct(capacity['min_finished_share'], 0)} of the requests finished, none failed, TTFT p95 ≤ "
@@ -292,6 +303,7 @@ def render_llm_capacity(result: Mapping[str, Any]) -> str:
         "",
         f"Continuous batching at capacity: goodput {'; '.join(goodput_ratios)}; saturated tokens/s "
         f"{' and '.join(saturated)}. Targets: {'; '.join(verdicts)}.",
+        *(["", *held] if held else []),
     ])
 
 

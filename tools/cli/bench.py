@@ -278,7 +278,8 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
                                f"(default: {full.step_warmup_s:g})")
     capacity.add_argument("--concurrency", type=int, default=None,
                           help="closed-loop streams for the saturated tokens/s, each sending its next request when "
-                               "its last finished (default: the engine's max_num_seqs)")
+                               "its last finished (default: a quarter more than the engine's max_num_seqs, so "
+                               "requests always wait for its batch slots)")
     capacity.add_argument("--saturate-seconds", type=float, default=None,
                           help=f"closed-loop seconds whose tokens count (default: {full.saturate_s:g})")
     capacity.add_argument("--saturate-warmup", type=float, default=None,

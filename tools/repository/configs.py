@@ -349,7 +349,8 @@ def llm_config(model: LLMModelSpec, tenants: TenantPolicy, auth: AuthConfig) -> 
         batching=model.batching, kv_cache_mb=model.kv_cache_mb, block_size=model.block_size,
         max_num_seqs=model.max_num_seqs, max_num_batched_tokens=model.max_num_batched_tokens,
         max_model_len=model.max_model_len, default_max_tokens=model.default_max_tokens, num_threads=model.threads,
-        device=model.device, dtype=model.dtype, tenants=tenants, tenant_auth=auth)
+        device=model.device, dtype=model.dtype, stream_hold_ms=model.stream_hold_ms, tenants=tenants,
+        tenant_auth=auth)
     for key, text in parameters.to_parameters().items():
         config.parameters[key].string_value = text
     return config
@@ -443,6 +444,10 @@ def plan_llm_model(model: LLMModelSpec, spec: ServingSpec, profile: LatencyProfi
     else:
         policy = (f"Static batching (the benchmark baseline): batches of up to {model.max_num_seqs} sequences",
                   "form when the last batch has finished and run to completion")
+    if model.stream_hold_ms:
+        why = "the TPOT target" if model.stream_hold_ms == model.tpot_p95_ms else "the spec's stream_hold_ms"
+        policy = (*policy, f"Streams: while requests wait, a stream's tokens are held up to "
+                  f"{model.stream_hold_ms:g} ms ({why}) and sent together; its first and last token at once")
     tiers = "; ".join(f"{t.name}: {t.llm_tokens_per_s:g} tokens/s, burst {t.llm_token_burst:g}"
                       if t.llm_tokens_per_s else f"{t.name}: no quota" for t in spec.tiers)
     header = (*provenance(spec, profile), "", *policy,
