@@ -423,6 +423,7 @@ class EngineLoop:
         self._sinks: dict[str, RequestSink] = {}  # in-flight requests, touched by the loop thread only
         # Outputs not sent yet (their texts joined) and when the oldest of their tokens was made.
         self._held: dict[str, tuple[StepOutput, float]] = {}
+        self._checked: dict[str, float] = {}  # when each request's cancellation was last asked
         self._requests_waiting = False  # after the last step: requests wait for a slot or KV blocks
         self._step_s = 0.0  # how long the last step took
         self._clock = clock
@@ -494,6 +495,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         self._held.pop(request_id, None)  # the client is gone or asked to stop: its held text goes too
+        self._checked.pop(request_id, None)
         sink = self._sinks.pop(request_id, None)
         output = self.engine.abort(request_id)
         if sink is not None and output is not None:
@@ -524,10 +526,9 @@ class EngineLoop:
             self.engine.use_threads()
             while not self._stopping.is_set():
                 changed = self._take_inbox(block=not self.engine.has_work)
-                if not self._requests_waiting:  # else a stream's cancellation is checked when it is sent to
-                    for request_id in [r for r, sink in self._sinks.items() if sink.cancelled()]:
-                        self._abort(request_id)
-                        changed = True
+                for request_id in self._cancelled():
+                    self._abort(request_id)
+                    changed = True
                 stats = None
                 if self.engine.has_work:
                     changed = True
@@ -542,6 +543,7 @@ class EngineLoop:
         except BaseException as err:  # fail every waiting client rather than hang them
             self.error = err
             self._held.clear()
+            self._checked.clear()
             for request_id, sink in list(self._sinks.items()):
                 self.engine.requests.pop(request_id, None)
                 self._deliver_failure(sink, f"the LLM engine stopped: {type(err).__name__}: {err}")
@@ -549,9 +551,30 @@ class EngineLoop:
             traceback.print_exc()  # to the server log; new requests are refused with self.error
             return
         self._held.clear()
+        self._checked.clear()
         for request_id, sink in list(self._sinks.items()):
             self._deliver_failure(sink, "the model is unloading; retry")
             self._sinks.pop(request_id)
+
+    @property
+    def _holding(self) -> bool:
+        """Whether streams may be held now: requests waited after the last step."""
+        return self._requests_waiting and self.stream_hold_s > 0
+
+    def _cancelled(self) -> list[str]:
+        """The requests whose clients cancelled or went away. Each sink is asked at every step
+        while nothing waits; while requests wait, only those not asked for `stream_hold_s`
+        (a stream is asked too when its held tokens are sent), so a cancellation is noticed
+        within the hold, that of a request still queued too (not only once it is prefilled)."""
+        if not self._holding:
+            return [r for r, sink in self._sinks.items() if sink.cancelled()]
+        now, found = self._clock(), []
+        for request_id, sink in self._sinks.items():
+            if now - self._checked.get(request_id, -math.inf) >= self.stream_hold_s:
+                self._checked[request_id] = now
+                if sink.cancelled():
+                    found.append(request_id)
+        return found
 
     def _stream(self, outputs: list[StepOutput], requests_waiting: bool, now_s: float) -> None:
         """Send this step's outputs, or hold them (`streaming.send_now`), and send what was
@@ -564,6 +587,7 @@ class EngineLoop:
             sink = self._sinks.get(request_id)
             if output.finish_reason is not None:
                 self._sinks.pop(request_id, None)
+                self._checked.pop(request_id, None)
             held_since = None
             if request_id in self._held:
                 before, held_since = self._held.pop(request_id)
@@ -579,7 +603,10 @@ class EngineLoop:
                         held_since_s=held_since, now_s=now_s, next_step_s=self._step_s,
                         hold_s=self.stream_hold_s, requests_waiting=self._requests_waiting):
             self._held[output.request_id] = (output, now_s if held_since is None else held_since)
-        elif self._requests_waiting and output.finish_reason is None and sink.cancelled():
-            self._abort(output.request_id)
-        else:
-            self._deliver(sink, output)
+            return
+        if self._holding and output.finish_reason is None:  # asked before it is sent (`_cancelled`)
+            self._checked[output.request_id] = now_s
+            if sink.cancelled():
+                self._abort(output.request_id)
+                return
+        self._deliver(sink, output)

@@ -259,3 +259,27 @@ def test_while_requests_wait_a_cancelled_stream_is_found_when_it_is_sent_to():
     loop.stop()
     assert sink.outputs[-1].finish_reason is FinishReason.CANCELLED and engine.aborted == ["a"]
     assert sink.cancel_checks < engine.steps  # not asked at every step
+
+
+def test_while_requests_wait_a_queued_request_s_cancellation_is_noticed_within_the_hold():
+    engine = FakeEngine(waiting=3, step_s=0.1)
+    engine.paused.add("queued")  # never admitted: it makes no output to be sent
+    loop = hold_loop(engine, hold_s=0.35)
+    queued = Sink()
+    cancelled_at: list[float] = []
+
+    def cancel_once_requests_wait(output):
+        if output.num_output_tokens >= 3 and not cancelled_at:
+            cancelled_at.append(engine.now)
+            queued.cancel.set()
+
+    running = Sink(on_send=cancel_once_requests_wait)
+    queued.on_send = lambda output: cancelled_at.append(engine.now)  # when it was found
+    loop.submit("queued", [1], params(50), queued)
+    loop.submit("running", [1], params(40), running)
+    loop.start()
+    assert queued.done.wait(5) and running.done.wait(5)
+    loop.stop()
+    assert queued.outputs[-1].finish_reason is FinishReason.CANCELLED
+    asked, found = cancelled_at
+    assert found - asked <= 0.35 + 0.1 + 1e-9  # within the hold (and a step), never having made a token
