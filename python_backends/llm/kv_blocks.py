@@ -138,13 +138,14 @@ class BlockManager:
         if not self.prefix_caching or self._tables.get(seq_id):
             return 0
         matched: list[int] = []
-        parent = b""
+        parent = b""  # the chain hash of the matched blocks: the next block registered chains from it
         for start in range(0, max_tokens - self.block_size + 1, self.block_size):
-            parent = _chain_hash(parent, token_ids[start:start + self.block_size])
-            block = self._block_of.get(parent)
+            digest = _chain_hash(parent, token_ids[start:start + self.block_size])
+            block = self._block_of.get(digest)
             if block is None:
                 break
             matched.append(block)
+            parent = digest
         for block in matched:
             if self._refs[block] == 0:
                 del self._evictable[block]

@@ -458,6 +458,20 @@ def test_shared_blocks_are_held_once_and_freed_when_the_last_holder_goes():
     assert blocks.num_used == 0 and blocks.num_cached == 2
 
 
+def test_blocks_computed_after_a_partly_matched_prefix_are_found_again():
+    # Every chat shares its first block (the system turn); two that share two blocks must find
+    # both, the second computed by the first of them after it matched only the shared one.
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    system, question = [1, 2, 3, 4], [5, 6, 7, 8]
+    for seq_id, prompt in (("a", [*system, 9, 9, 9, 9, 0]), ("b", [*system, *question, 0]),
+                           ("c", [*system, *question, 1])):
+        matched = blocks.match_prefix(seq_id, prompt, max_tokens=len(prompt) - 1)
+        assert matched == {"a": 0, "b": 4, "c": 8}[seq_id], seq_id
+        blocks.allocate(seq_id, len(prompt))
+        blocks.register(seq_id, prompt, len(prompt))
+        blocks.free(seq_id)
+
+
 def test_cached_blocks_are_evicted_last_and_least_recently_released_first():
     blocks = BlockManager(num_blocks=4, block_size=2)
     blocks.allocate("a", 4)
