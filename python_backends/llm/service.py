@@ -153,6 +153,7 @@ class LLMService:
         self.key_source = KeySource(auth.keys_path()) if auth.mode is not AuthMode.OFF else None
         self.verified_tokens = VerifiedTokens()  # tokens whose signatures were checked already
         self.token_buckets = LocalBuckets()  # one instance owns the engine, so its buckets are local
+        self.model = model
         self.metrics = LLMMetrics(pb, model)
         self.ids = itertools.count()
         self.loop = EngineLoop.build(make_engine, on_step=self.metrics.step, stream_hold_s=stream_hold_s)
@@ -237,7 +238,7 @@ class LLMService:
         """Let in-flight generations finish (up to the timeout; the rest are told to retry) and
         stop the loop; the server log says how many were in flight and how long it took."""
         started, in_flight = time.monotonic(), self.loop.num_in_flight
-        self.pb.Logger.log_info(f"llm: unloading, {in_flight} requests in flight")
+        self.pb.Logger.log_info(f"{self.model}: unloading, {in_flight} requests in flight")
         self.loop.stop(drain_timeout_s=drain_timeout_s)
-        self.pb.Logger.log_info(f"llm: stopped in {time.monotonic() - started:.1f} s, "
+        self.pb.Logger.log_info(f"{self.model}: stopped in {time.monotonic() - started:.1f} s, "
                                 f"{self.loop.num_in_flight} requests left")

@@ -83,6 +83,7 @@ def test_each_rule_names_the_file_the_table_and_the_key(changes, message):
     ({"block_size": 0}, "[llm_models.llm]: 'block_size' must be > 0, got 0"),
     ({"ttft_p95_ms": "soon"}, "[llm_models.llm]: 'ttft_p95_ms' must be a number, got 'soon'"),
     ({"stream_hold_ms": -1}, "[llm_models.llm]: 'stream_hold_ms' must be >= 0, got -1"),
+    ({"stream_hold_ms": float("inf")}, "[llm_models.llm]: 'stream_hold_ms' must be a finite number, got inf"),
 ])
 def test_llm_rules_name_the_table(changes, message):
     assert error({**BASE, "llm_models": {"llm": {**LLM, **changes}}}) == f"{SPEC} {message}"

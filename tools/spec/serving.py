@@ -846,7 +846,7 @@ class LLMModelTable(Table):
     bfloat16 in hardware (AVX-512 BF16, AMX), float32 on other CPUs. Greedy output in bfloat16
     can change with the batch a request shares (a near tie between two tokens tips either
     way); float32 gives the same tokens alone and in any batch."""
-    stream_hold_ms: float | None = Field(default=None, ge=0)
+    stream_hold_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """While requests wait for the engine, a stream's tokens are held and sent together, each at
     most this long after it was made (one response instead of several: less CPU per token, so
     the queue drains sooner); none: `tpot_p95_ms`; 0: every token is sent as it is made. The
