@@ -75,6 +75,7 @@ class TritonLLM:
             await finished.wait()  # the stream stays open until the last response (or a cancel)
 
         call = self.client.stream_infer(requests())
+        answered = False  # the last response came: the stream is ended, not cancelled
         try:
             async for result, error in call:
                 if error is not None:
@@ -83,21 +84,38 @@ class TritonLLM:
                               finish_reason=result.as_numpy("finish_reason")[0].decode(),
                               prompt_tokens=int(result.as_numpy("prompt_tokens")[0]),
                               completion_tokens=int(result.as_numpy("completion_tokens")[0]))
+                answered = bool(reply.finish_reason)
                 yield reply
-                if reply.finish_reason:
+                if answered:
                     return
         except InferenceServerException as err:  # the stream itself failed (server gone, TLS, ...)
             raise error_of_triton(err.status(), err.message()) from None
         finally:
-            if not finished.is_set():
-                finished.set()
+            finished.set()  # ends the request side of the stream
+            if answered:
+                # Let the server end the finished stream rather than cancel it. A tritonserver
+                # whose `llm` had served one completion here (answered, then cancelled) twice
+                # failed to unload it on stop: the model's finalize never ran, the server still
+                # held a request of it until its exit timeout.
+                try:
+                    await asyncio.wait_for(_drained(call), timeout=STREAM_END_TIMEOUT_S)
+                except Exception:  # the answer is in: a stream that does not end is cut
+                    call.cancel()
+            else:
                 call.cancel()
 
     async def close(self) -> None:
         await self.client.close()
 
 
+async def _drained(call) -> None:
+    """Until the server ends the stream (nothing more comes after the last response)."""
+    async for _ in call:
+        pass
+
+
 SHUTDOWN_S = 10  # on SIGTERM, streams still open after this long are cut
+STREAM_END_TIMEOUT_S = 5.0  # how long a finished generation's stream may take to end
 
 
 def _event(body: dict) -> str:
