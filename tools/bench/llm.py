@@ -632,7 +632,7 @@ def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], w
             time.sleep(SETTLE_S)
             result.update(search_goodput(server.grpc_url, setup, capacity, log))
             result.update(measure_saturated(server.grpc_url, setup, capacity, log))
-            if len(models) > 1 and capacity.options.hold_rounds:
+            if len(models) > 1:
                 result["stream_hold"] = measure_stream_hold(server.grpc_url, capacity, hold_ms, log)
     return result
 
@@ -858,7 +858,7 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
         transformers_cb.ensure_venv(log)
     for setup in engine_setups:
         models = [setup_model(llm, setup, spec, profile)]
-        hold_ms = llm.stream_hold_ms if setup == "continuous" else 0.0
+        hold_ms = llm.stream_hold_ms if setup == "continuous" and options.hold_rounds else 0.0
         if hold_ms:  # the copy that sends every token, for the stream-hold comparison
             copy = setup_model(replace(llm, name=f"llm{EVERY_TOKEN_SUFFIX}", stream_hold_ms=0.0), setup, spec,
                                profile)
