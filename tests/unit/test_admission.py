@@ -105,18 +105,18 @@ def test_shared_admission_lets_short_requests_past_long_work_and_refuses_long_on
 
 
 def test_a_request_refused_even_at_the_least_work_is_refused_before_its_rows_are_known(tmp_path):
-    shared = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=81.0, shared_lanes=True,
+    shared = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=85.0, shared_lanes=True,
                              target_ms=150.0, min_work_ms=10.0, max_limit_ms=190.0)
     assert shared.smallest_work_ms == pytest.approx(SHARED.row_cost_ms[16] / 2)
     work = SharedWork(tmp_path / "work.bin", 0, buckets=(16, 64, 256))
     assert work.refuses_any(shared) is None  # idle
-    work.add({16: 80.0})
+    work.add({16: 84.0})  # more than one longest row (80 ms) per lane: busy even at light load
     refused = work.refuses_any(shared)
     assert refused is not None and refused.at_least and "this request's at least 2 ms" in refused.message()
     # Whatever its rows, `admit` refuses it too: the check only spares the tokenizing.
     assert not work.admit(shared, {16: 2.0}).admitted and not work.admit(shared, {256: 40.0}).admitted
     # Long work ahead counts as the lanes share it: a short request still fits beside it.
-    work.add({16: -80.0, 256: 80.0})
+    work.add({16: -84.0, 256: 84.0})
     assert work.refuses_any(shared) is None and work.admit(shared, {16: 2.0}).admitted
     assert "waited 200 ms" in work.refuses_any(shared, waited_ms=200.0).message()
     assert work.refuses_any(ADMIT_ALL) is None
@@ -288,8 +288,8 @@ def test_an_slo_the_slowest_row_alone_fills_is_an_error_naming_the_bucket():
         derive_admission(CURVES, {16: 4, 256: 2}, 2, 80.0, 5.0, 100.0)
 
 
-ADAPTIVE = AdmissionPolicy(row_cost_ms={16: 4.0}, lanes=2, max_work_ms=60.0, target_ms=150.0, min_work_ms=20.0,
-                           max_limit_ms=190.0)
+ADAPTIVE = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 40.0}, lanes=2, max_work_ms=60.0, target_ms=150.0,
+                           min_work_ms=20.0, max_limit_ms=190.0)
 BUSY = 25.0  # work in flight ahead of a request (ms per lane)
 
 
@@ -471,8 +471,8 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
 
 
 def test_while_probing_a_request_with_one_longest_row_per_lane_ahead_is_admitted_as_by_an_idle_server():
-    # Long rows overlapping at light load: one longest row per lane ahead (the 20 ms floor is one
-    # spread over the 2 lanes: 40 ms per lane) + 50 ms over the 60 ms bound.
+    # Long rows overlapping at light load: one longest row per lane ahead (a 256-token row costs
+    # 40 ms: 20 ms per lane, on each of the 2 lanes) + 50 ms over the 60 ms bound.
     assert decide(ADAPTIVE, 40.0, 50.0, probing=True).admitted
     assert not decide(ADAPTIVE, 40.0, 50.0).admitted  # once an answer was late: the bound decides
     assert not decide(ADAPTIVE, 40.5, 50.0, probing=True).admitted  # more than a longest row per lane ahead
@@ -483,6 +483,22 @@ def test_while_probing_a_request_with_one_longest_row_per_lane_ahead_is_admitted
     admitted = decide(ADAPTIVE, 20.0, 50.0, probing=True)
     assert adjust_bound(ADAPTIVE, 60.0, 100.0, probing=True, admitted=admitted) == pytest.approx(61.2)
     assert adjust_bound(ADAPTIVE, 60.0, 160.0, probing=True, admitted=admitted) == pytest.approx(57.0)
+
+
+def test_three_users_at_light_load_are_not_refused_whatever_their_rows_while_probing():
+    # The embed router's policy as gen-config derives it on 2 cores, its bound on its floor where
+    # an earlier burst left it: a longest row arrives behind a longest row and a 128-token row.
+    embed = AdmissionPolicy(row_cost_ms={16: 4.73, 32: 9.52, 64: 18.73, 128: 37.05, 256: 77.78}, lanes=2,
+                            max_work_ms=58.5, target_ms=150.9, min_work_ms=19.4, max_limit_ms=194.8,
+                            shared_lanes=True)
+    own = embed.work_ms({256: 1})
+    for rows_ahead in ({256: 1, 128: 1}, {256: 2}):
+        ahead = shared_work_ahead_ms(embed, embed.work_by_bucket(rows_ahead), own)
+        assert decide(embed, ahead, own, bound_ms=embed.min_work_ms, probing=True).admitted, rows_ahead
+        assert not decide(embed, ahead, own, bound_ms=embed.min_work_ms).admitted  # after a late answer
+    # A third longest row ahead is more than one per lane: the bound decides again.
+    ahead = shared_work_ahead_ms(embed, embed.work_by_bucket({256: 3}), own)
+    assert not decide(embed, ahead, own, bound_ms=embed.max_work_ms, probing=True).admitted
 
 
 def test_the_shared_table_admits_past_the_bound_at_light_load_until_an_answer_is_late(tmp_path):

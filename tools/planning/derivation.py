@@ -642,6 +642,7 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     # The floor: half a row of the slowest bucket per lane (`MIN_WORK_ROW_SHARE` says why).
     min_work_ms = min(MIN_WORK_ROW_SHARE * slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
+    longest_bucket = max(row_cost_ms, key=row_cost_ms.__getitem__)  # AdmissionPolicy.longest_row_ms
     costs = ", ".join(f"{b}: {c:.2f}" for b, c in sorted(row_cost_ms.items()))
     budget = (f"W = S - o - c_{slowest_bucket}(1) = {slo_p95_ms:.0f} - {overhead_ms:.1f} - {slowest_ms:.1f} "
               f"= {wait_budget_ms:.1f} ms")
@@ -677,8 +678,9 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"admitted together cut it once, and one past S - o by target / latency, to half "
                                 f"at most); between {MIN_WORK_ROW_SHARE:g} of a row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and S - o = {max_limit_ms:.1f} ms; until an "
-                                f"answer is late after the server drained, a request with no more work than the floor "
-                                f"per lane ahead of it is admitted, as by an idle server"),
+                                f"answer is late after the server drained, a request with no more than one row of "
+                                f"bucket {longest_bucket} on each lane ahead of it "
+                                f"({row_cost_ms[longest_bucket]:.1f} ms per lane) is admitted, as by an idle server"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
