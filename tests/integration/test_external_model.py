@@ -149,17 +149,27 @@ def test_gen_config_writes_only_the_batching_fields_and_keeps_every_other_byte(k
     assert header and merged.startswith(header[0]) and "gen-config" in header[0]
     body = merged.splitlines()[len(header):]
     # Lines the merge took out of the user's text are its managed fields; lines it put in are
-    # the derived managed fields, nothing else.
+    # the derived managed fields, nothing else. (The values are the derivation's from the
+    # measured curve, which `gen-config --check` re-derives: for this model, whose compute is
+    # a fraction of a millisecond at any batch, they follow the noise of a short profile.)
+    managed_lines = {"max_batch_size: 4", "instance_group [ { kind: KIND_CPU, count: 1 } ]"}
     removed, inserted = [], []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=EXTERNAL_CONFIG.splitlines(), b=body,
                                                         autojunk=False).get_opcodes():
         removed += EXTERNAL_CONFIG.splitlines()[i1:i2] if tag in ("delete", "replace") else []
         inserted += body[j1:j2] if tag in ("insert", "replace") else []
-    assert removed == ["max_batch_size: 4", "instance_group [ { kind: KIND_CPU, count: 1 } ]"]
+    assert removed and set(removed) <= managed_lines, removed
     derived = parse_config("\n".join(inserted), "inserted")
-    assert {field.name for field, _ in derived.ListFields()} == set(MANAGED_FIELDS)
-    assert derived.max_batch_size > 4 and derived.dynamic_batching.default_queue_policy.max_queue_size > 0
-    assert parse_config(merged, str(path)).parameters["scale"].string_value == "0.5"
+    assert {field.name for field, _ in derived.ListFields()} <= set(MANAGED_FIELDS)
+    # The user wrote no batcher and one instance; the derivation adds one and a lane each.
+    assert derived.dynamic_batching.default_queue_policy.max_queue_size > 0
+    assert [group.count for group in derived.instance_group] == [2]
+    config, original = parse_config(merged, str(path)), parse_config(EXTERNAL_CONFIG, "the user's")
+    assert config.max_batch_size >= 1 and config.parameters["scale"].string_value == "0.5"
+    for message in (config, original):
+        for name in MANAGED_FIELDS:
+            message.ClearField(name)
+    assert config == original  # every other field as the user wrote it
 
 
 def test_answers_through_the_router_are_the_model_s_own(kit):

@@ -203,12 +203,18 @@ def test_a_distributed_run_merges_both_workers_into_one_verdict(triton, tmp_path
                                                                                                "LOCUST_SLO"))})
     process = subprocess.Popen(argv, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
+    timed_out = False
     try:
         stdout, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # whatever of the script is left
+    if timed_out:  # what each process printed up to then says which one hung
+        stdout, stderr = process.communicate()
     result = subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+    assert not timed_out, "the master and workers had not all exited after 180 s\n" + explain(result)
     assert "exit codes: master 0, workers 0 0" in stdout, explain(result)
     assert process.returncode == 0, explain(result)
     report = verdict(tmp_path)
