@@ -287,13 +287,18 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
                                f"(default: {full.saturate_warmup_s:g})")
     capacity.add_argument("--limit-steps", type=int, default=None,
                           help=f"timed steps of the decode limit (default: {full.limit_steps})")
+    capacity.add_argument("--hold-rounds", type=int, default=None,
+                          help="rounds of the stream-hold comparison on the continuous setup's server, each a "
+                               "closed loop on a copy of the model that sends every token, then one on the model "
+                               f"as served (default: {full.hold_rounds}; with --quick {quick.hold_rounds}: the copy "
+                               "costs an engine load)")
 
 
 # --option -> CapacityOptions field
 LLM_CAPACITY_OPTIONS = {"search_start_rps": "start_rps", "search_min_rps": "min_rps", "search_max_steps": "max_steps",
                         "step_seconds": "step_s", "step_warmup": "step_warmup_s", "concurrency": "concurrency",
                         "saturate_seconds": "saturate_s", "saturate_warmup": "saturate_warmup_s",
-                        "limit_steps": "limit_steps"}
+                        "limit_steps": "limit_steps", "hold_rounds": "hold_rounds"}
 
 
 def llm_options(args: argparse.Namespace) -> bench_llm.CapacityOptions:
