@@ -48,6 +48,9 @@ class AdmissionPolicy:
     min_work_ms: float = 0.0  # the adaptive bound never goes below this
     max_limit_ms: float = 0.0  # ... nor above this
     shared_lanes: bool = False  # buckets share the lanes at once: count work ahead as processor sharing
+    # While probing, a request with no more than this ahead (ms per lane) is admitted as by an
+    # idle server: one row of the slowest bucket W is taken over on each lane (`decide`); 0: none
+    probe_ms: float = 0.0
     # bucket length -> c(max_batch), its longest execution: with it, every admitted request's
     # chunks carry a queue deadline to their bucket (`queue_wait_ms`); empty: none
     batch_ms: Mapping[int, float] = field(default_factory=dict)
@@ -60,6 +63,8 @@ class AdmissionPolicy:
         if self.adaptive and not 0 < self.min_work_ms <= self.max_work_ms <= self.max_limit_ms:
             raise ValueError(f"need 0 < min_work_ms <= max_work_ms <= max_limit_ms, got {self.min_work_ms}, "
                              f"{self.max_work_ms}, {self.max_limit_ms}")
+        if not self.probe_ms >= 0:
+            raise ValueError(f"probe_ms must be >= 0, got {self.probe_ms}")
         for what, costs in (("row_cost_ms", self.row_cost_ms), ("batch_ms", self.batch_ms)):
             for bucket, cost in costs.items():
                 if not cost >= 0:
@@ -68,12 +73,6 @@ class AdmissionPolicy:
     @property
     def adaptive(self) -> bool:
         return self.max_work_ms > 0 and self.target_ms > 0
-
-    @property
-    def longest_row_ms(self) -> float:
-        """One row of the costliest bucket on every lane, in ms per lane: a row's device ms
-        spread over the lanes, once for each lane."""
-        return max(self.row_cost_ms.values(), default=0.0)
 
     @property
     def smallest_work_ms(self) -> float:
@@ -99,6 +98,7 @@ class AdmissionPolicy:
                            "lanes": self.lanes, "max_work_ms": round(self.max_work_ms, 3),
                            "target_ms": round(self.target_ms, 3), "min_work_ms": round(self.min_work_ms, 3),
                            "max_limit_ms": round(self.max_limit_ms, 3), "shared_lanes": self.shared_lanes,
+                           "probe_ms": round(self.probe_ms, 3),
                            **({"batch_ms": {str(b): round(c, 3) for b, c in sorted(self.batch_ms.items())}}
                               if self.batch_ms else {})},
                           sort_keys=True)
@@ -107,11 +107,14 @@ class AdmissionPolicy:
     def from_json(cls, text: str) -> AdmissionPolicy:
         try:
             data = json.loads(text)
+            lanes, min_work_ms = int(data["lanes"]), float(data.get("min_work_ms", 0.0))
             return cls(row_cost_ms={int(b): float(c) for b, c in data["row_cost_ms"].items()},
-                       lanes=int(data["lanes"]), max_work_ms=float(data["max_work_ms"]),
-                       target_ms=float(data.get("target_ms", 0.0)), min_work_ms=float(data.get("min_work_ms", 0.0)),
+                       lanes=lanes, max_work_ms=float(data["max_work_ms"]),
+                       target_ms=float(data.get("target_ms", 0.0)), min_work_ms=min_work_ms,
                        max_limit_ms=float(data.get("max_limit_ms", 0.0)),
                        shared_lanes=bool(data.get("shared_lanes", False)),
+                       # a config written before probe_ms: the floor on every lane, as it was admitted then
+                       probe_ms=float(data.get("probe_ms", min_work_ms * lanes)),
                        batch_ms={int(b): float(c) for b, c in data.get("batch_ms", {}).items()})
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"admission policy is not valid: {err}") from None
@@ -193,9 +196,9 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
     refused forever.
 
     While `probing` (no answer has been late since the server last drained), a server with no
-    more than its tier's share of one longest row on each lane ahead of a request
-    (`longest_row_ms` per lane) admits it whatever its own work, as an idle one does: the
-    request then waits at most one longest row, which W already sets aside. At light load the
+    more than its tier's share of `probe_ms` ahead of a request (one row of the slowest bucket
+    W is taken over, on each lane) admits it whatever its own work, as an idle one does: the
+    request then waits at most one such row, which W already sets aside. At light load the
     bound has rarely been in use and has barely moved from its starting guess, or sits at its
     floor where earlier bursts left it, which says nothing about the load now: without this,
     long rows that happened to overlap at 6 req/s were turned away (one request in 91, and in
@@ -207,7 +210,7 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
     longest row per lane. Such an admission fills the bound, so its answer moves the bound
     either way (`adjust_bound`): light load teaches it what the long rows cost. Under overload
     answers are late and the server never drains, so this never applies there; in a surge from
-    idle it admits only until one longest row per lane is in flight, and the bound decides after.
+    idle it admits only until one such row per lane is in flight, and the bound decides after.
 
     `waited_ms`, how long the request waited before the router took it (its `X-Request-Start`
     stamp; None: unknown), takes what it used from the latency left to it: the work ahead and
@@ -223,7 +226,7 @@ def decide(policy: AdmissionPolicy, work_ahead_ms: float, own_work_ms: float, sh
         return late
     if waited_ms is not None and policy.max_limit_ms > 0:
         limit_ms = min(limit_ms, policy.max_limit_ms - waited_ms)
-    idle_ms = policy.longest_row_ms * share if probing and policy.adaptive else 0.0
+    idle_ms = policy.probe_ms * share if probing and policy.adaptive else 0.0
     admitted = work_ahead_ms <= idle_ms or work_ahead_ms + own_work_ms <= limit_ms
     return AdmissionDecision(admitted, work_ahead_ms, own_work_ms, limit_ms, waited_ms, bound_ms)
 

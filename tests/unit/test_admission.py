@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import sys
 import threading
@@ -58,6 +59,10 @@ def test_policy_round_trips_through_json_and_bad_json_names_the_problem():
     assert AdmissionPolicy.from_json(SHARED.to_json()) == SHARED
     with_deadlines = AdmissionPolicy(row_cost_ms={16: 4.0}, lanes=2, max_work_ms=60.0, batch_ms={16: 30.0})
     assert AdmissionPolicy.from_json(with_deadlines.to_json()) == with_deadlines
+    assert AdmissionPolicy.from_json(ADAPTIVE.to_json()) == ADAPTIVE
+    # A config written before probe_ms probes with the floor on every lane, as it did then.
+    older = {key: value for key, value in json.loads(ADAPTIVE.to_json()).items() if key != "probe_ms"}
+    assert AdmissionPolicy.from_json(json.dumps(older)).probe_ms == ADAPTIVE.min_work_ms * ADAPTIVE.lanes
     with pytest.raises(ValueError, match="admission policy is not valid"):
         AdmissionPolicy.from_json('{"lanes": 2}')
     with pytest.raises(ValueError, match="admission policy is not valid"):
@@ -106,11 +111,11 @@ def test_shared_admission_lets_short_requests_past_long_work_and_refuses_long_on
 
 def test_a_request_refused_even_at_the_least_work_is_refused_before_its_rows_are_known(tmp_path):
     shared = AdmissionPolicy(row_cost_ms=SHARED.row_cost_ms, lanes=2, max_work_ms=85.0, shared_lanes=True,
-                             target_ms=150.0, min_work_ms=10.0, max_limit_ms=190.0)
+                             target_ms=150.0, min_work_ms=10.0, max_limit_ms=190.0, probe_ms=80.0)
     assert shared.smallest_work_ms == pytest.approx(SHARED.row_cost_ms[16] / 2)
     work = SharedWork(tmp_path / "work.bin", 0, buckets=(16, 64, 256))
     assert work.refuses_any(shared) is None  # idle
-    work.add({16: 84.0})  # more than one longest row (80 ms) per lane: busy even at light load
+    work.add({16: 84.0})  # more than one slowest row (80 ms) per lane: busy even at light load
     refused = work.refuses_any(shared)
     assert refused is not None and refused.at_least and "this request's at least 2 ms" in refused.message()
     # Whatever its rows, `admit` refuses it too: the check only spares the tokenizing.
@@ -257,6 +262,9 @@ def test_derived_bound_is_a_share_of_what_the_slo_leaves_after_overhead_and_the_
     # Its floor: half a row of the slowest bucket (80 ms), per lane.
     assert admission.policy.adaptive and admission.policy.min_work_ms == pytest.approx(20.0)
     assert "0.5 of a row of bucket 256 (20.0 ms per lane)" in admission.reasons["admission_bound"]
+    # While probing, one row of the slowest bucket on each lane ahead: 2 x 80 ms over 2 lanes.
+    assert admission.policy.probe_ms == pytest.approx(80.0)
+    assert "one row of bucket 256 on each lane ahead of it (80.0 ms per lane)" in admission.reasons["admission_bound"]
     assert admission.policy.max_limit_ms == pytest.approx(195.0)
     assert admission.policy.target_ms < 195.0  # room for the wait before the router takes a request
     # The router queue is a hand-off buffer: Little's law at peak over S - o, 100 x 195 ms.
@@ -288,8 +296,8 @@ def test_an_slo_the_slowest_row_alone_fills_is_an_error_naming_the_bucket():
         derive_admission(CURVES, {16: 4, 256: 2}, 2, 80.0, 5.0, 100.0)
 
 
-ADAPTIVE = AdmissionPolicy(row_cost_ms={16: 4.0, 256: 40.0}, lanes=2, max_work_ms=60.0, target_ms=150.0,
-                           min_work_ms=20.0, max_limit_ms=190.0)
+ADAPTIVE = AdmissionPolicy(row_cost_ms={16: 4.0}, lanes=2, max_work_ms=60.0, target_ms=150.0, min_work_ms=20.0,
+                           max_limit_ms=190.0, probe_ms=40.0)
 BUSY = 25.0  # work in flight ahead of a request (ms per lane)
 
 
@@ -471,8 +479,8 @@ def test_the_shared_bound_probes_until_the_first_late_answer_of_any_instance_and
 
 
 def test_while_probing_a_request_with_one_longest_row_per_lane_ahead_is_admitted_as_by_an_idle_server():
-    # Long rows overlapping at light load: one longest row per lane ahead (a 256-token row costs
-    # 40 ms: 20 ms per lane, on each of the 2 lanes) + 50 ms over the 60 ms bound.
+    # Long rows overlapping at light load: one slowest row on each lane ahead (probe_ms: a row of
+    # 40 ms is 20 ms per lane, on each of the 2 lanes) + 50 ms over the 60 ms bound.
     assert decide(ADAPTIVE, 40.0, 50.0, probing=True).admitted
     assert not decide(ADAPTIVE, 40.0, 50.0).admitted  # once an answer was late: the bound decides
     assert not decide(ADAPTIVE, 40.5, 50.0, probing=True).admitted  # more than a longest row per lane ahead
@@ -490,7 +498,7 @@ def test_three_users_at_light_load_are_not_refused_whatever_their_rows_while_pro
     # an earlier burst left it: a longest row arrives behind a longest row and a 128-token row.
     embed = AdmissionPolicy(row_cost_ms={16: 4.73, 32: 9.52, 64: 18.73, 128: 37.05, 256: 77.78}, lanes=2,
                             max_work_ms=58.5, target_ms=150.9, min_work_ms=19.4, max_limit_ms=194.8,
-                            shared_lanes=True)
+                            shared_lanes=True, probe_ms=77.78)
     own = embed.work_ms({256: 1})
     for rows_ahead in ({256: 1, 128: 1}, {256: 2}):
         ahead = shared_work_ahead_ms(embed, embed.work_by_bucket(rows_ahead), own)

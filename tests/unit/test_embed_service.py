@@ -227,7 +227,7 @@ def test_each_chunk_takes_its_deadline_to_its_bucket_queue_and_a_late_one_is_not
 
     fake = FakeTriton(slow_encoder)
     policy = AdmissionPolicy(row_cost_ms={16: 10.0, 32: 20.0, 64: 40.0}, lanes=1, max_work_ms=50.0, target_ms=150.0,
-                             min_work_ms=10.0, max_limit_ms=190.0, batch_ms={16: 30.0, 64: 150.0})
+                             min_work_ms=10.0, max_limit_ms=190.0, batch_ms={16: 30.0, 64: 150.0}, probe_ms=10.0)
     service = serve(fake, admission=policy)
     other = SharedWork(tmp_path / "work.bin", 5, CONFIG.bucket_lens)  # another router instance
     try:

@@ -642,7 +642,6 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     # The floor: half a row of the slowest bucket per lane (`MIN_WORK_ROW_SHARE` says why).
     min_work_ms = min(MIN_WORK_ROW_SHARE * slowest_ms / lanes, max_work_ms)
     max_limit_ms = slo_p95_ms - overhead_ms
-    longest_bucket = max(row_cost_ms, key=row_cost_ms.__getitem__)  # AdmissionPolicy.longest_row_ms
     costs = ", ".join(f"{b}: {c:.2f}" for b, c in sorted(row_cost_ms.items()))
     budget = (f"W = S - o - c_{slowest_bucket}(1) = {slo_p95_ms:.0f} - {overhead_ms:.1f} - {slowest_ms:.1f} "
               f"= {wait_budget_ms:.1f} ms")
@@ -662,6 +661,7 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
     return Admission(
         policy=AdmissionPolicy(row_cost_ms=row_cost_ms, lanes=lanes, max_work_ms=max_work_ms, target_ms=target_ms,
                                min_work_ms=min_work_ms, max_limit_ms=max_limit_ms, shared_lanes=True,
+                               probe_ms=slowest_ms,  # one row on each lane: lanes x c(1) / lanes
                                batch_ms=dict(batch_ms or {})),
         max_queue_size=max_queue_size,
         reasons={
@@ -679,8 +679,8 @@ def derive_admission(curves: Mapping[int, LatencyCurve], preferred: Mapping[int,
                                 f"at most); between {MIN_WORK_ROW_SHARE:g} of a row of bucket {slowest_bucket} "
                                 f"({min_work_ms:.1f} ms per lane) and S - o = {max_limit_ms:.1f} ms; until an "
                                 f"answer is late after the server drained, a request with no more than one row of "
-                                f"bucket {longest_bucket} on each lane ahead of it "
-                                f"({row_cost_ms[longest_bucket]:.1f} ms per lane) is admitted, as by an idle server"),
+                                f"bucket {slowest_bucket} on each lane ahead of it ({slowest_ms:.1f} ms per lane) is "
+                                f"admitted, as by an idle server"),
             "max_queue_size": (f"the router queue holds requests only while an instance hands earlier ones to "
                                f"its workers, or while busy cores keep the instances waiting for their turn; Little's "
                                f"law at peak over S - o: {peak_rps:.0f} req/s x {hand_off_ms:.1f} ms = "
