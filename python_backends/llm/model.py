@@ -82,7 +82,8 @@ class _AttentionGroup:
     """Sequences whose attention runs in one call."""
 
     rows: torch.Tensor  # their query rows in the step's flat token axis
-    slots: torch.Tensor  # [sequences, keys]: cache slots of each sequence's context (padded)
+    blocks: torch.Tensor  # [sequences, blocks]: cache blocks of each sequence's context in order (padded)
+    num_keys: int  # key positions each sequence attends over: blocks x block size
     query_positions: torch.Tensor  # [sequences, queries]: the position of each query
     num_queries: int  # queries per sequence: 1 for decodes, the chunk length for a prefill
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
@@ -92,7 +93,7 @@ class _AttentionGroup:
         order, so key j is at position j: causal (and past padding) is j <= the query's
         position; a sliding window of W also needs j > position - W, as in transformers."""
         if sliding_window not in self.masks:
-            keys = torch.arange(self.slots.shape[1], device=self.slots.device)[None, None, :]
+            keys = torch.arange(self.num_keys, device=self.blocks.device)[None, None, :]
             positions = self.query_positions[:, :, None]
             allowed = keys <= positions
             if sliding_window is not None:
@@ -111,37 +112,56 @@ class _StepPlan:
 
 
 class PagedCache:
-    """Keys and values of every layer in fixed-size blocks: [layer, slot, kv_head, head_dim],
-    slot = block * block_size + offset in the block."""
+    """Keys and values of every layer in fixed-size blocks: [layer, kv_head, slot, head_dim],
+    slot = block * block_size + offset in the block.
+
+    Head-major, so that what a gather returns is already laid out for attention: a head's
+    keys of a sequence are contiguous, and the decode matmuls batch over (head, sequence)
+    without copying the keys first (slot-major, the keys of a step were copied once more
+    for every layer)."""
 
     def __init__(self, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        size = (shape.num_layers, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
+        size = (shape.num_layers, shape.num_kv_heads, num_blocks * block_size, shape.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self._gathered: dict[str, torch.Tensor] = {}  # the gathers' outputs, reused (see `gather`)
 
-    def gather(self, which: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """[len(slots), kv_heads, head_dim]: the keys ("k") or values ("v") of `layer` at the
-        cache slots `slots`, written into a buffer reused by the next gather of the same kind.
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the keys and values [kv_heads, tokens, head_dim] of `layer` at cache `slots`."""
+        self.k[layer].index_copy_(1, slots, keys.to(self.k.dtype))
+        self.v[layer].index_copy_(1, slots, values.to(self.v.dtype))
 
-        The gathers are the largest tensors of a step (96 sequences of 145 slots: 10.7 MB per
-        layer and kind in float32), made and freed twice per attention group and layer. Fresh,
-        they cost the engine's loop thread a page fault per 4 KiB: glibc serves a thread other
-        than the main one from an arena whose extra heaps it unmaps as soon as they are free.
-        On 2 vCPU, a 96-sequence decode step (context 129) spent 132-145 ms in the gathers on
-        such a thread against 57-60 ms on the main thread; into the reused buffer, 61-68 ms.
-        The buffer holds what the last gather of its kind returned: use it before the next."""
-        source = (self.k if which == "k" else self.v)[layer]
-        count = slots.numel()
-        numel = count * source.shape[1] * source.shape[2]
+    def gather(self, which: str, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, len(blocks) x block_size, head_dim]: the keys ("k") or values ("v") of
+        `layer` in cache `blocks`, in their order, written into a buffer reused by the next
+        gather of the same kind.
+
+        Whole blocks, not slots: one row of block_size x head_dim per head and block (2 KiB in
+        bfloat16) instead of one per token (a 96-sequence decode step, context 129, 2 vCPU,
+        took 3-4% less in the slot-major layout before this one). The gathers are the largest
+        tensors of a step (96 sequences of 144 slots: 10.6 MB per layer and kind in float32),
+        made and freed twice per attention group and layer. Fresh, they cost the engine's loop
+        thread a page fault per 4 KiB: glibc serves a thread other than the main one from an
+        arena whose extra heaps it unmaps as soon as they are free. On 2 vCPU, a 96-sequence
+        decode step (context 129) spent 132-145 ms in the gathers on such a thread against
+        57-60 ms on the main thread; into the reused buffer, 61-68 ms. The buffer holds what
+        the last gather of its kind returned: use it before the next."""
+        layer_cache = (self.k if which == "k" else self.v)[layer]
+        num_kv_heads, _, head_dim = layer_cache.shape
+        source = layer_cache.view(num_kv_heads, self.num_blocks, self.block_size * head_dim)
+        count = blocks.numel()
+        numel = num_kv_heads * count * source.shape[2]
         buffer = self._gathered.get(which)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=source.dtype, device=source.device)
             self._gathered[which] = buffer
-        return torch.index_select(source, 0, slots, out=buffer[:numel].view(count, *source.shape[1:]))
+        rows = buffer[:numel].view(num_kv_heads, count, source.shape[2])
+        for head in range(num_kv_heads):  # a head at a time, along its first axis: 10% less than along the second
+            torch.index_select(source[head], 0, blocks, out=rows[head])
+        return rows.view(num_kv_heads, count * self.block_size, head_dim)
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -160,33 +180,41 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         raise RuntimeError(f"{ATTENTION} attention runs only inside PagedCausalLM.step()")
     layer = module.layer_idx
     cache = plan.cache
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
-    k_cache[plan.slot_index] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[plan.slot_index] = value[0].transpose(0, 1).to(v_cache.dtype)
+    cache.write(layer, plan.slot_index, key[0], value[0])
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = key.shape[1]
     scale = head_dim ** -0.5 if scaling is None else scaling
     window = sliding_window if sliding_window else None
     out = torch.empty_like(q)
     for group in plan.groups:
-        # One index_select over the flat slot list per tensor: cheaper than advanced
-        # indexing with the 2-D slot index, and the same rows.
-        context = (*group.slots.shape, num_kv_heads, head_dim)
-        flat = group.slots.view(-1)
-        keys = cache.gather("k", layer, flat).view(context).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
-        values = cache.gather("v", layer, flat).view(context).transpose(1, 2)
+        # One index_select over the flat block list per tensor: cheaper than advanced
+        # indexing with the 2-D block index, and the same rows.
+        num_seqs = group.blocks.shape[0]
+        flat = group.blocks.view(-1)
+        keys = cache.gather("k", layer, flat).view(num_kv_heads, num_seqs, group.num_keys, head_dim)
+        values = cache.gather("v", layer, flat).view(num_kv_heads, num_seqs, group.num_keys, head_dim)
         mask = group.mask(window)
         if group.num_queries == 1 and softcap is None:
             # Decodes: the query heads that share a key/value head attend as that head's queries,
-            # [seqs, kv_heads, heads per kv head, head_dim], so no key or value is repeated per
-            # query head. Measured on 1 core, 96 sequences of 60-160 tokens, 9 heads over 3:
-            # 55 ms of attention a step (30 layers) against 135 ms with enable_gqa.
-            queries = q[group.rows].view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-            out[group.rows] = attended.reshape(-1, num_heads, head_dim)
+            # [kv_heads, seqs, heads per kv head, head_dim], so no key or value is repeated per
+            # query head (on 1 core, 96 sequences of 60-160 tokens, 9 heads over 3: 55 ms of
+            # attention a step against 135 ms with enable_gqa), in two batched matmuls over
+            # (kv head, sequence), not SDPA, whose flash kernel is made for many queries: at 96
+            # sequences x 144 keys x 3 x 3 heads in bfloat16 on 2 cores, 0.5-0.7 ms a layer
+            # against 1.3-1.8 ms; with the head-major cache, a 96-sequence decode step took 15%
+            # less than before (174 against 204 ms at context 129, 267 against 314 at 40-365;
+            # medians of 19 alternating steps). The scores are in the model's dtype, as in
+            # transformers' eager attention, the softmax in float32: in bfloat16 the logits
+            # stay as close to float32's as transformers' own (`test_llm_engine`).
+            queries = q[group.rows].view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)
+            scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # [kv_heads, seqs, per kv head, keys]
+            scores = scores.masked_fill(~mask.transpose(0, 1), float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+            out[group.rows] = torch.matmul(probs, values).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
             continue
         # [seqs, heads, queries, head_dim]: a prefill chunk is one sequence
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [seqs, kv_heads, keys, head_dim]
         queries = q[group.rows].view(-1, group.num_queries, num_heads, head_dim).transpose(1, 2)
         if softcap is None:
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
@@ -443,34 +471,35 @@ class PagedCausalLM:
             raise ValueError(f"the block table ({len(block_table)} blocks of {bs}) does not cover "
                              f"position {positions[-1]}") from None
 
-    def _plan_attention(self, batch: Sequence[StepSequence], contexts: Sequence[list[int]]) -> list[_AttentionGroup]:
+    def _plan_attention(self, batch: Sequence[StepSequence]) -> list[_AttentionGroup]:
         """Group the step's sequences for attention: decoding sequences (one query each) in
         padded calls of similar context lengths (`group_by_length`), each prefill chunk in a
         call of its own, so no sequence pays for another's query length, and a short chat
         little for a long essay's context."""
-        device = self.device
+        device, bs = self.device, self.block_size
         groups: list[_AttentionGroup] = []
-        decode_rows, decode_slots, decode_lens = [], [], []
+        decode_rows, decode_blocks, decode_lens = [], [], []
         row = 0
-        for seq, slots in zip(batch, contexts, strict=True):
+        for seq in batch:
             n = len(seq.token_ids)
             end = seq.start + n
+            blocks = list(seq.block_table[:-(-end // bs)])
             if n == 1:
                 decode_rows.append(row)
-                decode_slots.append(slots)
+                decode_blocks.append(blocks)
                 decode_lens.append(end)
             else:
                 groups.append(_AttentionGroup(rows=torch.arange(row, row + n, device=device),
-                                              slots=torch.tensor([slots], device=device),
+                                              blocks=torch.tensor([blocks], device=device), num_keys=len(blocks) * bs,
                                               query_positions=torch.arange(seq.start, end, device=device)[None],
                                               num_queries=n))
             row += n
         for members in group_by_length(decode_lens, self.group_split_slots):
-            width = max(decode_lens[i] for i in members)
-            padded = [decode_slots[i] + [0] * (width - decode_lens[i]) for i in members]  # padding keys are masked
+            width = max(len(decode_blocks[i]) for i in members)
+            padded = [decode_blocks[i] + [0] * (width - len(decode_blocks[i])) for i in members]  # masked keys
             groups.append(_AttentionGroup(
                 rows=torch.tensor([decode_rows[i] for i in members], device=device),
-                slots=torch.tensor(padded, device=device),
+                blocks=torch.tensor(padded, device=device), num_keys=width * bs,
                 query_positions=torch.tensor([[decode_lens[i] - 1] for i in members], device=device),
                 num_queries=1))
         return groups
@@ -484,20 +513,18 @@ class PagedCausalLM:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        contexts: list[list[int]] = []  # per sequence: the cache slots of positions [0, start + n)
         for seq in batch:
             n = len(seq.token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence computes no tokens")
-            contexts.append(self._slots(seq.block_table, range(seq.start + n)))
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + n))
-            slots.extend(contexts[-1][seq.start:])
+            slots.extend(self._slots(seq.block_table, range(seq.start, seq.start + n)))
             if seq.samples:
                 sample_rows.append(len(token_ids) - 1)
         device = self.device
         plan = _StepPlan(slot_index=torch.tensor(slots, dtype=torch.long, device=device),
-                         groups=self._plan_attention(batch, contexts), cache=self.cache)
+                         groups=self._plan_attention(batch), cache=self.cache)
         out = self.model(input_ids=torch.tensor([token_ids], device=device),
                          position_ids=torch.tensor([positions], device=device), use_cache=False,
                          logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),

@@ -1,7 +1,7 @@
 """The LLM engine on the real SmolLM2 weights, in process: in float32, greedy output is the
 same as `transformers`' own `generate`, and the same alone as inside a full batch, with
 chunked prefill and with preemption; in bfloat16 (the default on a CPU that multiplies it in
-hardware, and on a GPU), its logits are transformers' within bfloat16's rounding."""
+hardware, and on a GPU), its logits are the float32 ones within bfloat16's rounding."""
 
 from __future__ import annotations
 
@@ -94,16 +94,18 @@ def test_greedy_output_is_transformers_generate(alone):
         assert alone[index] == expected, QUESTIONS[index]
 
 
-def test_bfloat16_logits_are_transformers_within_its_rounding():
+def test_bfloat16_logits_are_the_float32_ones_within_its_rounding():
     """A prompt's prefill and one decode step in bfloat16 (packed for oneDNN on a CPU) against
-    transformers' own forward in bfloat16: bfloat16 keeps 8 bits of mantissa, so logits of
-    about 20 are 0.125 apart; a wrong computation is off by whole units."""
+    transformers' own forward in float32: bfloat16 keeps 8 bits of mantissa, so logits of
+    about 20 are 0.125 apart, and 30 layers of rounding move them by up to 0.7 (transformers'
+    own bfloat16 forward, sdpa or eager, was 0.27-0.57 from float32 on these prompts, the
+    engine 0.24-0.69); a wrong computation is off by whole units."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from python_backends.llm.model import PagedCausalLM, StepSequence
 
-    reference = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
     model = PagedCausalLM.from_dir(MODEL_DIR, num_blocks=64, block_size=16, dtype=torch.bfloat16, device="cpu")
     tokenizer = ChatTokenizer(MODEL_DIR)
     for index in (0, 3, 7):
@@ -115,8 +117,8 @@ def test_bfloat16_logits_are_transformers_within_its_rounding():
             expected_next = reference(torch.tensor([[*prompt, token]])).logits[0, -1].float()
         prefilled = model.step([StepSequence(prompt, 0, blocks, True)])[0]
         decoded = model.step([StepSequence([token], len(prompt), blocks, True)])[0]
-        torch.testing.assert_close(prefilled, expected, rtol=0, atol=0.5)
-        torch.testing.assert_close(decoded, expected_next, rtol=0, atol=0.5)
+        torch.testing.assert_close(prefilled, expected, rtol=0, atol=1.0)
+        torch.testing.assert_close(decoded, expected_next, rtol=0, atol=1.0)
 
 
 @pytest.mark.parametrize("split_slots", [GROUP_SPLIT_SLOTS, 0, 1 << 20], ids=["default", "one_per_group", "one_group"])
