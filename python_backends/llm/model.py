@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from python_backends.llm.kv_blocks import blocks_for_tokens
+
 ATTENTION = "kit_paged"  # the name the kit's attention function is registered under in transformers
 STEP_KWARG = "kit_paged_step"  # the forward keyword that carries a step's plan down to each attention call
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -483,7 +485,7 @@ class PagedCausalLM:
         for seq in batch:
             n = len(seq.token_ids)
             end = seq.start + n
-            blocks = list(seq.block_table[:-(-end // bs)])
+            blocks = list(seq.block_table[:blocks_for_tokens(end, bs)])
             if n == 1:
                 decode_rows.append(row)
                 decode_blocks.append(blocks)
