@@ -250,18 +250,27 @@ def test_a_stream_that_makes_no_output_gets_what_it_holds_by_the_hold():
     assert [o.text_delta for o in held.outputs] == ["t1 ", "t2 t3 "]
 
 
-def test_while_requests_wait_a_cancelled_stream_is_found_when_it_is_sent_to():
+def test_while_requests_wait_a_cancelled_stream_is_found_within_the_cancel_check_and_not_asked_every_step():
     engine = FakeEngine(waiting=3, step_s=0.1)
-    loop = hold_loop(engine, hold_s=0.35).start()
-    sink = Sink(on_send=lambda output: sink.cancel.set())  # cancelled right after its first token
+    loop = hold_loop(engine, hold_s=0.35)
+    cancelled_at: list[float] = []
+
+    def cancel_after_five_tokens(output):
+        if output.num_output_tokens >= 5 and not cancelled_at:
+            cancelled_at.append(engine.now)
+            sink.cancel.set()
+
+    sink = Sink(on_send=cancel_after_five_tokens)
     loop.submit("a", [1], params(10_000), sink)
+    loop.start()
     assert sink.done.wait(5)
     loop.stop()
     assert sink.outputs[-1].finish_reason is FinishReason.CANCELLED and engine.aborted == ["a"]
-    assert sink.cancel_checks < engine.steps  # not asked at every step
+    assert engine.now - cancelled_at[0] <= loop.cancel_check_s + engine.step_s + 1e-9
+    assert sink.cancel_checks <= engine.now / loop.cancel_check_s + 2 < engine.steps  # once per check, not per step
 
 
-def test_while_requests_wait_a_queued_request_s_cancellation_is_noticed_within_the_hold():
+def test_while_requests_wait_a_queued_request_s_cancellation_is_noticed_within_the_cancel_check():
     engine = FakeEngine(waiting=3, step_s=0.1)
     engine.paused.add("queued")  # never admitted: it makes no output to be sent
     loop = hold_loop(engine, hold_s=0.35)
@@ -282,4 +291,4 @@ def test_while_requests_wait_a_queued_request_s_cancellation_is_noticed_within_t
     loop.stop()
     assert queued.outputs[-1].finish_reason is FinishReason.CANCELLED
     asked, found = cancelled_at
-    assert found - asked <= 0.35 + 0.1 + 1e-9  # within the hold (and a step), never having made a token
+    assert found - asked <= loop.cancel_check_s + 0.1 + 1e-9  # within the check (and a step), never having made a token
