@@ -126,7 +126,12 @@ class CapacityOptions:
     step_warmup_s: float = 20.0  # of them, the first seconds whose requests are not judged (the server fills)
     min_step_requests: int = 20  # a low rate's step lasts long enough to send about this many
     concurrency: int | None = None  # closed-loop streams; None: `saturating_concurrency`
-    saturate_warmup_s: float = 30.0  # closed loop: seconds before tokens count (the first prefills)
+    # Closed loop: seconds before tokens count. Not only the first prefills: a loop starts with a
+    # batch of fresh requests, and the long answers then gather in it (a stream holds its slot
+    # for as long as its answer runs). The engine in process, 120 streams, 2 vCPU: the batch's
+    # mean decode context was 72 tokens in the first 13 s, 125 at 50 s, 138-153 from 63 s on,
+    # and its tokens/s fell from 405-413 to 331-352 (the decode limit, measured between, held).
+    saturate_warmup_s: float = 90.0
     saturate_s: float = 150.0  # closed loop: seconds whose tokens count
     hold_rounds: int = 3  # stream-hold comparison: rounds of (every token, held), alternating
     hold_warmup_s: float = 15.0  # ... each loop's seconds before tokens count
