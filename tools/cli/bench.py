@@ -283,8 +283,9 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--saturate-seconds", type=float, default=None,
                           help=f"closed-loop seconds whose tokens count (default: {full.saturate_s:g})")
     capacity.add_argument("--saturate-warmup", type=float, default=None,
-                          help="closed-loop seconds before tokens count: the first prefills "
-                               f"(default: {full.saturate_warmup_s:g})")
+                          help="closed-loop seconds before tokens count: the first prefills, and the "
+                               "long answers gathering in the batch (default: "
+                               f"{full.saturate_warmup_s:g})")
     capacity.add_argument("--limit-steps", type=int, default=None,
                           help=f"timed steps of the decode limit (default: {full.limit_steps})")
     capacity.add_argument("--hold-rounds", type=int, default=None,
