@@ -250,17 +250,24 @@ def test_a_stream_that_makes_no_output_gets_what_it_holds_by_the_hold():
     assert [o.text_delta for o in held.outputs] == ["t1 ", "t2 t3 "]
 
 
+def cancel_at_token(engine: FakeEngine, target: Sink, num_tokens: int, cancelled_at: list[float]):
+    """An on_send callback: once a sent output has `num_tokens` tokens, cancel `target` and
+    note the engine's time in `cancelled_at`."""
+
+    def on_send(output):
+        if output.num_output_tokens >= num_tokens and not cancelled_at:
+            cancelled_at.append(engine.now)
+            target.cancel.set()
+
+    return on_send
+
+
 def test_while_requests_wait_a_cancelled_stream_is_found_within_the_cancel_check_and_not_asked_every_step():
     engine = FakeEngine(waiting=3, step_s=0.1)
     loop = hold_loop(engine, hold_s=0.35)
     cancelled_at: list[float] = []
-
-    def cancel_after_five_tokens(output):
-        if output.num_output_tokens >= 5 and not cancelled_at:
-            cancelled_at.append(engine.now)
-            sink.cancel.set()
-
-    sink = Sink(on_send=cancel_after_five_tokens)
+    sink = Sink()
+    sink.on_send = cancel_at_token(engine, sink, 5, cancelled_at)
     loop.submit("a", [1], params(10_000), sink)
     loop.start()
     assert sink.done.wait(5)
@@ -276,13 +283,7 @@ def test_while_requests_wait_a_queued_request_s_cancellation_is_noticed_within_t
     loop = hold_loop(engine, hold_s=0.35)
     queued = Sink()
     cancelled_at: list[float] = []
-
-    def cancel_once_requests_wait(output):
-        if output.num_output_tokens >= 3 and not cancelled_at:
-            cancelled_at.append(engine.now)
-            queued.cancel.set()
-
-    running = Sink(on_send=cancel_once_requests_wait)
+    running = Sink(on_send=cancel_at_token(engine, queued, 3, cancelled_at))
     queued.on_send = lambda output: cancelled_at.append(engine.now)  # when it was found
     loop.submit("queued", [1], params(50), queued)
     loop.submit("running", [1], params(40), running)
