@@ -334,8 +334,9 @@ class LLMEngine:
         logits = self.model.step(batch)
         sampling = [chunk.seq_id for chunk in output.chunks if chunk.samples]
         # Greedy rows in one argmax over the batch (one call per row cost 0.1 ms each, 5 ms a
-        # step at 48 sequences on 2 cores); sampled rows one by one with their own generators.
-        greedy = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+        # step at 48 sequences on 2 cores), numpy's (96 rows of 49,152 float32 logits on 2 cores:
+        # 0.5 ms against torch's 2.2-4 ms); sampled rows one by one with their own generators.
+        greedy = logits.numpy().argmax(axis=-1).tolist() if logits.shape[0] else []
         sampled = {seq_id: greedy[row] if self.requests[seq_id].seq.params.temperature == 0.0 else
                    sample(logits[row], self.requests[seq_id].seq.params, self.requests[seq_id].generator)
                    for row, seq_id in enumerate(sampling)}

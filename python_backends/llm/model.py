@@ -12,8 +12,9 @@ window and logit soft-capping as the model passes them.
 One call computes one engine step: the prefill chunks and decode tokens of every scheduled
 sequence, flattened into a single token axis for the dense layers (no padding compute where
 one sequence prefills 100 tokens and the others decode one), with each token's own position
-id. Attention runs the decoding sequences in a few padded calls of similar context lengths,
-each prefill chunk in its own. Logits are computed only for the tokens that sample. On CPU the
+id. Attention runs the decoding sequences in one call of the native kernel on CPU in bfloat16
+(`cpu_attention`), elsewhere in a few padded calls of similar context lengths; each prefill
+chunk in a call of its own. Logits are computed only for the tokens that sample. On CPU the
 float32 or bfloat16 linear layers are packed once for oneDNN's GEMM where this torch build has
 it (`PackedLinear`), and the projections that read the same input (query/key/value, gate/up)
 run as one GEMM (`fuse_projections`).
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from python_backends.llm import cpu_attention
 from python_backends.llm.kv_blocks import blocks_for_tokens
 
 ATTENTION = "kit_paged"  # the name the kit's attention function is registered under in transformers
@@ -89,6 +91,7 @@ class _AttentionGroup:
     query_positions: torch.Tensor  # [sequences, queries]: the position of each query
     num_queries: int  # queries per sequence: 1 for decodes, the chunk length for a prefill
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+    lengths: torch.Tensor | None = None  # [sequences] int64: each decode's context, for the CPU kernel
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """[sequences, 1, queries, keys]: True where a query may attend. Keys are in position
@@ -111,6 +114,7 @@ class _StepPlan:
     slot_index: torch.Tensor  # [tokens]: the cache slot each computed token's key and value go to
     groups: list[_AttentionGroup]
     cache: PagedCache
+    kernel: cpu_attention.DecodeKernel | None = None  # attends the groups with `lengths` (decodes)
 
 
 class PagedCache:
@@ -190,6 +194,10 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     window = sliding_window if sliding_window else None
     out = torch.empty_like(q)
     for group in plan.groups:
+        if plan.kernel is not None and group.lengths is not None and softcap is None:
+            out[group.rows] = plan.kernel(q[group.rows], cache.k[layer], cache.v[layer], group.blocks, group.lengths,
+                                          cache.block_size, scale, window)
+            continue
         # One index_select over the flat block list per tensor: cheaper than advanced
         # indexing with the 2-D block index, and the same rows.
         num_seqs = group.blocks.shape[0]
@@ -440,6 +448,17 @@ class PagedCausalLM:
             fuse_projections(model, self.packed)
         self.cache = PagedCache(self.shape, num_blocks, block_size, self.dtype, self.device)
         self.group_split_slots = GROUP_SPLIT_SLOTS  # decode attention groups (group_by_length)
+        # Decodes attend in one call of the native kernel where it runs (bfloat16 on CPU)
+        self.decode_kernel = self._load_kernel(model.config) if on_cpu and self.dtype == torch.bfloat16 else None
+
+    def _load_kernel(self, config: Any) -> cpu_attention.DecodeKernel | None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if getattr(text, "attn_logit_softcapping", None):
+            return None
+        if not cpu_attention.DecodeKernel.supports(int(text.num_attention_heads), self.shape.num_kv_heads,
+                                                   self.shape.head_dim):
+            return None
+        return cpu_attention.load()
 
     @staticmethod
     def _set_attention(config: Any) -> None:
@@ -475,9 +494,9 @@ class PagedCausalLM:
 
     def _plan_attention(self, batch: Sequence[StepSequence]) -> list[_AttentionGroup]:
         """Group the step's sequences for attention: decoding sequences (one query each) in
-        padded calls of similar context lengths (`group_by_length`), each prefill chunk in a
-        call of its own, so no sequence pays for another's query length, and a short chat
-        little for a long essay's context."""
+        one group for the native kernel where it runs, else in padded calls of similar context
+        lengths (`group_by_length`); each prefill chunk in a call of its own, so no sequence
+        pays for another's query length, and a short chat little for a long essay's context."""
         device, bs = self.device, self.block_size
         groups: list[_AttentionGroup] = []
         decode_rows, decode_blocks, decode_lens = [], [], []
@@ -496,6 +515,14 @@ class PagedCausalLM:
                                               query_positions=torch.arange(seq.start, end, device=device)[None],
                                               num_queries=n))
             row += n
+        if self.decode_kernel is not None and decode_rows:  # one call, no padding: the kernel reads each table
+            width = max(len(blocks) for blocks in decode_blocks)
+            groups.append(_AttentionGroup(
+                rows=torch.tensor(decode_rows, device=device),
+                blocks=torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in decode_blocks], device=device),
+                num_keys=width * bs, query_positions=torch.tensor(decode_lens, device=device)[:, None] - 1,
+                num_queries=1, lengths=torch.tensor(decode_lens, device=device)))
+            return groups
         for members in group_by_length(decode_lens, self.group_split_slots):
             width = max(len(decode_blocks[i]) for i in members)
             padded = [decode_blocks[i] + [0] * (width - len(decode_blocks[i])) for i in members]  # masked keys
@@ -526,7 +553,7 @@ class PagedCausalLM:
                 sample_rows.append(len(token_ids) - 1)
         device = self.device
         plan = _StepPlan(slot_index=torch.tensor(slots, dtype=torch.long, device=device),
-                         groups=self._plan_attention(batch), cache=self.cache)
+                         groups=self._plan_attention(batch), cache=self.cache, kernel=self.decode_kernel)
         out = self.model(input_ids=torch.tensor([token_ids], device=device),
                          position_ids=torch.tensor([positions], device=device), use_cache=False,
                          logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
