@@ -95,9 +95,10 @@ def test_the_kernel_can_be_turned_off(monkeypatch):
 
 
 @needs_kernel
-def test_a_bfloat16_decode_step_gives_the_torch_attentions_logits():
-    """A small random-weight Llama (grouped-query attention, head width 64) prefilled, then one
-    decode step for sequences of mixed lengths: the kernel's logits are the torch path's."""
+def test_bfloat16_steps_in_the_kernel_give_the_torch_attentions_logits():
+    """A small random-weight Llama (grouped-query attention, head width 64): a prefill of three
+    prompts of mixed lengths, then a decode step of each: the kernel's logits are the torch
+    path's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=256, hidden_size=384, intermediate_size=256, num_hidden_layers=2,
@@ -112,9 +113,13 @@ def test_a_bfloat16_decode_step_gives_the_torch_attentions_logits():
         tables.append(list(range(start, start + need)))
         start += need
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
-    model.step([StepSequence(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    prefills = [StepSequence(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
     decodes = [StepSequence([7], n, t, True) for n, t in zip(lengths, tables, strict=True)]
-    with_kernel = model.step(decodes)
-    model.decode_kernel = None
-    with_torch = model.step(decodes)  # rewrites the same keys and values at the same slots
-    torch.testing.assert_close(with_kernel, with_torch, rtol=0, atol=0.1)
+    kernel = model.decode_kernel
+    for step in (prefills, decodes):  # the prompts attend in the kernel too (each query at its position)
+        model.decode_kernel = kernel
+        assert len(model._plan_attention(step)) == 1  # every query in the kernel's one call
+        with_kernel = model.step(step)
+        model.decode_kernel = None
+        with_torch = model.step(step)  # rewrites the same keys and values at the same slots
+        torch.testing.assert_close(with_kernel, with_torch, rtol=0, atol=0.1)
