@@ -8,7 +8,7 @@ longest context. Decode attention is memory-bound, so that is most of its time. 
 where they are, with no padding: one call per layer for every decoding sequence of a step.
 
 It is compiled on first use with the machine's C++ compiler (`-march=native`) into a cache
-directory, keyed by the source, the flags and the compiler's version, and loaded with
+directory, keyed by the source, the flags, the compiler's version and the CPU, and loaded with
 `ctypes`. It shares torch's OpenMP runtime (torch has loaded `libgomp.so.1` first), so its
 parallel loop runs on the calling thread's pool with `torch.get_num_threads()` threads.
 Where there is no compiler, no AVX-512 or no kernel for the model's head shape, `load()`
@@ -48,12 +48,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "serving-kit" / "kernels"
 
 
-def cpu_has_avx512() -> bool:
+def cpu_flags() -> str:
+    """This CPU's model and instruction-set flags, as Linux lists them ("" elsewhere)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
+        return ""
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        found.setdefault(key.strip(), value.strip())
+    return f"{found.get('model name', '')}\n{found.get('flags', '')}"
+
+
+def cpu_has_avx512() -> bool:
+    flags = set(cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags
 
 
 class DecodeKernel:
@@ -96,12 +106,13 @@ class DecodeKernel:
 
 def build(compiler: str | None = None) -> Path:
     """The compiled kernel's path, compiling it first when the cache has none for this source,
-    these flags and this compiler. Raises RuntimeError with the compiler's message."""
+    these flags, this compiler and this CPU. Raises RuntimeError with the compiler's message."""
     compiler = compiler or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version]
+    # -march=native: a cache shared by machines of other CPUs must not hand them this one's build
+    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / f"paged_decode-{key}.so"
     if target.is_file():

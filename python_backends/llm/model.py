@@ -458,17 +458,24 @@ class PagedCausalLM:
         self.cache = PagedCache(self.shape, num_blocks, block_size, self.dtype, self.device)
         self.group_split_slots = GROUP_SPLIT_SLOTS  # decode attention groups (group_by_length)
         self.kernel_chunk_pairs = KERNEL_CHUNK_PAIRS  # prefill chunks up to this many attend in the kernel too
-        # Decodes attend in one call of the native kernel where it runs (bfloat16 on CPU)
-        self.decode_kernel = self._load_kernel(model.config) if on_cpu and self.dtype == torch.bfloat16 else None
+        # Decodes attend in one call of the native kernel where it runs (bfloat16 on CPU);
+        # `attention_note` says which attention runs, and why not the kernel, for the server log.
+        self.decode_kernel: cpu_attention.DecodeKernel | None = None
+        self.attention_note = ""
+        if on_cpu and self.dtype == torch.bfloat16:
+            self.decode_kernel, why_not = self._load_kernel(model.config)
+            self.attention_note = ("decodes attend in the native CPU kernel" if self.decode_kernel is not None
+                                   else f"decodes attend in torch (no native kernel: {why_not})")
 
-    def _load_kernel(self, config: Any) -> cpu_attention.DecodeKernel | None:
+    def _load_kernel(self, config: Any) -> tuple[cpu_attention.DecodeKernel | None, str]:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if getattr(text, "attn_logit_softcapping", None):
-            return None
-        if not cpu_attention.DecodeKernel.supports(int(text.num_attention_heads), self.shape.num_kv_heads,
-                                                   self.shape.head_dim):
-            return None
-        return cpu_attention.load()
+            return None, "the model soft-caps its attention logits"
+        heads, shape = int(text.num_attention_heads), self.shape
+        if not cpu_attention.DecodeKernel.supports(heads, shape.num_kv_heads, shape.head_dim):
+            return None, f"none built for {heads} heads over {shape.num_kv_heads} of width {shape.head_dim}"
+        kernel = cpu_attention.load()
+        return kernel, cpu_attention.load_error or ""
 
     @staticmethod
     def _set_attention(config: Any) -> None:

@@ -183,7 +183,8 @@ class LLMService:
             f"{name}: {config.policy.value} batching, {engine.scheduler.config.num_blocks} KV blocks of "
             f"{config.block_size} tokens, up to {config.max_num_seqs} sequences"
             + (f"; while requests wait, a stream's tokens are held up to {parameters.stream_hold_ms:g} ms"
-               if parameters.stream_hold_ms else ""))
+               if parameters.stream_hold_ms else "")
+            + (f"; {engine.model.attention_note}" if engine.model.attention_note else ""))
         return service
 
     def _tenant_of(self, request) -> str:

@@ -123,3 +123,30 @@ def test_bfloat16_steps_in_the_kernel_give_the_torch_attentions_logits():
         model.decode_kernel = None
         with_torch = model.step(step)  # rewrites the same keys and values at the same slots
         torch.testing.assert_close(with_kernel, with_torch, rtol=0, atol=0.1)
+
+
+@needs_kernel
+def test_a_cache_shared_with_another_cpu_builds_its_own(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path))
+    here = cpu_attention.build()
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: "another CPU\nsse2")
+    assert cpu_attention.build() != here and len(list(tmp_path.glob("*.so"))) == 2
+
+
+def test_the_server_log_says_which_attention_decodes(monkeypatch):
+    """The note `serve` logs at load: the kernel where it runs, else why not."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64)
+
+    def note(model, dtype=torch.bfloat16) -> str:
+        return PagedCausalLM(model.to(dtype).eval(), num_blocks=4, block_size=BLOCK).attention_note
+
+    if KERNEL is not None:
+        assert note(LlamaForCausalLM(LlamaConfig(**small))) == "decodes attend in the native CPU kernel"
+    assert "soft-caps" in note(Gemma2ForCausalLM(Gemma2Config(**small, attn_logit_softcapping=5.0)))
+    assert note(LlamaForCausalLM(LlamaConfig(**small)), torch.float32) == ""  # float32: torch, by design
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "1")
+    assert note(LlamaForCausalLM(LlamaConfig(**small))) == \
+        f"decodes attend in torch (no native kernel: {cpu_attention.DISABLE_ENV} is set)"
