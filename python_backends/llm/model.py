@@ -533,22 +533,18 @@ class PagedCausalLM:
                                               query_positions=torch.arange(seq.start, end, device=device)[None],
                                               num_queries=n))
             row += n
-        if self.decode_kernel is not None and decode_rows:  # one call, no padding: the kernel reads each table
-            width = max(len(blocks) for blocks in decode_blocks)
-            groups.append(_AttentionGroup(
-                rows=torch.tensor(decode_rows, device=device),
-                blocks=torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in decode_blocks], device=device),
-                num_keys=width * bs, query_positions=torch.tensor(decode_lens, device=device)[:, None] - 1,
-                num_queries=1, lengths=torch.tensor(decode_lens, device=device)))
-            return groups
-        for members in group_by_length(decode_lens, self.group_split_slots):
+        kernel = self.decode_kernel is not None
+        # the kernel takes every decode in one call (it reads no padding); torch, groups of similar lengths
+        partition = [list(range(len(decode_lens)))] if kernel and decode_lens else \
+            group_by_length(decode_lens, self.group_split_slots)
+        for members in partition:
             width = max(len(decode_blocks[i]) for i in members)
             padded = [decode_blocks[i] + [0] * (width - len(decode_blocks[i])) for i in members]  # masked keys
+            lengths = torch.tensor([decode_lens[i] for i in members], device=device)
             groups.append(_AttentionGroup(
                 rows=torch.tensor([decode_rows[i] for i in members], device=device),
                 blocks=torch.tensor(padded, device=device), num_keys=width * bs,
-                query_positions=torch.tensor([[decode_lens[i] - 1] for i in members], device=device),
-                num_queries=1))
+                query_positions=lengths[:, None] - 1, num_queries=1, lengths=lengths if kernel else None))
         return groups
 
     @torch.inference_mode()

@@ -23,6 +23,21 @@ static inline uint16_t f2bf(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// One head's key (or value) at position t of a sequence, from its block in `head` (that head's
+// cache) through the block table, as D floats; at a block's first position the next block
+// of the table is prefetched.
+template <int D>
+static inline void load_position(const uint16_t *head, const int64_t *table, int64_t width, int64_t bs, int64_t t,
+                                 __m512 *row) {
+    const int64_t index = t / bs;
+    if (t % bs == 0 && index + 1 < width) {
+        const char *next = (const char *)(head + table[index + 1] * bs * D);
+        for (int64_t c = 0; c < bs * D * 2; c += 64) _mm_prefetch(next + c, _MM_HINT_T0);
+    }
+    const uint16_t *at = head + (table[index] * bs + t % bs) * D;
+    for (int i = 0; i < D / 16; i++) row[i] = load_bf16(at + 16 * i);
+}
+
 template <int G, int D>
 static void run(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t head_stride, const int64_t *tables,
                 int64_t width, const int64_t *lengths, uint16_t *out, int64_t S, int64_t KVH, int64_t bs, float scale,
@@ -46,13 +61,8 @@ static void run(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
         float mx[G];
         for (int g = 0; g < G; g++) mx[g] = -FLT_MAX;
         for (int64_t t = first; t < len; t++) {
-            const uint16_t *kr = kh + (table[t / bs] * bs + t % bs) * D;
-            if (t % bs == 0 && t / bs + 1 < width) {
-                const char *nx = (const char *)(kh + table[t / bs + 1] * bs * D);
-                for (int64_t c = 0; c < bs * D * 2; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
-            }
             __m512 kv[V];
-            for (int i = 0; i < V; i++) kv[i] = load_bf16(kr + 16 * i);
+            load_position<D>(kh, table, width, bs, t, kv);
             for (int g = 0; g < G; g++) {
                 __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
                 for (int i = 1; i < V; i++) a = _mm512_fmadd_ps(qv[g][i], kv[i], a);
@@ -71,13 +81,8 @@ static void run(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
         __m512 acc[G][V];
         for (int g = 0; g < G; g++) for (int i = 0; i < V; i++) acc[g][i] = _mm512_setzero_ps();
         for (int64_t t = first; t < len; t++) {
-            const uint16_t *vr = vh + (table[t / bs] * bs + t % bs) * D;
-            if (t % bs == 0 && t / bs + 1 < width) {
-                const char *nx = (const char *)(vh + table[t / bs + 1] * bs * D);
-                for (int64_t c = 0; c < bs * D * 2; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
-            }
             __m512 vv[V];
-            for (int i = 0; i < V; i++) vv[i] = load_bf16(vr + 16 * i);
+            load_position<D>(vh, table, width, bs, t, vv);
             for (int g = 0; g < G; g++) {
                 __m512 p = _mm512_set1_ps(sc[g * len + t]);
                 for (int i = 0; i < V; i++) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
