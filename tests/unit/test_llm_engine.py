@@ -7,10 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from python_backends.common.errors import InvalidInput
 from python_backends.llm.config import EngineConfig, parse_engine_config
-from python_backends.llm.engine import build_inputs, find_stop, inputs_from_arrays, sample, unsafe_suffix
+from python_backends.llm.engine import ChatTokenizer, build_inputs, find_stop, inputs_from_arrays, sample, unsafe_suffix
 from python_backends.llm.scheduler import BatchingPolicy, SamplingParams
 
 CHAT = json.dumps([{"role": "user", "content": "hi"}])
@@ -124,3 +126,36 @@ def test_build_inputs_keeps_defaults_to_the_engine():
     inputs = build_inputs(text_input="x", messages=None, max_tokens=None, temperature=None, top_p=None, seed=None,
                           stop=(), stream=None)
     assert inputs.max_tokens is None and inputs.stream is False
+
+
+def byte_level_tokenizer(folder):
+    """A real byte-level BPE tokenizer (the kind of GPT-2, Llama 3, Qwen, SmolLM2) trained on a
+    few lines, with special tokens, saved as a Hugging Face tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end|>", "<|user|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["Grüße aus Köln, 東京 and naïve café ☕ text.", "The quick brown fox."] * 20,
+                                  trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("byte-level")
+    reference = byte_level_tokenizer(folder)
+    return ChatTokenizer(folder), reference
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 399), max_size=40))
+def test_the_engine_decodes_as_transformers_does_special_tokens_and_broken_bytes_too(byte_level, ids):
+    engine_side, reference = byte_level
+    assert engine_side.decode(ids) == reference.decode(ids, skip_special_tokens=True,
+                                                       clean_up_tokenization_spaces=False)

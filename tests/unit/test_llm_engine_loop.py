@@ -1,11 +1,13 @@
 """The engine loop's threading contract, driven by a fake engine: outputs reach their sink in
 order, cancellation and broken clients free the request, and a crashed engine fails every
 waiting client instead of leaving it hanging; an engine made by the loop is made on its thread.
-While requests wait, a stream's tokens are held and sent together, never longer than the hold."""
+While requests wait, a stream's tokens are held and sent together, never longer than the hold.
+Clients are sent to and asked on the loop's I/O thread: a slow one never stalls the steps."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -196,7 +198,8 @@ def test_a_loop_takes_an_engine_or_a_maker_not_both():
 
 
 def hold_loop(engine: FakeEngine, hold_s: float) -> EngineLoop:
-    return EngineLoop(engine, idle_wait_s=0.01, stream_hold_s=hold_s, clock=engine.clock)
+    """Sinks called as the loop decides to send, so `engine.now` in a sink is when it sent."""
+    return EngineLoop(engine, idle_wait_s=0.01, stream_hold_s=hold_s, clock=engine.clock, send_thread=False)
 
 
 def test_while_requests_wait_tokens_are_held_and_sent_together_first_and_last_at_once():
@@ -293,3 +296,41 @@ def test_while_requests_wait_a_queued_request_s_cancellation_is_noticed_within_t
     assert queued.outputs[-1].finish_reason is FinishReason.CANCELLED
     asked, found = cancelled_at
     assert found - asked <= loop.cancel_check_s + 0.1 + 1e-9  # within the check (and a step), never having made a token
+
+
+def test_a_slow_client_does_not_hold_up_the_steps_and_still_gets_every_output_in_order():
+    engine = FakeEngine()
+    release = threading.Event()
+    slow = Sink(on_send=lambda output: release.wait(5))  # its first send blocks until released
+    asked = threading.Event()
+
+    class SlowToAsk(Sink):
+        def cancelled(self):
+            asked.set()
+            release.wait(5)
+            return False
+
+    loop = EngineLoop(engine, idle_wait_s=0.01).start()
+    loop.submit("slow", [1], params(20), slow)
+    loop.submit("asked", [1], params(30), SlowToAsk())
+    deadline = time.monotonic() + 5
+    while engine.steps < 30 and time.monotonic() < deadline:  # the engine finishes both meanwhile
+        time.sleep(0.01)
+    assert engine.steps >= 30 and not engine.requests and not slow.done.is_set()
+    release.set()
+    assert slow.done.wait(5)
+    loop.stop()
+    assert [o.num_output_tokens for o in slow.outputs] == list(range(1, 21))
+    assert asked.is_set()
+
+
+def test_a_failing_on_step_does_not_stop_the_outputs():
+    def broken_metrics(stats):
+        raise RuntimeError("metrics endpoint gone")
+
+    loop = EngineLoop(FakeEngine(), on_step=broken_metrics, idle_wait_s=0.01).start()
+    sink = Sink()
+    loop.submit("a", [1], params(5), sink)
+    assert sink.done.wait(5)
+    loop.stop()
+    assert [o.num_output_tokens for o in sink.outputs] == [1, 2, 3, 4, 5]
