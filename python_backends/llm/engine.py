@@ -429,10 +429,10 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine | None, on_step: Callable[[EngineStats], None] | None = None,
                  idle_wait_s: float = 0.05, make_engine: Callable[[], LLMEngine] | None = None,
                  stream_hold_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 send_thread: bool = True):
+                 io_thread: bool = True):
         """`stream_hold_s`: how long a stream's tokens may be held while requests wait
         (`python_backends.llm.streaming`); 0 sends every token as it is made. `clock` times
-        the steps and the held tokens. `send_thread=False` does the I/O thread's work on the
+        the steps and the held tokens. `io_thread=False` does the I/O thread's work on the
         loop thread instead, as the loop queues it (tests that time sends by a fake clock)."""
         if (engine is None) == (make_engine is None):
             raise ValueError("give an engine or what makes one, not both")
@@ -461,7 +461,7 @@ class EngineLoop:
         self._clock = clock
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
-        self._io = threading.Thread(target=self._io_loop, name="llm-io", daemon=True) if send_thread else None
+        self._io = threading.Thread(target=self._io_loop, name="llm-io", daemon=True) if io_thread else None
         self.error: BaseException | None = None  # what killed the loop, if anything did
 
     def start(self) -> EngineLoop:

@@ -199,7 +199,7 @@ def test_a_loop_takes_an_engine_or_a_maker_not_both():
 
 def hold_loop(engine: FakeEngine, hold_s: float) -> EngineLoop:
     """Sinks called as the loop decides to send, so `engine.now` in a sink is when it sent."""
-    return EngineLoop(engine, idle_wait_s=0.01, stream_hold_s=hold_s, clock=engine.clock, send_thread=False)
+    return EngineLoop(engine, idle_wait_s=0.01, stream_hold_s=hold_s, clock=engine.clock, io_thread=False)
 
 
 def test_while_requests_wait_tokens_are_held_and_sent_together_first_and_last_at_once():
