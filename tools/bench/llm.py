@@ -495,11 +495,20 @@ def drive_closed(url: str, chats: Sequence[PlannedRequest], concurrency: int, du
     upcoming = itertools.cycle(chats)
     generations: list[Generation] = []
     in_flight: list[Generation] = []
+    failed = 0
     try:
         start = time.monotonic()
         next_progress = start + PROGRESS_EVERY_S
         while (now := time.monotonic()) < start + duration_s:
-            in_flight = [g for g in in_flight if not g.done.is_set()]
+            # Only the streams in flight are looked at each poll (the client shares the server's
+            # cores): a pass over every generation so far grows with the run.
+            still = []
+            for generation in in_flight:
+                if not generation.done.is_set():
+                    still.append(generation)
+                elif generation.error is not None:
+                    failed += 1
+            in_flight = still
             while len(in_flight) < concurrency:
                 chat = next(upcoming)
                 generation = stream.submit(messages=list(chat.messages), max_tokens=chat.max_tokens)
@@ -510,7 +519,7 @@ def drive_closed(url: str, chats: Sequence[PlannedRequest], concurrency: int, du
                 log(f"    {label}: {now - start:.0f} s, {len(generations)} requests sent, "
                     f"{len(generations) - len(in_flight)} finished, {tokens} tokens")
                 next_progress += PROGRESS_EVERY_S
-            if sum(1 for g in generations if g.error is not None) > concurrency:
+            if failed > concurrency:
                 log(f"    {label}: requests keep failing ({next(g.error for g in generations if g.error)}); stopping")
                 break
             time.sleep(CLOSED_LOOP_POLL_S)
