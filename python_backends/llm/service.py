@@ -123,13 +123,21 @@ class LLMMetrics:
         self._last = EngineStats(0, 0, 0, 0, 0, 0)
 
     def step(self, stats: EngineStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.blocks_used.set(stats.num_blocks_used)
-        self.blocks_total.set(stats.num_blocks)
-        self.preemptions.increment(stats.num_preemptions - self._last.num_preemptions)
-        self.tokens.increment(stats.num_generated_tokens - self._last.num_generated_tokens)
-        self.cached_tokens.increment(stats.num_cached_prompt_tokens - self._last.num_cached_prompt_tokens)
+        """Update what changed since the last stats: each update is a round trip to the Triton
+        process, made from the engine loop's I/O thread once a step."""
+        last = self._last
+        for gauge, now, before in ((self.running, stats.num_running, last.num_running),
+                                   (self.waiting, stats.num_waiting, last.num_waiting),
+                                   (self.blocks_used, stats.num_blocks_used, last.num_blocks_used),
+                                   (self.blocks_total, stats.num_blocks, last.num_blocks)):
+            if now != before:
+                gauge.set(now)
+        for counter, now, before in ((self.preemptions, stats.num_preemptions, last.num_preemptions),
+                                     (self.tokens, stats.num_generated_tokens, last.num_generated_tokens),
+                                     (self.cached_tokens, stats.num_cached_prompt_tokens,
+                                      last.num_cached_prompt_tokens)):
+            if now != before:
+                counter.increment(now - before)
         self._last = stats
 
     def finished(self, output: StepOutput) -> None:

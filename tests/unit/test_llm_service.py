@@ -14,7 +14,7 @@ from python_backends.common.tenant_auth import AuthConfig, AuthMode
 from python_backends.llm.config import LLMParameters
 from python_backends.llm.engine import EngineStats, StepOutput
 from python_backends.llm.scheduler import FinishReason, SamplingParams
-from python_backends.llm.service import LLMService
+from python_backends.llm.service import LLMMetrics, LLMService
 from tests.fakes.pb_utils import FakeTriton, Request, TritonError
 
 TIERS = TenantPolicy(tiers={"standard": TierPolicy("standard", 1, 0.0, 0.0, llm_tokens_per_s=0.001,
@@ -184,3 +184,40 @@ def test_the_tenants_and_auth_parameters_are_read_with_the_engine_ones_and_error
         LLMParameters.from_parameters("llm_v2", {"kv_cache_mb": "8", "tenants": "{not json"})
     with pytest.raises(ValueError, match="model 'llm_v2': parameter tenant_auth: "):
         LLMParameters.from_parameters("llm_v2", {"kv_cache_mb": "8", "tenant_auth": '{"mode": "sometimes"}'})
+
+
+def test_the_engine_metrics_are_updated_only_where_a_step_changed_them():
+    updates = []
+
+    class Metric:
+        def __init__(self, name):
+            self.name = name
+
+        def set(self, value):
+            updates.append((self.name, value))
+
+        def increment(self, amount):
+            updates.append((self.name, amount))
+
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels, buckets=None):  # spelled as in pb_utils
+            return Metric(self.name)
+
+    metrics = LLMMetrics(type("pb", (), {"MetricFamily": MetricFamily}), "llm")
+    metrics.step(EngineStats(num_running=3, num_waiting=0, num_blocks_used=10, num_blocks=100, num_preemptions=0,
+                             num_generated_tokens=5))
+    assert updates == [("llm_running_sequences", 3), ("llm_kv_blocks_used", 10), ("llm_kv_blocks_total", 100),
+                       ("llm_generated_tokens_total", 5)]
+    updates.clear()
+    metrics.step(EngineStats(num_running=3, num_waiting=2, num_blocks_used=10, num_blocks=100, num_preemptions=1,
+                             num_generated_tokens=8, num_cached_prompt_tokens=16))
+    assert updates == [("llm_waiting_sequences", 2), ("llm_preemptions_total", 1), ("llm_generated_tokens_total", 3),
+                       ("llm_prefix_cache_hit_tokens_total", 16)]
+    updates.clear()
+    metrics.step(EngineStats(3, 2, 10, 100, 1, 8, 16))
+    assert updates == []
