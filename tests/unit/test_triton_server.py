@@ -84,6 +84,12 @@ def test_build_env_paths():
     assert env["PYTHONPATH"] == "/r:/p"
 
 
+def test_build_env_sets_the_stubs_thread_defaults_and_keeps_the_callers():
+    env = build_env(FAKE, {"PATH": "/usr/bin"}, repo_root=Path("/r"))
+    assert (env["OMP_NUM_THREADS"], env["GOMP_SPINCOUNT"], env["TOKENIZERS_PARALLELISM"]) == ("1", "10000", "false")
+    assert build_env(FAKE, {"GOMP_SPINCOUNT": "300000", "OMP_NUM_THREADS": "4"})["GOMP_SPINCOUNT"] == "300000"
+
+
 def test_busy_ports_sees_a_listener():
     with socket.socket() as sock:
         sock.bind(("0.0.0.0", 0))
