@@ -243,13 +243,12 @@ def auto_complete_needed(config: ServerConfig) -> bool:
 
 
 # How long an idle OpenMP worker of a stub spins before it sleeps (libgomp's default is
-# 300,000 spins). The LLM engine's forward pass runs on
-# OpenMP workers that share the cores with the stub's I/O thread, the server and often a
-# client: a worker spinning while its partner thread is descheduled or in Python keeps a
-# core from them, so (likely) they preempt the forward pass instead. Saturated closed loops on
-# 2 vCPU (120 streams, three pairs of whole runs in alternating order): 524.7 vs 506.8,
-# 520.7 vs 483.8 and 540.7 vs 521.3 tokens/s with 10,000 spins against the default.
-# Passive waiting (no spin) was far slower.
+# 300,000 spins). The LLM engine's forward pass runs on OpenMP workers that share the cores
+# with the stub's I/O thread, the server and often a client: a worker spinning while its
+# partner thread is descheduled or in Python keeps a core from them, so (likely) they preempt
+# the forward pass instead. Saturated closed loops on 2 vCPU (120 streams, three pairs of
+# whole runs in alternating order): 524.7 vs 506.8, 520.7 vs 483.8 and 540.7 vs 521.3
+# tokens/s with 10,000 spins against the default. Passive waiting (no spin) was far slower.
 STUB_OMP_SPINCOUNT = "10000"
 
 
