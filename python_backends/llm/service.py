@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from python_backends.common.allocator import retain_freed_memory
 from python_backends.common.artifacts import verify_artifacts
 from python_backends.common.errors import INVALID_REQUEST, InvalidInput
 from python_backends.common.quotas import UNLIMITED, LocalBuckets, TenantPolicy, admit_tokens, refund_tokens
@@ -184,6 +185,7 @@ class LLMService:
             raise pb.TritonModelException(str(err)) from None
         version_dir = Path(args["model_repository"]) / args["model_version"]
         verify_artifacts(version_dir, name, required=REQUIRED_FILES)
+        retained = retain_freed_memory()  # a step's freed tensors are reused, not faulted in again
         service = cls(pb, name, lambda: LLMEngine.from_dir(version_dir, config), parameters.tenants,
                       parameters.tenant_auth, stream_hold_s=parameters.stream_hold_ms / 1000)
         engine = service.engine
@@ -192,7 +194,8 @@ class LLMService:
             f"{config.block_size} tokens, up to {config.max_num_seqs} sequences"
             + (f"; while requests wait, a stream's tokens are held up to {parameters.stream_hold_ms:g} ms"
                if parameters.stream_hold_ms else "")
-            + (f"; {engine.model.attention_note}" if engine.model.attention_note else ""))
+            + (f"; {engine.model.attention_note}" if engine.model.attention_note else "")
+            + (f"; freed memory kept for reuse ({', '.join(retained)})" if retained else ""))
         return service
 
     def _tenant_of(self, request) -> str:
