@@ -55,6 +55,12 @@ def test_short_llm_benchmark_compares_the_batching_policies_on_the_same_arrivals
     limit = report["decode_limit"]
     assert report["decode_limit_tokens_per_s"] > 0
     assert limit["num_seqs"] == report["engine"]["max_num_seqs"] and limit["context_tokens"] > 1
+    # Measured in two bursts around continuous's closed loop; the limit is their median step.
+    assert [burst["when"] for burst in limit["bursts"]] == ["before continuous's closed loop",
+                                                           "after continuous's closed loop"]
+    assert limit["steps"] == sum(burst["steps"] for burst in limit["bursts"])
+    assert min(b["step_ms_median"] for b in limit["bursts"]) <= limit["step_ms_median"] \
+        <= max(b["step_ms_median"] for b in limit["bursts"])
     assert "transformers_cb" not in report
     # --quick runs no stream-hold rounds (the slow test below does).
     assert "stream_hold" not in report["continuous"] and "stream_hold" not in report["static"]

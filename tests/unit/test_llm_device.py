@@ -78,3 +78,12 @@ def test_the_decode_limit_makes_a_pool_that_holds_its_batch(tmp_path):
     found = decode_limit(model, num_seqs=3, context_tokens=40, block_size=16, num_steps=1)
     assert model.cache.num_blocks == 3 * 3 and found["decode_limit"]["num_seqs"] == 3
     assert found["decode_limit_tokens_per_s"] > 0
+
+
+def test_the_decode_limit_of_several_bursts_is_their_median_step():
+    from tools.bench.llm_device import decode_limit_summary
+
+    found = decode_limit_summary(96, 129, [0.10, 0.12, 0.13, 0.20, 0.11, 0.14])
+    assert found["decode_limit"]["steps"] == 6 and found["decode_limit"]["step_ms_median"] == 125.0
+    assert found["decode_limit_tokens_per_s"] == round(96 / 0.125, 1)
+    assert found["decode_limit"]["step_ms_min"] == 100.0

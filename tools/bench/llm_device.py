@@ -256,11 +256,11 @@ def light_load(engine, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
             "tpot_p50_ms": _ms(statistics.median(tpots)) if tpots else None}
 
 
-def decode_limit(model, num_seqs: int, context_tokens: int, block_size: int, num_steps: int) -> dict[str, Any]:
-    """The forward alone: `num_seqs` decode entries of `context_tokens` context; median of
-    `num_steps` steps after two untimed. A KV pool too small for them (a CPU's spec budget need
-    not hold max_num_seqs such sequences) is replaced by one that holds them, as `bench llm`
-    sizes its own: the limit is the batch's, whatever the budget admits."""
+def decode_step_times(model, num_seqs: int, context_tokens: int, block_size: int, num_steps: int) -> list[float]:
+    """Seconds of each of `num_steps` steps of the forward alone, after two untimed: `num_seqs`
+    decode entries of `context_tokens` context. A KV pool too small for them (a CPU's spec
+    budget need not hold max_num_seqs such sequences) is replaced by one that holds them, as
+    `bench llm` sizes its own: the limit is the batch's, whatever the budget admits."""
     from python_backends.llm.model import PagedCache, StepSequence
 
     tables = decode_block_tables(num_seqs, context_tokens, block_size)
@@ -275,10 +275,22 @@ def decode_limit(model, num_seqs: int, context_tokens: int, block_size: int, num
         model.step(batch)  # returns logits on the host: the step has finished
         if index >= 2:
             times.append(time.perf_counter() - begun)
+    return times
+
+
+def decode_limit_summary(num_seqs: int, context_tokens: int, times: Sequence[float]) -> dict[str, Any]:
+    """The decode limit from step times: `num_seqs` tokens per median step."""
     median = statistics.median(times)
     return {"decode_limit_tokens_per_s": round(num_seqs / median, 1),
-            "decode_limit": {"num_seqs": num_seqs, "context_tokens": context_tokens, "steps": num_steps,
+            "decode_limit": {"num_seqs": num_seqs, "context_tokens": context_tokens, "steps": len(times),
                              "step_ms_median": round(median * 1000, 2), "step_ms_min": round(min(times) * 1000, 2)}}
+
+
+def decode_limit(model, num_seqs: int, context_tokens: int, block_size: int, num_steps: int) -> dict[str, Any]:
+    """The forward alone: `num_seqs` decode entries of `context_tokens` context; median of
+    `num_steps` steps after two untimed (`decode_step_times`)."""
+    times = decode_step_times(model, num_seqs, context_tokens, block_size, num_steps)
+    return decode_limit_summary(num_seqs, context_tokens, times)
 
 
 def run(model_dir: Path, device: str, dtype: str, random_weights: bool, options: DeviceOptions,

@@ -267,7 +267,9 @@ def render_llm_capacity(result: Mapping[str, Any]) -> str:
                      _pct(peer["saturated_tokens_per_s"] / limit, 0)])
     decode = result["decode_limit"]
     rows.append([f"decode limit: the engine's forward alone, {decode['num_seqs']} sequences at "
-                 f"{decode['context_tokens']} tokens of context ({decode['step_ms_median']:.0f} ms a step; the KV "
+                 f"{decode['context_tokens']} tokens of context ({decode['step_ms_median']:.0f} ms a step"
+                 + (f", the median of {len(decode['bursts'])} bursts" if decode.get("bursts") else "")
+                 + f"; the KV "
                  f"budget holds {decode['kv_budget_num_seqs']} such sequences)", "-", "-", _num(limit), "100%"])
     ratios, targets = result["ratios"], result["targets"]
     goodput_ratios = [f"{_ratio(ratios[f'llm_goodput_continuous_vs_{name}'])} `{name}`'s"

@@ -287,7 +287,7 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
                                "long answers gathering in the batch (default: "
                                f"{full.saturate_warmup_s:g})")
     capacity.add_argument("--limit-steps", type=int, default=None,
-                          help=f"timed steps of the decode limit (default: {full.limit_steps})")
+                          help=f"timed steps of each of the decode limit's bursts (default: {full.limit_steps})")
     capacity.add_argument("--hold-rounds", type=int, default=None,
                           help="rounds of the stream-hold comparison on the continuous setup's server, each a "
                                "closed loop on a copy of the model that sends every token, then one on the model "
