@@ -712,7 +712,7 @@ class DecodeLimitProbe:
 
     def __init__(self, llm: LLMModelSpec, context_tokens: int, num_steps: int, log):
         self.llm, self.context_tokens, self.num_steps, self.log = llm, context_tokens, num_steps, log
-        self.model = None
+        self.model, self.device = None, None
         self.bursts: list[tuple[str, list[float]]] = []
 
     def burst(self, when: str) -> None:
@@ -722,11 +722,11 @@ class DecodeLimitProbe:
 
         llm = self.llm
         if self.model is None:
-            device, dtype = engine_device_dtype(llm)
+            self.device, dtype = engine_device_dtype(llm)
             torch.set_num_threads(engine_threads(llm))
             # The cache holds zeros, not a real context: attention costs the same whatever the values.
             self.model = PagedCausalLM.from_dir(served_model_dir(llm), num_blocks=1, block_size=llm.block_size,
-                                                dtype=dtype, device=device)
+                                                dtype=dtype, device=self.device)
         times = llm_device.decode_step_times(self.model, llm.max_num_seqs, self.context_tokens, llm.block_size,
                                              self.num_steps)
         self.bursts.append((when, times))
@@ -749,7 +749,7 @@ class DecodeLimitProbe:
         # What the KV budget holds at this context, without prefix sharing: the engine cannot keep
         # more sequences than this decoding at once.
         found["decode_limit"].update(
-            threads=engine_threads(llm), device=str(engine_device_dtype(llm)[0]),
+            threads=engine_threads(llm), device=str(self.device),
             dtype=str(dtype).removeprefix("torch."), kv_budget_num_seqs=pool_blocks // blocks_per_seq,
             bursts=[{"when": when, "steps": len(times), "step_ms_median": round(statistics.median(times) * 1000, 2)}
                     for when, times in self.bursts])

@@ -266,11 +266,10 @@ def render_llm_capacity(result: Mapping[str, Any]) -> str:
                      f"block size and sequences{alike}", "-", "-", _num(peer["saturated_tokens_per_s"]),
                      _pct(peer["saturated_tokens_per_s"] / limit, 0)])
     decode = result["decode_limit"]
+    bursts = f", the median of {len(decode['bursts'])} bursts" if decode.get("bursts") else ""
     rows.append([f"decode limit: the engine's forward alone, {decode['num_seqs']} sequences at "
-                 f"{decode['context_tokens']} tokens of context ({decode['step_ms_median']:.0f} ms a step"
-                 + (f", the median of {len(decode['bursts'])} bursts" if decode.get("bursts") else "")
-                 + f"; the KV "
-                 f"budget holds {decode['kv_budget_num_seqs']} such sequences)", "-", "-", _num(limit), "100%"])
+                 f"{decode['context_tokens']} tokens of context ({decode['step_ms_median']:.0f} ms a step{bursts}; "
+                 f"the KV budget holds {decode['kv_budget_num_seqs']} such sequences)", "-", "-", _num(limit), "100%"])
     ratios, targets = result["ratios"], result["targets"]
     goodput_ratios = [f"{_ratio(ratios[f'llm_goodput_continuous_vs_{name}'])} `{name}`'s"
                       if ratios.get(f"llm_goodput_continuous_vs_{name}") is not None
